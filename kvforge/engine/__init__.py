@@ -1,0 +1,1 @@
+"""Request state, scheduling, the KV cache manager and the engine loop."""

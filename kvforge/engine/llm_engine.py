@@ -1,0 +1,220 @@
+"""The engine loop: add requests, step the scheduler and model, turn tokens into outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.engine.detokenizer import IncrementalDetokenizer
+from kvforge.engine.kv_cache_manager import KVCacheManager
+from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.scheduler import Scheduler
+from kvforge.executor.device import resolve_device
+from kvforge.executor.kv_cache_memory import kv_bytes_per_token, kv_cache_budget, num_blocks_for_budget
+from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
+from kvforge.layers.sampler import RawLogprobs
+from kvforge.loader.model_loader import load_model
+from kvforge.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kvforge.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+@dataclass(slots=True, eq=False)
+class _Sample:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """A user request: one prompt, n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.status.finished for s in self.samples)
+
+
+class LLMEngine:
+    """Owns the tokenizer, scheduler, KV cache manager and model runner, and steps them together.
+
+    `add_request` queues a prompt; each `step` runs one batch and returns the outputs of the requests
+    that advanced; `abort_request` drops requests and frees their blocks at once.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.device = resolve_device(config.device)
+        loaded = load_model(config.model, self.device)
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        model_cfg = loaded.model.config
+        bytes_per_token = kv_bytes_per_token(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                             loaded.dtype)
+        block_size = config.cache.block_size
+        budget = kv_cache_budget(config.cache.kv_cache_memory, self.device, config.cache.gpu_memory_utilization)
+        num_blocks = num_blocks_for_budget(budget, block_size, bytes_per_token)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.runner = ModelRunner(loaded.model, num_blocks, block_size, loaded.dtype, self.device)
+        self.max_model_len = min(config.model.max_model_len or model_cfg.max_position,
+                                 model_cfg.max_position, self.kv_cache_manager.capacity_tokens)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.groups: dict[str, _Group] = {}
+        self._ids = itertools.count()
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); max model len %d",
+                    num_blocks - 1, block_size, self.kv_cache_manager.capacity_tokens,
+                    num_blocks * block_size * bytes_per_token / 2**20, self.max_model_len)
+
+    # ---- requests in ------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        vocab_size = self.runner.model.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        return None, list(prompt)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams) -> str:
+        """Queue a prompt (text, token ids or a dict with either); returns its request id."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but this engine fits at most "
+                f"{self.max_model_len - 1} prompt tokens (max model len {self.max_model_len})"
+            )
+        samples = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = SamplingParams(**{**_fields(params), "n": 1, "seed": seed})
+            request = Request(f"{request_id}#{index}", token_ids, child_params, self.eos_token_ids,
+                              self.max_model_len)
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
+                                           params.include_stop_str_in_output)
+            samples.append(_Sample(request, detok))
+        self.groups[request_id] = _Group(request_id, text, token_ids, samples)
+        for sample in samples:
+            self.scheduler.add_request(sample.request)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Drop requests at once; their KV blocks are free when this returns."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self.groups.pop(request_id, None)
+            if group is not None:
+                ids = [s.request.request_id for s in group.samples if not s.request.status.finished]
+                self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it, and return outputs for every request that advanced."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.update_after_step(scheduler_output)
+        touched = {s.request_id.rsplit("#", 1)[0] for s in scheduler_output.scheduled}
+        self._apply(runner_output)
+        outputs = []
+        for group_id in touched:
+            group = self.groups.get(group_id)
+            if group is None:
+                continue
+            if group.finished:
+                del self.groups[group_id]
+            outputs.append(self._make_output(group))
+        return outputs
+
+    def _apply(self, out: ModelRunnerOutput) -> None:
+        requests = self.scheduler.requests
+        for request_id, (start, chunk) in out.prompt_logprobs.items():
+            request = requests[request_id]
+            if start == len(request.prompt_logprobs):  # not a recompute after preemption
+                request.prompt_logprobs.extend(self._logprob_dicts(chunk))
+        finished: dict[RequestStatus, list[str]] = {}
+        for request_id, token_id in out.sampled_token_ids.items():
+            request = requests[request_id]
+            request.append_output_token(token_id)
+            if request.logprobs is not None:
+                request.logprobs.extend(self._logprob_dicts([out.logprobs[request_id]]))
+            status = request.check_stop_token()
+            stop_string = self._detokenizer(request_id).add_token(token_id)
+            if stop_string is not None and status is None:
+                request.stop_reason, status = stop_string, RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                finished.setdefault(status, []).append(request_id)
+        for status, request_ids in finished.items():
+            self.scheduler.finish_requests(request_ids, status)
+
+    def _detokenizer(self, request_id: str) -> IncrementalDetokenizer:
+        group_id, index = request_id.rsplit("#", 1)
+        return self.groups[group_id].samples[int(index)].detokenizer
+
+    def _logprob_dicts(self, entries: list[RawLogprobs]) -> list[PositionLogprobs]:
+        decode = self.tokenizer.decode
+        return [
+            {token_id: Logprob(logprob, rank, decode([token_id], skip_special_tokens=False))
+             for token_id, logprob, rank in position}
+            for position in entries
+        ]
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for index, sample in enumerate(group.samples):
+            request = sample.request
+            finished = request.status.finished
+            completions.append(CompletionOutput(
+                index=index,
+                text=sample.detokenizer.visible_text(finished),
+                token_ids=list(request.output_token_ids),
+                logprobs=request.logprobs,
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+            ))
+        first = group.samples[0].request
+        metrics = {"arrival_time": first.arrival_time}
+        if first.first_token_time is not None:
+            metrics["first_token_time"] = first.first_token_time
+        metrics["now"] = time.monotonic()
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            prompt_logprobs=first.prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=metrics,
+        )
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}

@@ -1,0 +1,164 @@
+"""Continuous batching under one token budget per step, with chunked prefill and preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvforge.config import SchedulerConfig
+from kvforge.engine.kv_cache_manager import KVCacheManager
+from kvforge.engine.request import Request, RequestStatus
+from kvforge.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute token_ids at positions num_computed_tokens onwards."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    needs_sample: bool
+    banned_token_ids: list[int]  # stop tokens the sampler must not pick before min_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Plain data for the model runner: what to compute this step and which requests are gone."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+class Scheduler:
+    """Picks each step's work: running requests first (decodes and unfinished prefills, oldest
+    first), then waiting requests in arrival order while the token budget and blocks last.
+
+    When a running request cannot get a block, the newest running request is preempted: its blocks
+    are freed and it goes back to the front of the waiting queue, to be recomputed later.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Remove requests (finished or aborted) and free their blocks at once."""
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self.kv.free(request)
+            self.finished_ids.append(request_id)
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        return min(num_new, threshold) if threshold > 0 else num_new
+
+    def _preempt_newest(self, output: SchedulerOutput) -> Request:
+        victim = self.running.pop()
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        output.preempted_request_ids.append(victim.request_id)
+        return victim
+
+    def _emit(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        output.scheduled.append(ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_table=self.kv.get_block_table(request.request_id),
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            needs_sample=start + num_new == request.num_tokens,
+            banned_token_ids=self._banned_tokens(request),
+        ))
+
+    @staticmethod
+    def _banned_tokens(request: Request) -> list[int]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else list(request.eos_token_ids)
+        return eos + params.stop_token_ids
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._chunk(request, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                if self._preempt_newest(output) is request:
+                    return budget
+            self._emit(output, request, num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.kv.block_size
+            request.num_computed_tokens = num_cached_tokens
+            num_new = self._chunk(request, budget)
+            if not self.kv.allocate_slots(request, num_new, cached):
+                request.num_computed_tokens = 0
+                break
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached_tokens
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._emit(output, request, num_new)
+            budget -= num_new
+
+    def schedule(self) -> SchedulerOutput:
+        """Build one step. Invariant: every scheduled request has blocks for all its new tokens."""
+        output = SchedulerOutput(finished_request_ids=self.finished_ids)
+        self.finished_ids = []
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted_request_ids:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Advance the progress of every request that was computed in this step."""
+        for scheduled in output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is not None:
+                request.num_computed_tokens += len(scheduled.token_ids)

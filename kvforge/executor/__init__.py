@@ -1,0 +1,1 @@
+"""Turning scheduler output into model inputs and sampled tokens."""

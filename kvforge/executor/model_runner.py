@@ -1,0 +1,145 @@
+"""Prepares each step's flat batch, runs the model and samples the next tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvforge.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvforge.layers.attention import AttentionMetadata
+from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Plain data back to the engine: one sampled token per finished-prefill/decode request."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
+    # request id -> (index of the first prompt token predicted, logprobs of the tokens predicted)
+    prompt_logprobs: dict[str, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Batch:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # row of the last token of each request that samples
+    sample_requests: list[ScheduledRequest]
+    prompt_rows: dict[str, tuple[int, int, int]]  # request -> (first row, row count, first position)
+
+
+class ModelRunner:
+    """Owns the model and its KV cache tensors (one key and one value tensor per layer)."""
+
+    def __init__(
+        self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _prepare(self, output: SchedulerOutput) -> _Batch:
+        scheduled = output.scheduled
+        q_lens = np.array([len(s.token_ids) for s in scheduled], dtype=np.int32)
+        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        computed = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
+        seq_lens = (computed + q_lens).astype(np.int32)
+        max_blocks = max(len(s.block_table) for s in scheduled)
+        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        for row, s in enumerate(scheduled):
+            block_tables[row, : len(s.block_table)] = s.block_table
+        # positions: per token, its index in its sequence
+        seq_of_token = np.repeat(np.arange(len(scheduled)), q_lens)
+        positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], q_lens) + computed[seq_of_token]
+        block_ids = block_tables[seq_of_token, positions // self.block_size]
+        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64,
+                                count=int(query_start_loc[-1]))
+        sample_requests = [s for s in scheduled if s.needs_sample]
+        sample_rows = [int(query_start_loc[i + 1]) - 1 for i, s in enumerate(scheduled) if s.needs_sample]
+        prompt_rows = {
+            s.request_id: (int(query_start_loc[i]), int(q_lens[i]), s.num_computed_tokens)
+            for i, s in enumerate(scheduled)
+            if s.sampling_params.prompt_logprobs is not None
+            and s.num_computed_tokens < len(s.prompt_token_ids) - 1
+        }
+        to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        metadata = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping),
+            query_start_loc=to_device(query_start_loc),
+            seq_lens=to_device(seq_lens),
+            block_tables=to_device(block_tables),
+        )
+        return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
+                      prompt_rows)
+
+    def _sampling_batch(self, requests: list[ScheduledRequest]) -> SamplingBatch:
+        params = [s.sampling_params for s in requests]
+        for s in requests:
+            seed = s.sampling_params.seed
+            if seed is not None and s.request_id not in self.generators:
+                self.generators[s.request_id] = torch.Generator(self.device).manual_seed(seed)
+        return SamplingBatch(
+            temperatures=[p.temperature for p in params],
+            top_ks=[p.top_k for p in params],
+            top_ps=[p.top_p for p in params],
+            min_ps=[p.min_p for p in params],
+            presence_penalties=[p.presence_penalty for p in params],
+            frequency_penalties=[p.frequency_penalty for p in params],
+            repetition_penalties=[p.repetition_penalty for p in params],
+            prompt_token_ids=[s.prompt_token_ids for s in requests],
+            output_token_ids=[s.output_token_ids for s in requests],
+            banned_token_ids=[s.banned_token_ids for s in requests],
+            generators=[self.generators.get(s.request_id) for s in requests],
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch, scheduled: list[ScheduledRequest]
+                         ) -> dict[str, tuple[int, list[RawLogprobs]]]:
+        """Logprobs of the prompt tokens that this step's chunk of each prompt predicts."""
+        result = {}
+        by_id = {s.request_id: s for s in scheduled}
+        for request_id, (first_row, num_rows, first_pos) in batch.prompt_rows.items():
+            s = by_id[request_id]
+            num_rows = min(num_rows, len(s.prompt_token_ids) - 1 - first_pos)
+            logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
+            targets = torch.tensor(s.prompt_token_ids[first_pos + 1 : first_pos + 1 + num_rows],
+                                   device=logits.device)
+            num_logprobs = [s.sampling_params.prompt_logprobs] * num_rows
+            result[request_id] = (first_pos + 1, compute_logprobs(logits, targets, num_logprobs))
+        return result
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. The only host sync is reading back the sampled ids (and logprobs if asked)."""
+        for request_id in output.finished_request_ids:
+            self.generators.pop(request_id, None)
+        result = ModelRunnerOutput()
+        if not output.scheduled:
+            return result
+        batch = self._prepare(output)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        if batch.prompt_rows:
+            result.prompt_logprobs = self._prompt_logprobs(hidden, batch, output.scheduled)
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            token_ids, logprobs = self.sampler(logits, self._sampling_batch(batch.sample_requests))
+            for i, s in enumerate(batch.sample_requests):
+                result.sampled_token_ids[s.request_id] = token_ids[i]
+                if logprobs is not None and logprobs[i] is not None:
+                    result.logprobs[s.request_id] = logprobs[i]
+        return result

@@ -1,0 +1,68 @@
+"""Triton building blocks shared by the prefill and decode attention kernels.
+
+A tile of keys (or values) is gathered from the paged cache through the sequence's block table:
+
+    key index n ──► block_table[n // PAGE_SIZE] = block id b ──► cache[b, n % PAGE_SIZE, kv_head, :]
+
+The block id is widened to int64 before it is multiplied by the block stride: a cache of a few
+hundred thousand blocks already puts block * stride past 2**31.
+"""
+
+from __future__ import annotations
+
+from kvforge.kernels.triton_compat import jit, tl
+
+LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x * scale) == exp2(x * scale * LOG2E)
+# NOTE: a finite floor instead of -inf keeps exp2(m_old - m_new) finite when a row saw no key yet.
+NEG_BIG = -1.0e38
+
+
+@jit
+def load_kv_tile(
+    cache_ptr,
+    block_table_ptr,
+    kv_head,
+    keys,
+    key_mask,
+    dims,
+    dim_mask,
+    stride_block,
+    stride_slot,
+    stride_head,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Cache rows `keys` [BLOCK_N] of one sequence (block_table_ptr: its row of the block table) and one
+    KV head: [BLOCK_N, HEAD_DIM_P], zero where masked."""
+    block_ids = tl.load(block_table_ptr + keys // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
+    offsets = block_ids * stride_block + (keys % PAGE_SIZE) * stride_slot + kv_head * stride_head
+    ptrs = cache_ptr + offsets[:, None] + dims[None, :]
+    return tl.load(ptrs, mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+
+
+@jit
+def online_softmax_step(
+    q,
+    k,
+    v,
+    visible,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold one key tile into FlashAttention-2's running (max, sum, accumulator).
+
+    q: [M, D] (already upcast when UPCAST); k, v: [N, D]; visible: [M, N] or [1, N] bool;
+    m_i, l_i: [M] fp32 (log2 domain); acc: [M, D] fp32. Returns the updated (m_i, l_i, acc)."""
+    if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc

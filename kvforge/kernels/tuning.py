@@ -1,0 +1,144 @@
+"""Launch parameters of every Triton kernel, per GPU architecture, in one table.
+
+Block sizes are powers of two that tile a 64-wide AMD wavefront as well as a 32-wide NVIDIA warp.
+Architectures not in the table get DEFAULT_TUNING (also what the CPU interpreter uses).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from kvforge.platforms import Platform, current_platform
+
+
+def _check_power_of_2(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{owner}.{name} must be a power of two, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTiles:
+    """FlashAttention-2 style prefill: block_m query rows (tokens x heads of one KV group) per program,
+    block_n keys per step of the inner loop."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        _check_power_of_2("PrefillTiles", block_m=self.block_m, block_n=self.block_n, num_warps=self.num_warps)
+        if self.block_m < 16 or self.block_n < 16:
+            raise ValueError(f"PrefillTiles blocks must be >= 16 (tl.dot), got {self.block_m}x{self.block_n}")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTiles:
+    """Flash-decoding: the key range of each (sequence, KV head) is split across programs until the grid
+    holds programs_per_unit programs per SM/CU, at most max_splits splits."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_unit: int
+    max_splits: int
+
+    def __post_init__(self) -> None:
+        _check_power_of_2("DecodeTiles", block_n=self.block_n, num_warps=self.num_warps)
+        if self.block_n < 16 or self.programs_per_unit < 1 or self.max_splits < 1:
+            raise ValueError(f"DecodeTiles needs block_n >= 16, programs_per_unit >= 1, max_splits >= 1: {self}")
+
+    def num_splits(self, num_seqs: int, num_kv_heads: int, num_compute_units: int) -> int:
+        """How many key-range splits keep every SM/CU busy for num_seqs x num_kv_heads decodes."""
+        programs = max(num_seqs * num_kv_heads, 1)
+        wanted = -(-self.programs_per_unit * num_compute_units // programs)
+        return max(1, min(self.max_splits, wanted))
+
+
+@dataclass(frozen=True, slots=True)
+class RowTiles:
+    """One-program-per-token kernels (norm, rotary, cache write, activation): one warp per
+    elements_per_warp elements of the row, at most max_warps."""
+
+    elements_per_warp: int
+    max_warps: int
+    activation_block: int  # silu_and_mul output columns per program
+
+    def __post_init__(self) -> None:
+        _check_power_of_2(
+            "RowTiles",
+            elements_per_warp=self.elements_per_warp,
+            max_warps=self.max_warps,
+            activation_block=self.activation_block,
+        )
+
+    def num_warps(self, block: int) -> int:
+        return max(1, min(self.max_warps, block // self.elements_per_warp))
+
+
+@dataclass(frozen=True, slots=True)
+class ArchTuning:
+    """Everything one architecture needs. prefill_wide serves padded head sizes above 128."""
+
+    prefill: PrefillTiles
+    prefill_wide: PrefillTiles
+    decode: DecodeTiles
+    rows: RowTiles
+
+    def prefill_tiles(self, padded_head_dim: int) -> PrefillTiles:
+        return self.prefill if padded_head_dim <= 128 else self.prefill_wide
+
+
+_NVIDIA_ROWS = RowTiles(elements_per_warp=256, max_warps=16, activation_block=1024)
+_AMD_ROWS = RowTiles(elements_per_warp=512, max_warps=16, activation_block=1024)  # 64-wide wavefronts
+
+DEFAULT_TUNING = ArchTuning(
+    prefill=PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    prefill_wide=PrefillTiles(block_m=32, block_n=32, num_warps=4, num_stages=1),
+    decode=DecodeTiles(block_n=32, num_warps=4, num_stages=2, programs_per_unit=2, max_splits=16),
+    rows=_NVIDIA_ROWS,
+)
+
+ARCH_TUNING: dict[str, ArchTuning] = {
+    # A100: 164 KiB shared memory per SM.
+    "sm_80": ArchTuning(
+        prefill=PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=2),
+        prefill_wide=PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=2),
+        decode=DecodeTiles(block_n=64, num_warps=4, num_stages=2, programs_per_unit=2, max_splits=32),
+        rows=_NVIDIA_ROWS,
+    ),
+    # H100 / H200: 228 KiB shared memory per SM, deeper cp.async pipelines pay off.
+    "sm_90": ArchTuning(
+        prefill=PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=3),
+        prefill_wide=PrefillTiles(block_m=64, block_n=64, num_warps=8, num_stages=2),
+        decode=DecodeTiles(block_n=64, num_warps=4, num_stages=3, programs_per_unit=2, max_splits=32),
+        rows=_NVIDIA_ROWS,
+    ),
+    # MI200 (CDNA2): 64 KiB LDS per CU, no async-copy pipelining: one stage.
+    "gfx90a": ArchTuning(
+        prefill=PrefillTiles(block_m=128, block_n=32, num_warps=4, num_stages=1),
+        prefill_wide=PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=1),
+        decode=DecodeTiles(block_n=64, num_warps=4, num_stages=1, programs_per_unit=2, max_splits=32),
+        rows=_AMD_ROWS,
+    ),
+    # MI300X (CDNA3): 304 CUs, the stream pipeliner double-buffers with num_stages=2.
+    "gfx942": ArchTuning(
+        prefill=PrefillTiles(block_m=128, block_n=64, num_warps=4, num_stages=2),
+        prefill_wide=PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=1),
+        decode=DecodeTiles(block_n=64, num_warps=4, num_stages=2, programs_per_unit=2, max_splits=32),
+        rows=_AMD_ROWS,
+    ),
+}
+
+
+@functools.cache
+def tuning_for_arch(arch: str) -> ArchTuning:
+    """The table entry of an architecture ("sm_90", "gfx942", ...), DEFAULT_TUNING when it has none."""
+    return ARCH_TUNING.get(arch, DEFAULT_TUNING)
+
+
+def kernel_tuning(platform: Platform | None = None) -> ArchTuning:
+    """The launch parameters for platform (default: the current one)."""
+    return tuning_for_arch((platform if platform is not None else current_platform()).arch)

@@ -1,0 +1,55 @@
+"""Checks that launchers run before handing tensors to a Triton kernel: a bad tensor is a ValueError
+that names it, not a wrong answer or an illegal memory access."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    shape: tuple[int | None, ...],
+    dtypes: tuple[torch.dtype, ...],
+    unit_last_stride: bool = True,
+) -> None:
+    """shape: the expected sizes, None where any size goes; unit_last_stride: the last dim is contiguous."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != len(shape) or any(
+        want is not None and got != want for got, want in zip(tensor.shape, shape)
+    ):
+        wanted = tuple("*" if s is None else s for s in shape)
+        raise ValueError(f"{name} must have shape {wanted}, got {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        raise ValueError(f"{name} must have a dtype in {dtypes}, got {tensor.dtype}")
+    if unit_last_stride and tensor.numel() > 0 and tensor.stride(-1) != 1 and tensor.shape[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {tensor.stride()}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must be on one device, got {devices}")
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"tensors must share one dtype, got {dtypes}")
+
+
+def check_output(
+    name: str, out: torch.Tensor, *, shape: torch.Size, dtype: torch.dtype, device: torch.device
+) -> None:
+    """A caller-provided output buffer must be exactly what the op would allocate."""
+    if out.shape != shape or out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"{name} must be {tuple(shape)} {dtype} on {device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    check_tensor(name, out, shape=tuple(shape), dtypes=(dtype,))

@@ -1,0 +1,1 @@
+"""Model building blocks: linear, attention, norm, rotary embedding, sampler."""

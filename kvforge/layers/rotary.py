@@ -1,0 +1,60 @@
+"""Rotary position embedding: the cos/sin table (with rope scaling) and the module applying it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvforge.kernels import ops
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def build_cos_sin_cache(
+    rot_dim: int, max_position: int, base: float, rope_scaling: dict | None
+) -> torch.Tensor:
+    """[max_position, rot_dim] fp32: cos of every (position, frequency) then sin."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    positions = torch.arange(max_position, dtype=torch.float64)
+    if rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif rope_type == "linear":
+        positions = positions / rope_scaling["factor"]
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embedding to queries and keys at the given positions."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None, is_neox: bool = True
+    ) -> None:
+        super().__init__()
+        self.is_neox = is_neox
+        cache = build_cos_sin_cache(head_dim, max_position, base, rope_scaling)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)

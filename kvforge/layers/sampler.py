@@ -1,0 +1,142 @@
+"""From logits to the next token of every request: penalties, temperature, top-k/top-p/min-p, seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# (token_id, logprob, rank) for the top-k tokens of one position, the actual token first.
+RawLogprobs = list[tuple[int, float, int]]
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling settings for one step, built by the model runner. Row i is one request."""
+
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    min_ps: list[float]
+    presence_penalties: list[float]
+    frequency_penalties: list[float]
+    repetition_penalties: list[float]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    banned_token_ids: list[list[int]]  # EOS and stop ids while min_tokens is not reached
+    generators: list[torch.Generator | None]
+    num_logprobs: list[int | None]
+
+
+def _token_counts(token_lists: list[list[int]], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    counts = torch.zeros(shape, device=device)
+    for row, tokens in enumerate(token_lists):
+        if tokens:
+            ids = torch.tensor(tokens, device=device)
+            counts[row].index_add_(0, ids, torch.ones(len(tokens), device=device))
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens; presence and frequency over output tokens."""
+    device = logits.device
+    if any(p != 1.0 for p in batch.repetition_penalties):
+        seen = _token_counts(
+            [p + o for p, o in zip(batch.prompt_token_ids, batch.output_token_ids)], logits.shape, device
+        ) > 0
+        penalty = torch.tensor(batch.repetition_penalties, device=device)[:, None].expand_as(logits)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    if any(batch.presence_penalties) or any(batch.frequency_penalties):
+        counts = _token_counts(batch.output_token_ids, logits.shape, device)
+        frequency = torch.tensor(batch.frequency_penalties, device=device)[:, None]
+        presence = torch.tensor(batch.presence_penalties, device=device)[:, None]
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+    return logits
+
+
+def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask tokens outside top-k, top-p and min-p with -inf (logits already divided by temperature)."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if any(k > 0 for k in batch.top_ks):
+        top_k = torch.tensor([k if k > 0 else vocab for k in batch.top_ks], device=device)
+        keep &= torch.arange(vocab, device=device)[None, :] < top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    if any(p < 1.0 for p in batch.top_ps):
+        top_p = torch.tensor(batch.top_ps, device=device)[:, None]
+        mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass before it is < top_p
+        keep &= mass_before < top_p
+    if any(p > 0.0 for p in batch.min_ps):
+        min_p = torch.tensor(batch.min_ps, device=device)[:, None]
+        keep &= probs >= min_p * probs[:, :1]
+    masked = sorted_logits.masked_fill(~keep, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, masked)
+
+
+def _sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row: argmax(p / q) with q ~ Exp(1) is a draw from p.
+
+    Rows with their own generator draw their noise from it, so a seeded request gives the same
+    tokens whatever else is in the batch."""
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
+) -> list[RawLogprobs | None]:
+    """For each row: the actual token's (id, logprob, rank), then the top-k tokens'."""
+    max_k = max(k for k in num_logprobs if k is not None)
+    actual = logprobs.gather(-1, token_ids[:, None])  # [rows, 1]
+    ranks = (logprobs > actual).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(max(max_k, 1), dim=-1)
+    actual_l, ranks_l, ids_l = actual[:, 0].tolist(), ranks.tolist(), token_ids.tolist()
+    top_values_l, top_ids_l = top_values.tolist(), top_ids.tolist()
+    result: list[RawLogprobs | None] = []
+    for row, k in enumerate(num_logprobs):
+        if k is None:
+            result.append(None)
+            continue
+        entries = [(ids_l[row], actual_l[row], ranks_l[row])]
+        entries += [(t, v, r + 1) for r, (t, v) in enumerate(zip(top_ids_l[row][:k], top_values_l[row][:k]))]
+        result.append(entries)
+    return result
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
+) -> list[RawLogprobs | None]:
+    """Logprobs of the model's own distribution (before penalties and temperature), as vLLM reports."""
+    return _gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids, num_logprobs)
+
+
+class Sampler:
+    """Samples one token per row. Greedy rows (temperature 0) take the argmax after penalties."""
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], list[RawLogprobs | None] | None]:
+        raw_logits = logits  # [num_rows, vocab] fp32
+        for row, banned in enumerate(batch.banned_token_ids):
+            if banned:
+                logits = logits.clone() if logits is raw_logits else logits
+                logits[row, banned] = float("-inf")
+        logits = apply_penalties(logits, batch)
+        greedy_ids = logits.argmax(dim=-1)
+        if all(t == 0.0 for t in batch.temperatures):
+            token_ids = greedy_ids
+        else:
+            temperatures = torch.tensor(batch.temperatures, device=logits.device)
+            scaled = logits / temperatures.clamp_min(1e-5)[:, None]
+            probs = torch.softmax(_filter(scaled, batch), dim=-1)
+            token_ids = torch.where(temperatures == 0.0, greedy_ids, _sample(probs, batch.generators))
+        logprobs = None
+        if any(k is not None for k in batch.num_logprobs):
+            logprobs = compute_logprobs(raw_logits, token_ids, batch.num_logprobs)
+        return token_ids.tolist(), logprobs

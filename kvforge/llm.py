@@ -1,0 +1,82 @@
+"""The offline API: LLM.generate and LLM.chat over a batch of prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from kvforge.engine.llm_engine import LLMEngine, PromptType
+from kvforge.engine_args import build_engine_config
+from kvforge.outputs import RequestOutput
+from kvforge.sampling_params import SamplingParams
+from kvforge.tokenizer import Tokenizer
+
+Conversation = list[dict]
+
+
+class LLM:
+    """Load a model once, then generate for many prompts at a time with continuous batching.
+
+    `LLM()` runs the default model; keyword arguments are the engine options of
+    `kvforge.engine_args.build_engine_config` (dtype, kv_cache_memory, block_size, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+        self.engine = LLMEngine(build_engine_config(model=model, **engine_kwargs))
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or {"prompt_token_ids": [...]}); outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                request_ids.append(self.engine.add_request(None, prompt, params))
+        except ValueError:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate the assistant's reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {"prompt_token_ids": tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                               tokenize=True)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while len(finished) < len(wanted):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

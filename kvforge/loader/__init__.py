@@ -1,0 +1,1 @@
+"""Loading checkpoints: HF safetensors folders and GGUF files."""

@@ -1,0 +1,75 @@
+"""From a model name (folder, GGUF file or None for the default) to a loaded model and tokenizer."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvforge.config import ModelConfig
+from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
+from kvforge.models.registry import resolve_model_class
+from kvforge.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    hf_config: dict
+    dtype: torch.dtype
+    name: str
+
+
+def resolve_dtype(requested: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on the CPU and the checkpoint's half type (else bfloat16) on a GPU."""
+    if requested != "auto":
+        return _TORCH_DTYPES[requested]
+    if device.type == "cpu":
+        return torch.float32
+    stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
+    """Build the architecture named by the checkpoint and fill it with its weights."""
+    if config.model is None:
+        from kvforge.loader.default_model import default_model_path
+
+        path = Path(default_model_path())
+    else:
+        path = Path(config.model)
+    if not path.exists():
+        raise ValueError(f"model {str(path)!r} not found: give a checkpoint folder or a .gguf file")
+    if path.is_file():
+        from kvforge.loader.gguf import load_gguf
+
+        checkpoint = load_gguf(str(path), torch.float32)
+        hf_config, tokenizer = checkpoint.config, checkpoint.tokenizer
+        weights = iter(checkpoint.tensors.items())
+    else:
+        hf_config = read_hf_config(path)
+        tokenizer = Tokenizer.from_dir(str(path))
+        weights = None
+    model_class = resolve_model_class(hf_config)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in the run dtype; rope tables stay fp32
+    try:
+        with torch.device(device):
+            model = model_class(hf_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if weights is None:
+        weights = iterate_safetensors(safetensors_files(path), dtype)
+    model.load_weights(weights)
+    model.eval()
+    logger.info("loaded %s (%s) as %s on %s", path.name, model_class.__name__, dtype, device)
+    return LoadedModel(model, tokenizer, hf_config, dtype, str(path))

@@ -1,0 +1,69 @@
+"""Tiny random-weight transformers models saved as HF checkpoint folders, with a small BPE tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b  # 12345 67890",
+    "Large language models generate text one token at a time, caching keys and values.",
+]
+
+
+def save_tokenizer(folder: Path) -> int:
+    """A byte-level BPE of at most VOCAB_SIZE tokens trained on a few lines; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return len(fast)
+
+
+def build_model(arch: str, **overrides):
+    """A tiny random transformers model of the given family ('llama', 'mistral', 'qwen2', 'qwen3')."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    model = model_class(config_class(**common)).eval()
+    if arch == "qwen2":  # make the QKV bias matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return model
+
+
+def save_model(folder: Path, arch: str, **overrides):
+    """Save a tiny model and its tokenizer to folder; the model's vocabulary is the tokenizer's."""
+    vocab_size = save_tokenizer(folder)
+    model = build_model(arch, vocab_size=vocab_size, **overrides)
+    model.save_pretrained(folder)
+    return model
