@@ -13,7 +13,7 @@ from kvforge.config import EngineConfig
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from kvforge.executor.device import resolve_device
 from kvforge.executor.kv_cache_memory import kv_bytes_per_token, kv_cache_budget, num_blocks_for_budget
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
@@ -134,6 +134,24 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """The model's fp32 logits after each token of token_ids: [len(token_ids), vocab].
+
+        Runs between steps in blocks of its own, freed before returning (no prefix-cache reuse)."""
+        _, token_ids = self.tokenize_prompt(token_ids)
+        if not 0 < len(token_ids) <= self.max_model_len:
+            raise ValueError(f"can score 1 to {self.max_model_len} tokens, got {len(token_ids)}")
+        request = Request(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1))
+        if not self.kv_cache_manager.allocate_slots(request, len(token_ids)):
+            raise ValueError("not enough free KV cache blocks to score this sequence now")
+        try:
+            scheduled = ScheduledRequest(request.request_id, token_ids, 0,
+                                         self.kv_cache_manager.get_block_table(request.request_id),
+                                         request.sampling_params, token_ids, [], False, [])
+            return self.runner.logits_of_all_tokens(SchedulerOutput(scheduled=[scheduled]))
+        finally:
+            self.kv_cache_manager.free(request)
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -123,6 +123,15 @@ class ModelRunner:
             result[request_id] = (first_pos + 1, compute_logprobs(logits, targets, num_logprobs))
         return result
 
+    def _forward(self, output: SchedulerOutput) -> tuple[_Batch, torch.Tensor]:
+        batch = self._prepare(output)
+        return batch, self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+
+    @torch.inference_mode()
+    def logits_of_all_tokens(self, output: SchedulerOutput) -> torch.Tensor:
+        """fp32 logits at every scheduled token: [num_tokens, vocab]. Nothing is sampled."""
+        return self.model.compute_logits(self._forward(output)[1])
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. The only host sync is reading back the sampled ids (and logprobs if asked)."""
@@ -131,8 +140,7 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not output.scheduled:
             return result
-        batch = self._prepare(output)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        batch, hidden = self._forward(output)
         if batch.prompt_rows:
             result.prompt_logprobs = self._prompt_logprobs(hidden, batch, output.scheduled)
         if batch.sample_rows:

@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput, serving and kernels."""

@@ -1,0 +1,147 @@
+"""The `kvforge` command: generate, chat, serve and bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from kvforge.engine_args import add_engine_arguments, engine_kwargs_from_args
+from kvforge.sampling_params import SamplingParams
+
+# Subcommands that live in their own modules, each with add_arguments(parser) and run(args) -> int.
+_BENCHMARKS = {
+    "throughput": ("kvforge.benchmarks.throughput", "offline throughput against transformers"),
+    "kernels": ("kvforge.benchmarks.kernels", "kernel timings against their baselines and roofline"),
+    "serve": ("kvforge.benchmarks.serve", "drive an OpenAI-compatible server with a seeded workload"),
+}
+_SERVE_MODULE = "kvforge.server.cli"
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate per answer")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    group.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely (-1: off)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    group.add_argument("--n", type=int, default=1, help="answers per prompt")
+    group.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.sampling_seed, max_tokens=args.max_tokens,
+        stop=args.stop, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
+    )
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from kvforge.llm import LLM
+
+    params = sampling_params_from_args(args)
+    llm = LLM(**engine_kwargs_from_args(args))
+    if args.chat_template:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
+                           use_tqdm=len(args.prompts) > 1)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
+    for prompt, output in zip(args.prompts, outputs):
+        for completion in output.outputs:
+            if len(args.prompts) > 1 or params.n > 1:
+                print(f"--- {prompt!r} [{completion.index}]")
+            print(completion.text)
+    return 0
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from kvforge.llm import LLM
+
+    params = sampling_params_from_args(args)
+    llm = LLM(**engine_kwargs_from_args(args))
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    messages = args.message or []
+    interactive = not messages
+    while True:
+        if interactive:
+            try:
+                user = input("you> ")
+            except EOFError:
+                return 0
+            if user.strip() in ("/exit", "/quit"):
+                return 0
+        elif messages:
+            user = messages.pop(0)
+        else:
+            return 0
+        history.append({"role": "user", "content": user})
+        reply = llm.chat(history, params)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        print(f"assistant> {reply}" if interactive else reply, flush=True)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(prog="kvforge", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete prompts (as a chat by default)",
+                                   description="Generate an answer for each prompt, batched together.")
+    generate.add_argument("prompts", nargs="+", help="one or more prompts")
+    generate.add_argument("--raw", dest="chat_template", action="store_false",
+                          help="feed the prompt as plain text instead of wrapping it in the chat template")
+    add_engine_arguments(generate)
+    add_sampling_arguments(generate)
+    generate.set_defaults(handler=_run_generate)
+
+    chat = commands.add_parser("chat", help="chat with the model (interactive, or --message ...)",
+                               description="Chat with the model; each turn sees the whole conversation.")
+    chat.add_argument("--message", action="append", help="a user turn (repeatable); omit for interactive")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_arguments(chat)
+    add_sampling_arguments(chat)
+    chat.set_defaults(handler=_run_chat)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
+    module_parsers = {("bench", name): bench.add_parser(name, help=text, description=text)
+                      for name, (_, text) in _BENCHMARKS.items()}
+    module_parsers[("serve", None)] = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server", description="Serve the model over an OpenAI-compatible API.")
+    return parser, module_parsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, module_parsers = build_parser()
+    args, _ = parser.parse_known_args(argv)
+    key = (args.command, getattr(args, "benchmark", None))
+    if key in module_parsers:
+        # These commands live in their own modules and own their flags: add them, then parse again.
+        module = importlib.import_module(_BENCHMARKS[key[1]][0] if key[0] == "bench" else _SERVE_MODULE)
+        module.add_arguments(module_parsers[key])
+        args = parser.parse_args(argv)
+        handler = module.run
+    else:
+        args = parser.parse_args(argv)
+        handler = args.handler
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return handler(args)
+    except ValueError as err:
+        print(f"kvforge: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

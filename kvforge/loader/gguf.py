@@ -1,0 +1,177 @@
+"""Load a GGUF file as a Hugging Face-style checkpoint: config.json keys, HF-named tensors, tokenizer.
+
+Every tensor is dequantized on the host with the `gguf` package's numpy code (F32, F16, BF16 and
+every block format it implements: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, the IQ formats, ...)
+and cast to the requested dtype, so the model sees plain dense weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from kvforge.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# gguf `general.architecture` -> Hugging Face `architectures` entry.
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# NOTE: llama.cpp's converter permutes the q/k rows of these architectures so that its
+# interleaved ("normal") rope applies; HF uses rotate-half ("neox") rope on the original rows.
+# Qwen's files keep the HF layout, because llama.cpp runs them with neox rope.
+_ROPE_PERMUTED_ARCHITECTURES = {"llama", "mistral"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# rope_freqs holds llama 3.x's per-frequency rope-scaling divisors. HF derives them from
+# config["rope_scaling"], which such files do not record; transformers drops them too.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclass(slots=True)
+class GGUFCheckpoint:
+    """What a GGUF file holds, in Hugging Face terms."""
+
+    config: dict[str, Any]  # config.json vocabulary: architectures, hidden_size, ...
+    tensors: dict[str, torch.Tensor]  # HF parameter name -> dense tensor
+    tokenizer: Tokenizer
+
+
+def load_gguf(path: str, dtype: torch.dtype) -> GGUFCheckpoint:
+    """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+    meta = {key: f.contents() for key, f in reader.fields.items() if not key.startswith("tokenizer.")}
+    arch = meta.get("general.architecture")
+    if arch not in _HF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_HF_ARCHITECTURES)}"
+        )
+    try:
+        tokenizer = Tokenizer.from_gguf(reader)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    config = _hf_config(path, arch, meta, shapes, tokenizer)
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            logger.warning("%s: ignoring %s (llama3-style rope scaling is not applied)", path, _ROPE_FREQS)
+            continue
+        hf_name = _hf_name(path, tensor.name)
+        weight = _dequantize(path, tensor)
+        if arch in _ROPE_PERMUTED_ARCHITECTURES and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+            heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
+            weight = _undo_rope_permutation(path, tensor.name, weight, heads)
+        tensors[hf_name] = weight.to(dtype)
+    return GGUFCheckpoint(config, tensors, tokenizer)
+
+
+def _hf_config(
+    path: str, arch: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], tokenizer: Tokenizer
+) -> dict[str, Any]:
+    def value(key: str, default: Any = None) -> Any:
+        found = meta.get(f"{arch}.{key}", default)
+        if found is None:
+            raise ValueError(f"{path}: GGUF metadata has no {arch}.{key}")
+        return found
+
+    if "token_embd.weight" not in shapes:
+        raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")
+    hidden_size = value("embedding_length")
+    num_heads = value("attention.head_count")
+    config: dict[str, Any] = {
+        "architectures": [_HF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "intermediate_size": value("feed_forward_length"),
+        "num_hidden_layers": value("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": value("attention.head_count_kv", num_heads),
+        "head_dim": value("attention.key_length", hidden_size // num_heads),
+        "rms_norm_eps": value("attention.layer_norm_rms_epsilon"),
+        "rope_theta": value("rope.freq_base", 10000.0),
+        "max_position_embeddings": value("context_length"),
+        "vocab_size": shapes["token_embd.weight"][0],
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    rope_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if rope_type != "none":
+        scaling = {"rope_type": rope_type, "factor": value("rope.scaling.factor")}
+        if f"{arch}.rope.scaling.original_context_length" in meta:
+            scaling["original_max_position_embeddings"] = value("rope.scaling.original_context_length")
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _hf_name(path: str, name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"{path}: unexpected tensor {name!r} in GGUF file")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+
+
+def _dequantize(path: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """Dense float32 copy of a GGUF tensor, in PyTorch (row-major, [out, in]) order."""
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(
+            f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf cannot dequantize"
+        ) from e
+    # NOTE: a copy, because the reader's arrays are views of the memory-mapped file.
+    return torch.from_numpy(np.array(values, dtype=np.float32))
+
+
+def _undo_rope_permutation(path: str, name: str, weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Give back the HF row order of a q/k weight (or bias) that llama.cpp's converter permuted.
+
+    Within each head of `head_dim` rows, HF keeps the two rotated halves apart and llama.cpp
+    interleaves them:
+
+        HF        [a0 a1 .. a(d/2-1) | b0 b1 .. b(d/2-1)]
+        llama.cpp [a0 b0 a1 b1 .. a(d/2-1) b(d/2-1)]
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"{path}: {name} has {rows} rows, not a multiple of 2 * {num_heads} heads")
+    interleaved = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return interleaved.transpose(1, 2).reshape(weight.shape).contiguous()

@@ -1,0 +1,286 @@
+"""Text <-> token ids, and chat templating, for a Hugging Face folder or a GGUF file.
+
+Both sources end up as one `tokenizers.Tokenizer` (the Rust backend) plus what the backend does not
+hold: the chat template, the BOS/EOS strings and the extra end-of-generation ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+if TYPE_CHECKING:
+    import gguf
+
+logger = logging.getLogger(__name__)
+
+# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# The regexes each `tokenizer.ggml.pre` value splits text with, applied in order before the
+# byte-level mapping. They follow llama.cpp's pre-tokenizer table, which copies each model's
+# `tokenizer.json`. NOTE: "smollm" first isolates every numeral (\p{N}), as SmolLM2's tokenizer.json
+# does with Digits(individual_digits) before ByteLevel. That changes ids wherever whitespace
+# precedes a numeral: "  1" -> ["ĠĠ", "1"] (GPT-2 split: ["Ġ", "Ġ", "1"]), " ½" -> ["Ġ", "Â½"].
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo"), (_GPT2_SPLIT,)),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
+        (r"\p{N}", _GPT2_SPLIT),
+    ),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), (_QWEN2_SPLIT,)),
+    "tekken": (_TEKKEN_SPLIT,),
+}
+
+
+@dataclass(slots=True)
+class Tokenizer:
+    """A byte-level BPE (or any `tokenizers`) tokenizer with its chat template and special tokens."""
+
+    backend: tokenizers.Tokenizer
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    # End-of-generation ids beyond eos_token (generation_config.json, GGUF eot/eom ids).
+    extra_eos_token_ids: tuple[int, ...] = ()
+    _template: jinja2.Template | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`,
+        `generation_config.json` when present) from a Hugging Face checkpoint folder.
+
+        As in transformers 5, tokenizer.json's post-processor alone decides whether BOS/EOS are added;
+        `add_bos_token` in tokenizer_config.json is not consulted.
+        """
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"{folder} has no tokenizer.json (only `tokenizers` tokenizers are supported)")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # NOTE: the tokenizers library raises bare Exception
+            raise ValueError(f"{tokenizer_file} could not be loaded: {e}") from e
+        config = _read_json(folder / "tokenizer_config.json")
+        bos_token = _token_content(config.get("bos_token"))
+        eos_token = _token_content(config.get("eos_token"))
+        template_file = folder / "chat_template.jinja"
+        chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if isinstance(chat_template, list):  # [{"name": ..., "template": ...}, ...]
+            chat_template = next((t["template"] for t in chat_template if t.get("name") == "default"), None)
+        generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+        extra_eos = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or ())
+        return cls(backend, chat_template, bos_token, eos_token, tuple(extra_eos))
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Rebuild the tokenizer a GGUF file describes in its `tokenizer.*` metadata.
+
+        Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported.
+        """
+        meta = {key: f.contents() for key, f in reader.fields.items() if key.startswith("tokenizer.")}
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"unsupported GGUF tokenizer model tokenizer.ggml.model={kind!r}; "
+                "only 'gpt2' (byte-level BPE) is supported"
+            )
+        tokens: list[str] = meta.get("tokenizer.ggml.tokens", [])
+        if not tokens:
+            raise ValueError("GGUF file has no tokenizer.ggml.tokens")
+        backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges", []))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        if "tokenizer.ggml.token_type" in meta:
+            _add_typed_tokens(backend, tokens, meta["tokenizer.ggml.token_type"])
+
+        def token(key: str) -> str | None:
+            token_id = meta.get(f"tokenizer.ggml.{key}")
+            if token_id is not None and not 0 <= token_id < len(tokens):
+                raise ValueError(f"GGUF tokenizer.ggml.{key}={token_id} is outside the {len(tokens)} tokens")
+            return None if token_id is None else tokens[token_id]
+
+        bos_token, eos_token = token("bos_token_id"), token("eos_token_id")
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
+        add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+        backend.post_processor = _bos_eos_processor(
+            backend, bos_token if add_bos else None, eos_token if add_eos else None
+        )
+        # NOTE: llama.cpp also ends generation on the end-of-turn and end-of-message tokens.
+        end_keys = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        extra_eos = tuple(meta[key] for key in end_keys if key in meta)
+        return cls(backend, meta.get("tokenizer.chat_template"), bos_token, eos_token, extra_eos)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.backend.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.backend.token_to_id(self.eos_token)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Every id that ends generation: the EOS token and the model's other end markers."""
+        ids = set(self.extra_eos_token_ids)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of the special added tokens and of the BOS/EOS tokens, sorted."""
+        special = {token_id for token_id, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        special |= {i for i in (self.bos_token_id, self.eos_token_id) if i is not None}
+        return sorted(special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`; with add_special_tokens, BOS/EOS only where the model asks for them."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        tokens = [self.backend.id_to_token(i) for i in ids]
+        if any(t is None for t in tokens):
+            raise ValueError(f"token ids out of range for a vocabulary of {self.vocab_size}: {list(ids)}")
+        return tokens
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the model's Jinja chat template, as Hugging Face does.
+
+        Extra keyword arguments (tools, enable_thinking, ...) are passed to the template.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; pass a prompt string instead of messages")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        try:
+            text = self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template rejected these messages: {e}") from e
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _token_content(token: str | dict[str, Any] | None) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ..., ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str]) -> tokenizers.Tokenizer:
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _add_typed_tokens(backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """Match CONTROL (special) and USER_DEFINED (plain) tokens whole in the text, as llama.cpp does."""
+    if len(token_types) != len(tokens):
+        raise ValueError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
+    typed = list(zip(tokens, token_types, strict=True))
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in typed if k == _TOKEN_TYPE_CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in typed if k == _TOKEN_TYPE_USER_DEFINED]
+    )
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    splits = _PRE_TOKENIZER_SPLITS.get(pre)
+    if splits is None:
+        logger.warning("unknown GGUF pre-tokenizer %r; splitting text the GPT-2 way", pre)
+        splits = (_GPT2_SPLIT,)
+    steps = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in splits]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return pre_tokenizers.Sequence([*steps, byte_level])
+
+
+def _bos_eos_processor(
+    backend: tokenizers.Tokenizer, bos_token: str | None, eos_token: str | None
+) -> processors.TemplateProcessing:
+    """Post-processor adding `bos_token` before and `eos_token` after the text (None: not added)."""
+    special = [(t, backend.token_to_id(t)) for t in (bos_token, eos_token) if t is not None]
+    missing = [t for t, token_id in special if token_id is None]
+    if missing:
+        raise ValueError(f"special tokens {missing} are not in the vocabulary")
+    pieces = [f"{bos_token}:0"] if bos_token is not None else []
+    pieces.append("$A:0")
+    if eos_token is not None:
+        pieces.append(f"{eos_token}:0")
+    return processors.TemplateProcessing(single=" ".join(pieces), special_tokens=special)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    # NOTE: Hugging Face's filter keeps non-ASCII characters, unlike Jinja's built-in tojson.
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e}") from e

@@ -1,0 +1,99 @@
+"""kvforge.kernels.ops: backend selection, custom-op registration, fake implementations, tracing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvforge.kernels import ops
+from kvforge.kernels.paged_attention import paged_attention_ref
+from kvforge.kernels.rms_norm import rms_norm_ref
+from kvforge.platforms import backend as backend_module
+from tests.kernels.attention_batches import make_paged_batch
+
+
+@pytest.fixture
+def restore_backend() -> Iterator[None]:
+    before = ops.get_backend()
+    yield
+    ops.set_backend(before)
+
+
+def test_cpu_default_binds_the_references_directly() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the default is triton on a GPU")
+    assert ops.get_backend() == "torch"
+    assert ops.rms_norm is rms_norm_ref
+    assert ops.paged_attention is paged_attention_ref
+
+
+def test_set_backend_switches_every_op(restore_backend: None, device: torch.device) -> None:
+    assert ops.set_backend("triton") == "triton"
+    assert ops.paged_attention is torch.ops.kvforge.paged_attention
+    x = torch.randn(3, 64, device=device)
+    weight = torch.randn(64, device=device)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+    assert ops.set_backend("torch") == "torch"
+    assert ops.rms_norm is rms_norm_ref
+
+
+def test_set_backend_rejects_unknown_and_missing(
+    restore_backend: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="'cuda'"):
+        ops.set_backend("cuda")
+    monkeypatch.setattr(backend_module, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="not installed"):
+        ops.set_backend("triton")
+
+
+def _op_samples(device: torch.device) -> list[tuple[object, tuple]]:
+    x = torch.randn(3, 32, device=device)
+    weight = torch.randn(32, device=device)
+    qkv = torch.randn(3, (4 + 2 + 2) * 32, device=device)  # query and key as the model gets them: views
+    query, key = qkv[:, : 4 * 32].view(3, 4, 32), qkv[:, 4 * 32 : 6 * 32].view(3, 2, 32)
+    positions = torch.tensor([0, 5, 9], device=device)
+    cos_sin = torch.randn(16, 32, device=device)
+    cache = torch.zeros(4, 16, 2, 32, device=device)
+    slots = torch.tensor([0, 17, 40], device=device)
+    batch = make_paged_batch(
+        [1, 2],
+        [5, 2],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+        device=device,
+    )
+    kvforge = torch.ops.kvforge
+    return [
+        (kvforge.rms_norm, (x, weight, 1e-6)),
+        (kvforge.fused_add_rms_norm, (x, x.clone(), weight, 1e-6)),
+        (kvforge.rotary_embedding, (positions, query, key, cos_sin, True)),
+        (kvforge.silu_and_mul, (x,)),
+        (kvforge.reshape_and_cache, (key, key.clone(), cache, cache.clone(), slots)),
+        (kvforge.paged_attention, (*batch.args(), 0.2)),
+        (kvforge.paged_attention, (qkv[:, : 4 * 32].view(3, 4, 32), *batch.args()[1:], 0.2)),
+    ]
+
+
+def test_custom_ops_pass_opcheck(device: torch.device) -> None:
+    """Schemas (incl. mutates_args) and fake implementations agree with what the kernels do."""
+    for op, args in _op_samples(device):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_ops_trace_into_one_graph(restore_backend: None, device: torch.device) -> None:
+    ops.set_backend("triton")
+
+    def block(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        normed, residual = ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+        return ops.silu_and_mul(normed) + residual[:, :16]
+
+    x, residual, weight = torch.randn(4, 32, device=device), torch.randn(4, 32, device=device), torch.ones(32)
+    weight = weight.to(device)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, residual, weight), block(x, residual, weight))
