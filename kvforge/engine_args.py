@@ -74,13 +74,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                        help="kernel implementation (auto: triton on GPUs, torch on the CPU)")
-    group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
 
 
 ENGINE_ARG_NAMES = (
     "model", "dtype", "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
     "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-    "tensor_parallel_size", "device", "attention_backend", "seed",
+    "tensor_parallel_size", "device", "attention_backend",
 )
 
 
