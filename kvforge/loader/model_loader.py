@@ -56,6 +56,7 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
         weights = iter(checkpoint.tensors.items())
     else:
         hf_config = read_hf_config(path)
+        resolve_model_class(hf_config)  # an unknown architecture fails before anything else is read
         tokenizer = Tokenizer.from_dir(str(path))
         weights = None
     model_class = resolve_model_class(hf_config)
