@@ -1,0 +1,47 @@
+"""The kvforge command as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _kvforge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvforge.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_on_a_checkpoint_folder(tiny_llama_dir):
+    folder = str(tiny_llama_dir[0])
+    result = _kvforge("generate", "--model", folder, "--kv-cache-memory", "8MiB", "--max-tokens", "5",
+                      "--ignore-eos", "The quick brown", "Paris is")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("--- ") == 2
+
+
+def test_chat_with_messages(tiny_llama_dir):
+    result = _kvforge("chat", "--model", str(tiny_llama_dir[0]), "--kv-cache-memory", "8MiB", "--max-tokens",
+                      "4", "--message", "hello", "--message", "again")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.strip().splitlines()) >= 2
+
+
+def test_bad_values_give_one_line_and_exit_code_2(tiny_llama_dir, tmp_path):
+    folder = str(tiny_llama_dir[0])
+    for args, message in [
+        (("generate", "--model", folder, "--top-p", "1.5", "hi"), "top_p"),
+        (("generate", "--model", str(tmp_path / "nope"), "hi"), "not found"),
+        (("generate", "--model", folder, "--kv-cache-memory", "0", "hi"), "memory"),
+    ]:
+        result = _kvforge(*args)
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvforge: error:") and message in lines[0]
+
+
+def test_help_explains_every_flag():
+    result = _kvforge("generate", "--help")
+    assert result.returncode == 0
+    for flag in ("--model", "--kv-cache-memory", "--temperature", "--top-p", "--no-prefix-caching",
+                 "--max-num-batched-tokens", "--attention-backend", "--stop"):
+        assert flag in result.stdout
