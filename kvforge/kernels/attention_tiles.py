@@ -18,8 +18,9 @@ NEG_BIG = -1.0e38
 
 
 @jit
-def load_kv_tile(
-    cache_ptr,
+def load_kv_tiles(
+    key_cache_ptr,
+    value_cache_ptr,
     block_table_ptr,
     kv_head,
     keys,
@@ -31,12 +32,16 @@ def load_kv_tile(
     stride_head,
     PAGE_SIZE: tl.constexpr,
 ):
-    """Cache rows `keys` [BLOCK_N] of one sequence (block_table_ptr: its row of the block table) and one
-    KV head: [BLOCK_N, HEAD_DIM_P], zero where masked."""
+    """Keys and values at positions `keys` [BLOCK_N] of one sequence (block_table_ptr: its row of the
+    block table) and one KV head: two [BLOCK_N, HEAD_DIM_P] tiles, zero where masked. The key and
+    value caches share one layout (strides)."""
     block_ids = tl.load(block_table_ptr + keys // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
     offsets = block_ids * stride_block + (keys % PAGE_SIZE) * stride_slot + kv_head * stride_head
-    ptrs = cache_ptr + offsets[:, None] + dims[None, :]
-    return tl.load(ptrs, mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+    offsets = offsets[:, None] + dims[None, :]
+    mask = key_mask[:, None] & dim_mask[None, :]
+    k = tl.load(key_cache_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(value_cache_ptr + offsets, mask=mask, other=0.0)
+    return k, v
 
 
 @jit

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.kernels.triton_compat import jit, next_power_of_2, require_triton, tl
+from kvforge.kernels.tuning import kernel_tuning
+from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+
 
 def reshape_and_cache_ref(
     key: torch.Tensor,
@@ -16,10 +20,75 @@ def reshape_and_cache_ref(
     key_cache/value_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     slot_mapping: [num_tokens] int, slot = block_id * block_size + offset (negative: skip).
 
-    Writes in place."""
-    num_blocks, block_size = key_cache.shape[:2]
-    flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
-    flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
+    Writes in place; the caches may be strided views (e.g. the K and V halves of one tensor)."""
     slots = slot_mapping.long()
-    flat_k[slots] = key.to(key_cache.dtype)
-    flat_v[slots] = value.to(value_cache.dtype)
+    if slots.numel() > 0 and int(slots.min()) < 0:  # padding tokens: nothing to write
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    _write_slots(key_cache, slots, key.to(key_cache.dtype))
+    _write_slots(value_cache, slots, value.to(value_cache.dtype))
+
+
+def _write_slots(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    num_blocks, block_size = cache.shape[:2]
+    if cache.stride(0) == block_size * cache.stride(1):  # block and slot dims merge: one flat index
+        cache.view(num_blocks * block_size, *cache.shape[2:]).index_copy_(0, slots, new)
+    else:  # e.g. the K half of a [num_blocks, 2, block_size, ...] tensor
+        cache[slots // block_size, slots % block_size] = new
+
+
+@jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims
+    v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
+    tl.store(k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """reshape_and_cache_ref in Triton: one program per token, slot offsets in int64."""
+    require_triton()
+    check_tensor("key_cache", key_cache, shape=(None, None, None, None), dtypes=FLOAT_DTYPES)
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    check_tensor("value_cache", value_cache, shape=tuple(key_cache.shape), dtypes=(key_cache.dtype,))
+    check_tensor("key", key, shape=(None, num_kv_heads, head_dim), dtypes=FLOAT_DTYPES)
+    num_tokens = key.shape[0]
+    check_tensor("value", value, shape=(num_tokens, num_kv_heads, head_dim), dtypes=FLOAT_DTYPES)
+    check_tensor("slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=INDEX_DTYPES)
+    check_same_device(
+        key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping
+    )
+    if num_tokens == 0:
+        return
+    block_h, block_d = next_power_of_2(num_kv_heads), next_power_of_2(head_dim)
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        PAGE_SIZE=key_cache.shape[1], num_warps=kernel_tuning().rows.num_warps(block_h * block_d),
+    )  # fmt: skip

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kernels.attention_tiles import NEG_BIG, load_kv_tile, online_softmax_step
+from kvforge.kernels.attention_tiles import NEG_BIG, load_kv_tiles, online_softmax_step
 from kvforge.kernels.triton_compat import jit, next_power_of_2, tl
 from kvforge.kernels.tuning import DecodeTiles
 
@@ -24,14 +24,12 @@ from kvforge.kernels.tuning import DecodeTiles
 @jit
 def _decode_kernel(
     out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-    query_ptr, key_cache_ptr, value_cache_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -48,10 +46,8 @@ def _decode_kernel(
     dims = tl.arange(0, HEAD_DIM_P)
     dim_mask = dims < HEAD_DIM
     io_mask = (rows < GROUP)[:, None] & dim_mask[None, :]
-    q = tl.load(
-        query_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=io_mask, other=0.0,
-    )
+    q = tl.load(query_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=io_mask, other=0.0)  # fmt: skip
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -62,13 +58,10 @@ def _decode_kernel(
     for start in range(key_start, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < key_end
-        k = load_kv_tile(key_cache_ptr, block_table_ptr, kv_head, keys, key_mask, dims, dim_mask,
-                         stride_kb, stride_ks, stride_kh, PAGE_SIZE)
-        v = load_kv_tile(value_cache_ptr, block_table_ptr, kv_head, keys, key_mask, dims, dim_mask,
-                         stride_vb, stride_vs, stride_vh, PAGE_SIZE)
-        m_i, l_i, acc = online_softmax_step(
-            q, k, v, key_mask[None, :], m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION
-        )
+        k, v = load_kv_tiles(key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, keys, key_mask,
+                             dims, dim_mask, stride_cb, stride_cs, stride_ch, PAGE_SIZE)  # fmt: skip
+        visible = key_mask[None, :]
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -84,10 +77,9 @@ def _decode_kernel(
 
 @jit
 def _reduce_kernel(
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
-    stride_ot, stride_oh,
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-):
+):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq)
@@ -98,10 +90,10 @@ def _reduce_kernel(
     dims = tl.arange(0, HEAD_DIM_P)
     part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + splits
     m = tl.load(partial_max_ptr + part, mask=split_mask, other=float("-inf"))
-    weight = tl.exp2(m - tl.max(m, 0))  # 0 for padding splits, tiny for empty ones
+    weight = tl.exp2(m - tl.max(m, 0))  # 0 for padding and empty splits
     total = tl.sum(weight * tl.load(partial_sum_ptr + part, mask=split_mask, other=0.0), 0)
-    acc = tl.load(partial_acc_ptr + part[:, None] * HEAD_DIM_P + dims[None, :],
-                  mask=split_mask[:, None], other=0.0)
+    acc_mask = split_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    acc = tl.load(partial_acc_ptr + part[:, None] * HEAD_DIM_P + dims[None, :], mask=acc_mask, other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / total
     out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
@@ -120,13 +112,15 @@ def launch_decode(
     num_splits: int,
     upcast: bool,
 ) -> None:
-    """Attention rows of the sequences with one query; inputs already checked by the caller."""
+    """Attention rows of the sequences with one query; inputs already checked by the caller (the key
+    and value caches share strides)."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     head_dim_p = max(next_power_of_2(head_dim), 16)
     group = num_heads // num_kv_heads
-    partial_shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (0,)
+    # NOTE: with one split the partials are never touched; a 1-element placeholder keeps pointers valid.
+    partial_shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1,)
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
     partial_sum = torch.empty_like(partial_max)
     partial_acc = torch.empty((*partial_shape, head_dim_p), dtype=torch.float32, device=query.device)
@@ -134,16 +128,15 @@ def launch_decode(
         out, partial_acc, partial_max, partial_sum,
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, qk_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(next_power_of_2(group), 16), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         PAGE_SIZE=key_cache.shape[1], BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
         UPCAST=upcast, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             out, partial_acc, partial_max, partial_sum, query_start_loc, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
-            SPLITS_P=next_power_of_2(num_splits), num_warps=1,
-        )
+            SPLITS_P=next_power_of_2(num_splits), num_warps=tiles.reduce_num_warps,
+        )  # fmt: skip

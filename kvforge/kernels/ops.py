@@ -1,19 +1,187 @@
-"""The ops the model calls. Each name resolves to one implementation, picked once per process."""
+"""The ops the model calls: `from kvforge.kernels import ops; ops.rms_norm(...)`.
+
+Each name resolves to one implementation, picked once per process from the platform (Triton on CUDA
+and ROCm, the torch reference on the CPU) and switchable with `set_backend("torch" | "triton")`.
+
+The Triton launchers are registered as `torch.library` custom ops (`torch.ops.kvforge.*`) with fake
+implementations, so torch.compile traces them as opaque nodes and CUDA graphs capture them. The
+torch backend binds the references directly: they are plain torch code that compile traces through,
+and a custom op in front of them only adds dispatch time on the CPU hot path (measured: 25-100 us per
+call on a 2-core CPU, against 50-130 us for the rms_norm reference itself).
+"""
 
 from __future__ import annotations
 
-from kvforge.kernels.activation import silu_and_mul_ref as silu_and_mul
-from kvforge.kernels.cache_write import reshape_and_cache_ref as reshape_and_cache
-from kvforge.kernels.paged_attention import paged_attention_ref as paged_attention
-from kvforge.kernels.rms_norm import fused_add_rms_norm_ref as fused_add_rms_norm
-from kvforge.kernels.rms_norm import rms_norm_ref as rms_norm
-from kvforge.kernels.rotary import rotary_embedding_ref as rotary_embedding
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kvforge.kernels.cache_write import reshape_and_cache_ref, reshape_and_cache_triton
+from kvforge.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kvforge.kernels.rms_norm import (
+    fused_add_rms_norm_ref,
+    fused_add_rms_norm_triton,
+    rms_norm_ref,
+    rms_norm_triton,
+)
+from kvforge.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+from kvforge.platforms import select_backend
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("kvforge::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return rms_norm_triton(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.custom_op("kvforge::fused_add_rms_norm", mutates_args=())
+def _fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return fused_add_rms_norm_triton(x, residual, weight, eps)
+
+
+@_fused_add_rms_norm_op.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("kvforge::rotary_embedding", mutates_args=())
+def _rotary_embedding_op(
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool
+) -> tuple[Tensor, Tensor]:
+    return rotary_embedding_triton(positions, query, key, cos_sin_cache, is_neox)
+
+
+@_rotary_embedding_op.register_fake
+def _(
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool
+) -> tuple[Tensor, Tensor]:
+    return query.new_empty(query.shape), key.new_empty(key.shape)
+
+
+@torch.library.custom_op("kvforge::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(x: Tensor) -> Tensor:
+    return silu_and_mul_triton(x)
+
+
+@_silu_and_mul_op.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op("kvforge::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
+def _reshape_and_cache_op(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+
+
+@_reshape_and_cache_op.register_fake
+def _(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("kvforge::paged_attention", mutates_args=())
+def _paged_attention_op(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    return paged_attention_triton(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+    )
+
+
+@_paged_attention_op.register_fake
+def _(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    return query.new_empty(query.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class OpTable:
+    """One implementation of every op."""
+
+    rms_norm: Callable[..., Tensor]
+    fused_add_rms_norm: Callable[..., tuple[Tensor, Tensor]]
+    rotary_embedding: Callable[..., tuple[Tensor, Tensor]]
+    silu_and_mul: Callable[..., Tensor]
+    reshape_and_cache: Callable[..., None]
+    paged_attention: Callable[..., Tensor]
+
+
+TORCH_OPS = OpTable(
+    rms_norm=rms_norm_ref,
+    fused_add_rms_norm=fused_add_rms_norm_ref,
+    rotary_embedding=rotary_embedding_ref,
+    silu_and_mul=silu_and_mul_ref,
+    reshape_and_cache=reshape_and_cache_ref,
+    paged_attention=paged_attention_ref,
+)
+TRITON_OPS = OpTable(
+    rms_norm=torch.ops.kvforge.rms_norm,
+    fused_add_rms_norm=torch.ops.kvforge.fused_add_rms_norm,
+    rotary_embedding=torch.ops.kvforge.rotary_embedding,
+    silu_and_mul=torch.ops.kvforge.silu_and_mul,
+    reshape_and_cache=torch.ops.kvforge.reshape_and_cache,
+    paged_attention=torch.ops.kvforge.paged_attention,
+)
+
+_backend: str = ""  # set, with the op names below, by set_backend() at import
+
+
+def set_backend(name: str | None = None) -> str:
+    """Bind every op to the "torch" or "triton" implementation (None or "auto": the platform's choice).
+
+    Returns the backend in use. Raises ValueError for an unknown name, or "triton" without triton."""
+    global _backend, rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul
+    global reshape_and_cache, paged_attention
+    _backend = select_backend(name)
+    table = TRITON_OPS if _backend == "triton" else TORCH_OPS
+    rms_norm = table.rms_norm
+    fused_add_rms_norm = table.fused_add_rms_norm
+    rotary_embedding = table.rotary_embedding
+    silu_and_mul = table.silu_and_mul
+    reshape_and_cache = table.reshape_and_cache
+    paged_attention = table.paged_attention
+    return _backend
+
+
+def get_backend() -> str:
+    """The backend the ops are bound to: "torch" or "triton"."""
+    return _backend
+
+
+set_backend()
 
 __all__ = [
+    "OpTable",
+    "TORCH_OPS",
+    "TRITON_OPS",
     "fused_add_rms_norm",
+    "get_backend",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "set_backend",
     "silu_and_mul",
 ]

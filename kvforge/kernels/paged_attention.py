@@ -11,12 +11,29 @@ context holds seq_lens[s] tokens, the last q_len of which are the queries themse
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from kvforge.kernels.attention_tiles import LOG2E
+from kvforge.kernels.decode_attention import launch_decode
+from kvforge.kernels.prefill_attention import launch_prefill
+from kvforge.kernels.triton_compat import INTERPRETED, next_power_of_2, require_triton
+from kvforge.kernels.tuning import kernel_tuning
+from kvforge.kernels.validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_matches,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+from kvforge.platforms import current_platform
 
-def gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
+MAX_HEAD_DIM = 256
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks].
 
     Returns the first num_tokens cached tokens of each sequence: [num_seqs, num_tokens, kv_heads, dim]."""
@@ -64,7 +81,7 @@ def paged_attention_ref(
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
     decode_seqs = [s for s, n in enumerate(q_lens) if n == 1]
     if decode_seqs:
         idx = torch.tensor(decode_seqs, device=query.device)
@@ -88,3 +105,82 @@ def paged_attention_ref(
     return out
 
 
+def _check_attention_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    check_tensor("query", query, shape=(None, None, None), dtypes=FLOAT_DTYPES)
+    num_heads, head_dim = query.shape[1:]
+    check_tensor("key_cache", key_cache, shape=(None, None, None, head_dim), dtypes=FLOAT_DTYPES)
+    check_tensor("value_cache", value_cache, shape=tuple(key_cache.shape), dtypes=FLOAT_DTYPES)
+    check_same_dtype(query=query, key_cache=key_cache, value_cache=value_cache)
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(
+            f"key_cache and value_cache must share strides, "
+            f"got {key_cache.stride()} and {value_cache.stride()}"
+        )
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES)
+    check_tensor("query_start_loc", query_start_loc, shape=(num_seqs + 1,), dtypes=INDEX_DTYPES)
+    check_tensor("block_tables", block_tables, shape=(num_seqs, None), dtypes=INDEX_DTYPES)
+    check_same_device(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+    )
+    num_kv_heads = key_cache.shape[2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """paged_attention_ref in Triton, with no host sync (CUDA-graph safe). Sequences with one query go
+    to the flash-decoding kernel, longer ones to the prefill kernel; a batch whose token count equals
+    its sequence count holds only decodes and skips the prefill launch.
+
+    out: a preallocated [num_tokens, num_heads, head_dim] buffer; num_splits: override the number of
+    key-range splits of the decode kernel (default: from the tuning table and the device size)."""
+    require_triton()
+    _check_attention_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    check_matches("out", out, shape=query.shape, dtype=query.dtype, device=query.device, contiguous=True)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    platform = current_platform()
+    tuning = kernel_tuning(platform)
+    upcast = INTERPRETED and query.dtype == torch.bfloat16
+    args = (out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale * LOG2E)
+    if num_tokens > num_seqs:
+        padded_head_dim = next_power_of_2(query.shape[2])
+        launch_prefill(*args, tiles=tuning.prefill_tiles(padded_head_dim), upcast=upcast)
+    if num_splits is None:
+        num_splits = tuning.decode.num_splits(num_seqs, key_cache.shape[2], platform.num_compute_units)
+    launch_decode(*args, tiles=tuning.decode, num_splits=num_splits, upcast=upcast)
+    return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kernels.attention_tiles import NEG_BIG, load_kv_tile, online_softmax_step
+from kvforge.kernels.attention_tiles import NEG_BIG, load_kv_tiles, online_softmax_step
 from kvforge.kernels.triton_compat import jit, next_power_of_2, tl
 from kvforge.kernels.tuning import PrefillTiles
 
@@ -37,15 +37,13 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @jit
 def _prefill_kernel(
-    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     qk_scale, num_seqs,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
@@ -59,15 +57,12 @@ def _prefill_kernel(
     rows = tl.arange(0, BLOCK_M)
     q_idx = first_q + rows // GROUP_P
     head = kv_head * GROUP + rows % GROUP_P
-    row_mask = (q_idx < q_len) & (rows % GROUP_P < GROUP)
     dims = tl.arange(0, HEAD_DIM_P)
     dim_mask = dims < HEAD_DIM
+    io_mask = ((q_idx < q_len) & (rows % GROUP_P < GROUP))[:, None] & dim_mask[None, :]
     tokens = (q_start + q_idx).to(tl.int64)
-    io_mask = row_mask[:, None] & dim_mask[None, :]
-    q = tl.load(
-        query_ptr + tokens[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=io_mask, other=0.0,
-    )
+    q = tl.load(query_ptr + tokens[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=io_mask, other=0.0)  # fmt: skip
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = context_len + q_idx  # position of each row's query in its sequence
@@ -80,10 +75,8 @@ def _prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < kv_end
-        k = load_kv_tile(key_cache_ptr, block_table_ptr, kv_head, keys, key_mask, dims, dim_mask,
-                         stride_kb, stride_ks, stride_kh, PAGE_SIZE)
-        v = load_kv_tile(value_cache_ptr, block_table_ptr, kv_head, keys, key_mask, dims, dim_mask,
-                         stride_vb, stride_vs, stride_vh, PAGE_SIZE)
+        k, v = load_kv_tiles(key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, keys, key_mask,
+                             dims, dim_mask, stride_cb, stride_cs, stride_ch, PAGE_SIZE)  # fmt: skip
         visible = (keys[None, :] <= q_pos[:, None]) & key_mask[None, :]
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION)
 
@@ -104,7 +97,8 @@ def launch_prefill(
     tiles: PrefillTiles,
     upcast: bool,
 ) -> None:
-    """Attention rows of the sequences with more than one query; inputs already checked by the caller."""
+    """Attention rows of the sequences with more than one query; inputs already checked by the caller
+    (the key and value caches share strides)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -113,13 +107,11 @@ def launch_prefill(
     num_seqs = seq_lens.shape[0]
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        qk_scale, num_seqs,
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, qk_scale, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=max(next_power_of_2(head_dim), 16),
         PAGE_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_N=tiles.block_n,
         UPCAST=upcast, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    )  # fmt: skip

@@ -29,7 +29,9 @@ class PrefillTiles:
     num_stages: int
 
     def __post_init__(self) -> None:
-        _check_power_of_2("PrefillTiles", block_m=self.block_m, block_n=self.block_n, num_warps=self.num_warps)
+        _check_power_of_2(
+            "PrefillTiles", block_m=self.block_m, block_n=self.block_n, num_warps=self.num_warps
+        )
         if self.block_m < 16 or self.block_n < 16:
             raise ValueError(f"PrefillTiles blocks must be >= 16 (tl.dot), got {self.block_m}x{self.block_n}")
 
@@ -37,24 +39,34 @@ class PrefillTiles:
 @dataclass(frozen=True, slots=True)
 class DecodeTiles:
     """Flash-decoding: the key range of each (sequence, KV head) is split across programs until the grid
-    holds programs_per_unit programs per SM/CU, at most max_splits splits."""
+    holds about programs_per_unit programs per SM/CU, at most max_splits splits."""
 
     block_n: int
     num_warps: int
     num_stages: int
     programs_per_unit: int
     max_splits: int
+    reduce_num_warps: int = 4  # the kernel that merges the splits of one (sequence, head)
 
     def __post_init__(self) -> None:
-        _check_power_of_2("DecodeTiles", block_n=self.block_n, num_warps=self.num_warps)
-        if self.block_n < 16 or self.programs_per_unit < 1 or self.max_splits < 1:
-            raise ValueError(f"DecodeTiles needs block_n >= 16, programs_per_unit >= 1, max_splits >= 1: {self}")
+        _check_power_of_2(
+            "DecodeTiles",
+            block_n=self.block_n,
+            num_warps=self.num_warps,
+            max_splits=self.max_splits,
+            reduce_num_warps=self.reduce_num_warps,
+        )
+        if self.block_n < 16 or self.programs_per_unit < 1:
+            raise ValueError(f"DecodeTiles needs block_n >= 16 and programs_per_unit >= 1: {self}")
 
     def num_splits(self, num_seqs: int, num_kv_heads: int, num_compute_units: int) -> int:
-        """How many key-range splits keep every SM/CU busy for num_seqs x num_kv_heads decodes."""
+        """How many key-range splits keep every SM/CU busy for num_seqs x num_kv_heads decodes.
+
+        NOTE: a power of two: the split count is a compile-time constant of the kernel, so serving
+        every batch size compiles at most log2(max_splits) + 1 variants."""
         programs = max(num_seqs * num_kv_heads, 1)
-        wanted = -(-self.programs_per_unit * num_compute_units // programs)
-        return max(1, min(self.max_splits, wanted))
+        wanted = min(self.max_splits, -(-self.programs_per_unit * num_compute_units // programs))
+        return 1 << (max(wanted, 1).bit_length() - 1)
 
 
 @dataclass(frozen=True, slots=True)

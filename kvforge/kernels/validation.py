@@ -21,7 +21,7 @@ def check_tensor(
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() != len(shape) or any(
-        want is not None and got != want for got, want in zip(tensor.shape, shape)
+        want is not None and got != want for got, want in zip(tensor.shape, shape, strict=True)
     ):
         wanted = tuple("*" if s is None else s for s in shape)
         raise ValueError(f"{name} must have shape {wanted}, got {tuple(tensor.shape)}")
@@ -43,13 +43,20 @@ def check_same_dtype(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors must share one dtype, got {dtypes}")
 
 
-def check_output(
-    name: str, out: torch.Tensor, *, shape: torch.Size, dtype: torch.dtype, device: torch.device
+def check_matches(
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    contiguous: bool = False,
 ) -> None:
-    """A caller-provided output buffer must be exactly what the op would allocate."""
-    if out.shape != shape or out.dtype != dtype or out.device != device:
+    """tensor (e.g. a caller-provided output buffer) must have exactly this shape, dtype and device."""
+    if tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
         raise ValueError(
             f"{name} must be {tuple(shape)} {dtype} on {device}, "
-            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+            f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
         )
-    check_tensor(name, out, shape=tuple(shape), dtypes=(dtype,))
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")

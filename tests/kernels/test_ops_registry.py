@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -97,3 +99,29 @@ def test_ops_trace_into_one_graph(restore_backend: None, device: torch.device) -
     weight = weight.to(device)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, residual, weight), block(x, residual, weight))
+
+
+_WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # import triton now raises ImportError
+import torch
+from kvforge.kernels import ops
+from kvforge.kernels.rms_norm import rms_norm_triton
+x, weight = torch.randn(2, 8), torch.ones(8)
+assert ops.set_backend(None) == "torch" and ops.rms_norm(x, weight, 1e-6).shape == (2, 8)
+for call in (lambda: ops.set_backend("triton"), lambda: rms_norm_triton(x, weight, 1e-6)):
+    try:
+        call()
+    except ValueError as error:
+        assert "triton" in str(error)
+    else:
+        raise AssertionError("no ValueError")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback")
+def test_references_work_without_triton() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
