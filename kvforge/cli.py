@@ -119,20 +119,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, module_parsers
 
 
+def _module_of(argv: list[str]) -> tuple[tuple, str] | None:
+    """The (parser key, module) of a command whose flags live in its own module, from the raw argv."""
+    words = [w for i, w in enumerate(argv) if not w.startswith("-") and (i == 0 or argv[i - 1] != "--log-level")]
+    if words[:1] == ["serve"]:
+        return ("serve", None), _SERVE_MODULE
+    if words[:1] == ["bench"] and len(words) > 1 and words[1] in _BENCHMARKS:
+        return ("bench", words[1]), _BENCHMARKS[words[1]][0]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, module_parsers = build_parser()
-    args, _ = parser.parse_known_args(argv)
-    key = (args.command, getattr(args, "benchmark", None))
-    if key in module_parsers:
-        # These commands live in their own modules and own their flags: add them, then parse again.
-        module = importlib.import_module(_BENCHMARKS[key[1]][0] if key[0] == "bench" else _SERVE_MODULE)
-        module.add_arguments(module_parsers[key])
-        args = parser.parse_args(argv)
-        handler = module.run
-    else:
-        args = parser.parse_args(argv)
-        handler = args.handler
+    found = _module_of(argv)
+    if found is not None:
+        # These commands live in their own modules and own their flags.
+        module = importlib.import_module(found[1])
+        module.add_arguments(module_parsers[found[0]])
+    args = parser.parse_args(argv)
+    handler = module.run if found is not None else args.handler
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return handler(args)

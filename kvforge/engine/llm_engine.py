@@ -17,6 +17,7 @@ from kvforge.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutpu
 from kvforge.executor.device import resolve_device
 from kvforge.executor.kv_cache_memory import kv_bytes_per_token, kv_cache_budget, num_blocks_for_budget
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
+from kvforge.kernels import ops
 from kvforge.layers.sampler import RawLogprobs
 from kvforge.loader.model_loader import load_model
 from kvforge.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -58,6 +59,10 @@ class LLMEngine:
         self.config = config
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device)
+        backend = config.device.attention_backend
+        if backend == "auto" and self.device.type == "cpu":
+            backend = "torch"  # a GPU machine told to run on its CPU
+        self.attention_backend = ops.set_backend(None if backend == "auto" else backend)
         loaded = load_model(config.model, self.device)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -75,6 +80,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
+        logger.info("attention backend: %s", self.attention_backend)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); max model len %d",
                     num_blocks - 1, block_size, self.kv_cache_manager.capacity_tokens,
                     num_blocks * block_size * bytes_per_token / 2**20, self.max_model_len)
