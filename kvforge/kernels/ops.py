@@ -19,7 +19,8 @@ import torch
 
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kvforge.kernels.cache_write import reshape_and_cache_ref, reshape_and_cache_triton
-from kvforge.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kvforge.kernels.paged_attention import paged_attention_triton
+from kvforge.kernels.paged_attention_cpu import paged_attention_cpu
 from kvforge.kernels.rms_norm import (
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
@@ -134,7 +135,7 @@ TORCH_OPS = OpTable(
     rotary_embedding=rotary_embedding_ref,
     silu_and_mul=silu_and_mul_ref,
     reshape_and_cache=reshape_and_cache_ref,
-    paged_attention=paged_attention_ref,
+    paged_attention=paged_attention_cpu,
 )
 TRITON_OPS = OpTable(
     rms_norm=torch.ops.kvforge.rms_norm,

@@ -34,13 +34,17 @@ MAX_HEAD_DIM = 256
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks].
+    """cache: [num_blocks, block_size, num_kv_heads, head_dim] (contiguous);
+    block_tables: [num_seqs, max_blocks].
 
-    Returns the first num_tokens cached tokens of each sequence: [num_seqs, num_tokens, kv_heads, dim]."""
+    Returns the first num_tokens cached tokens of each sequence: [num_seqs, num_tokens, kv_heads, dim].
+    NOTE: index_select over whole blocks is several times faster on the CPU than advanced indexing."""
+    num_seqs = block_tables.shape[0]
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [S, nb, bs, Hkv, D]
-    return blocks.flatten(1, 2)[:, :num_tokens]
+    block_ids = block_tables[:, :num_blocks].reshape(-1).long()
+    blocks = cache.view(cache.shape[0], -1).index_select(0, block_ids)
+    return blocks.view(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :num_tokens]
 
 
 def _attend(

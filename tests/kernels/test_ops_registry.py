@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvforge.kernels import ops
-from kvforge.kernels.paged_attention import paged_attention_ref
+from kvforge.kernels.paged_attention_cpu import paged_attention_cpu
 from kvforge.kernels.rms_norm import rms_norm_ref
 from kvforge.platforms import backend as backend_module
 from tests.kernels.attention_batches import make_paged_batch
@@ -23,12 +23,12 @@ def restore_backend() -> Iterator[None]:
     ops.set_backend(before)
 
 
-def test_cpu_default_binds_the_references_directly() -> None:
+def test_cpu_default_binds_the_torch_paths_directly() -> None:
     if torch.cuda.is_available():
         pytest.skip("the default is triton on a GPU")
     assert ops.get_backend() == "torch"
     assert ops.rms_norm is rms_norm_ref
-    assert ops.paged_attention is paged_attention_ref
+    assert ops.paged_attention is paged_attention_cpu
 
 
 def test_set_backend_switches_every_op(restore_backend: None, device: torch.device) -> None:

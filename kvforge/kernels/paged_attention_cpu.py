@@ -1,0 +1,74 @@
+"""The CPU path of paged attention: torch's fused scaled_dot_product_attention on gathered blocks.
+
+Same contract as `paged_attention_ref` (see paged_attention.py). Decodes of a step are attended in
+padded groups of similar length with a length mask; each prefill chunk on its own, with the plain causal mask when
+it has no earlier context and an offset causal mask when it follows earlier chunks or cached blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.kernels.paged_attention import gather_kv
+
+# Decodes are sorted by context length and attended in groups of this many, so that padding each
+# group to its longest context wastes little memory traffic.
+DECODE_GROUP = 16
+
+
+def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+          mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """query: [S, Q, H, D]; key/value: [S, L, Hkv, D]; mask broadcastable to [S, 1, Q, L]. -> [S, Q, H, D]."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+def _decode_group(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  block_tables: torch.Tensor, starts: list[int], lens: list[int], seqs: list[int],
+                  scale: float) -> None:
+    """One-token queries of sequences of similar length, attended as one padded batch."""
+    rows = torch.tensor([starts[s] for s in seqs])
+    tables = block_tables[seqs]
+    max_len = lens[seqs[-1]]
+    key = gather_kv(key_cache, tables, max_len)
+    value = gather_kv(value_cache, tables, max_len)
+    seq_lens = torch.tensor([lens[s] for s in seqs])
+    mask = (torch.arange(max_len)[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out[rows] = _sdpa(query[rows].unsqueeze(1), key, value, scale, mask=mask).squeeze(1)
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decode_seqs = sorted((s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1), key=lens.__getitem__)
+    for first in range(0, len(decode_seqs), DECODE_GROUP):
+        _decode_group(out, query, key_cache, value_cache, block_tables, starts, lens,
+                      decode_seqs[first : first + DECODE_GROUP], scale)
+    for s, seq_len in enumerate(lens):
+        q_len = starts[s + 1] - starts[s]
+        if q_len == 1:
+            continue
+        key = gather_kv(key_cache, block_tables[s : s + 1], seq_len)
+        value = gather_kv(value_cache, block_tables[s : s + 1], seq_len)
+        query_rows = query[starts[s] : starts[s + 1]].unsqueeze(0)
+        if q_len == seq_len:
+            out[starts[s] : starts[s + 1]] = _sdpa(query_rows, key, value, scale, causal=True)[0]
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len)
+            mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [Q, L]
+            out[starts[s] : starts[s + 1]] = _sdpa(query_rows, key, value, scale, mask=mask)[0]
+    return out
