@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvforge.kernels.cpu_extension import cpu_kernels
 from kvforge.kernels.paged_attention import gather_kv
 
 # Decodes are sorted by context length and attended in groups of this many, so that padding each
@@ -41,6 +42,21 @@ def _decode_group(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tenso
     out[rows] = _sdpa(query[rows].unsqueeze(1), key, value, scale, mask=mask).squeeze(1)
 
 
+def _decode_native(kernels, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   starts: list[int], seqs: list[int], scale: float) -> None:
+    """All one-token queries through the C++ kernel, which reads the cache in place."""
+    if len(seqs) == len(starts) - 1:  # a decode-only step: rows are sequences, in order
+        kernels.paged_decode(out, query.contiguous(), key_cache, value_cache, block_tables.contiguous(),
+                             seq_lens.contiguous(), scale)
+        return
+    rows = torch.tensor([starts[s] for s in seqs])
+    decode_out = torch.empty_like(query[rows])
+    kernels.paged_decode(decode_out, query[rows], key_cache, value_cache, block_tables[seqs].contiguous(),
+                         seq_lens[seqs].contiguous(), scale)
+    out[rows] = decode_out
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -54,7 +70,13 @@ def paged_attention_cpu(
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    decode_seqs = sorted((s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1), key=lens.__getitem__)
+    decode_seqs = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    kernels = cpu_kernels()
+    if kernels is not None and decode_seqs:
+        _decode_native(kernels, out, query, key_cache, value_cache, block_tables, seq_lens, starts, decode_seqs,
+                       scale)
+        decode_seqs = []
+    decode_seqs.sort(key=lens.__getitem__)
     for first in range(0, len(decode_seqs), DECODE_GROUP):
         _decode_group(out, query, key_cache, value_cache, block_tables, starts, lens,
                       decode_seqs[first : first + DECODE_GROUP], scale)

@@ -8,14 +8,23 @@ import pytest
 import torch
 
 from kvforge.kernels.paged_attention import paged_attention_ref
+import kvforge.kernels.paged_attention_cpu as paged_attention_cpu_module
+from kvforge.kernels.cpu_extension import cpu_kernels
 from kvforge.kernels.paged_attention_cpu import DECODE_GROUP, paged_attention_cpu
 from tests.kernels.attention_batches import TOLERANCE, make_paged_batch
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-decode", "sdpa-decode"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_mixed_batch_matches_reference(dtype: torch.dtype, group: int, block_size: int) -> None:
+def test_mixed_batch_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, native: bool, dtype: torch.dtype, group: int, block_size: int
+) -> None:
+    if native:
+        assert cpu_kernels() is not None, "the C++ CPU kernels failed to build"
+    else:
+        monkeypatch.setattr(paged_attention_cpu_module, "cpu_kernels", lambda: None)
     rng = random.Random(group * block_size)
     num_decodes = 2 * DECODE_GROUP + 3  # several length groups, the last one short
     decode_lens = [rng.randint(1, 200) for _ in range(num_decodes)]
@@ -27,6 +36,11 @@ def test_mixed_batch_matches_reference(dtype: torch.dtype, group: int, block_siz
     # The torch paths read padded slots before masking them, so the (engine-like) cache stays finite.
     scale = 64**-0.5
     expected = paged_attention_ref(*batch.args(), scale)
-    got = paged_attention_cpu(*batch.args(), scale)
     tol = TOLERANCE[dtype]
+    got = paged_attention_cpu(*batch.args(), scale)
+    if native:  # decode-only batches take the kernel's in-order fast path
+        decode_only = make_paged_batch([1] * num_decodes, decode_lens, num_heads=2 * group, num_kv_heads=2,
+                                       head_dim=64, block_size=block_size, dtype=dtype)
+        torch.testing.assert_close(paged_attention_cpu(*decode_only.args(), scale).float(),
+                                   paged_attention_ref(*decode_only.args(), scale).float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
