@@ -55,37 +55,60 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Mask tokens outside top-k, top-p and min-p with -inf (logits already divided by temperature)."""
-    device = logits.device
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
-    if any(k > 0 for k in batch.top_ks):
-        top_k = torch.tensor([k if k > 0 else vocab for k in batch.top_ks], device=device)
-        keep &= torch.arange(vocab, device=device)[None, :] < top_k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-    if any(p < 1.0 for p in batch.top_ps):
-        top_p = torch.tensor(batch.top_ps, device=device)[:, None]
-        mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass before it is < top_p
-        keep &= mass_before < top_p
+# top-k / top-p look among this many most likely tokens first; a row whose candidates hold less
+# than its top_p mass falls back to the whole vocabulary.
+_CANDIDATES = 1024
+
+
+def _sorted_keep(values: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """values: [rows, k] probabilities sorted descending -> which of them survive top-k and top-p."""
+    device = values.device
+    k = values.shape[-1]
+    keep = torch.ones_like(values, dtype=torch.bool)
+    if any(t > 0 for t in top_k):
+        limit = torch.tensor([t if t > 0 else k for t in top_k], device=device)
+        keep &= torch.arange(k, device=device)[None, :] < limit[:, None]
+    if any(p < 1.0 for p in top_p):
+        mass_before = values.cumsum(dim=-1) - values  # keep a token while the mass before it is < top_p
+        keep &= mass_before < torch.tensor(top_p, device=device)[:, None]
+    return keep
+
+
+def filter_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Zero the probabilities outside top-k, top-p and min-p (not renormalized).
+
+    Sorting the whole vocabulary is the slow part on a CPU, so top-k/top-p take the top candidates
+    with topk() and widen to the full vocabulary only for rows that need it."""
+    vocab = probs.shape[-1]
+    mask = None
+    if any(k > 0 for k in batch.top_ks) or any(p < 1.0 for p in batch.top_ps):
+        num = min(vocab, max([_CANDIDATES] + [k for k in batch.top_ks if k > 0]))
+        values, indices = probs.topk(num, dim=-1)
+        if num < vocab:
+            short = (values.sum(dim=-1) < torch.tensor(batch.top_ps, device=probs.device)).tolist()
+            if any(short):
+                values, indices = probs.sort(dim=-1, descending=True)
+        keep = _sorted_keep(values, batch.top_ks, batch.top_ps)
+        mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, indices, keep)
     if any(p > 0.0 for p in batch.min_ps):
-        min_p = torch.tensor(batch.min_ps, device=device)[:, None]
-        keep &= probs >= min_p * probs[:, :1]
-    masked = sorted_logits.masked_fill(~keep, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, masked)
+        min_p = torch.tensor(batch.min_ps, device=probs.device)[:, None]
+        above = probs >= min_p * probs.amax(dim=-1, keepdim=True)
+        mask = above if mask is None else mask & above
+    return probs if mask is None else probs * mask
 
 
 def _sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per row: argmax(p / q) with q ~ Exp(1) is a draw from p.
+    """Draw one token per row by inverting its CDF at one uniform number.
 
-    Rows with their own generator draw their noise from it, so a seeded request gives the same
+    Rows with their own generator draw their number from it, so a seeded request gives the same
     tokens whatever else is in the batch."""
-    noise = torch.empty_like(probs).exponential_()
+    uniform = torch.rand(probs.shape[0], 1, device=probs.device)
     for row, generator in enumerate(generators):
         if generator is not None:
-            noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+            uniform[row] = torch.rand(1, generator=generator, device=probs.device)
+    cdf = probs.cumsum(dim=-1)
+    token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
+    return token_ids.squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _gather_logprobs(
@@ -134,7 +157,7 @@ class Sampler:
         else:
             temperatures = torch.tensor(batch.temperatures, device=logits.device)
             scaled = logits / temperatures.clamp_min(1e-5)[:, None]
-            probs = torch.softmax(_filter(scaled, batch), dim=-1)
+            probs = filter_probs(torch.softmax(scaled, dim=-1), batch)
             token_ids = torch.where(temperatures == 0.0, greedy_ids, _sample(probs, batch.generators))
         logprobs = None
         if any(k is not None for k in batch.num_logprobs):
