@@ -75,6 +75,8 @@ class LLM:
         wanted = set(request_ids)
         with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while len(finished) < len(wanted):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests {sorted(wanted - set(finished))} vanished without finishing")
                 for output in self.engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
