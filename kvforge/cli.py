@@ -13,10 +13,14 @@ from kvforge.sampling_params import SamplingParams
 # Subcommands that live in their own modules, each with add_arguments(parser) and run(args) -> int.
 _BENCHMARKS = {
     "throughput": ("kvforge.benchmarks.throughput", "offline throughput against transformers"),
+    "latency": ("kvforge.benchmarks.latency", "one request at a time: time to first token, decode tokens/s"),
     "kernels": ("kvforge.benchmarks.kernels", "kernel timings against their baselines and roofline"),
     "serve": ("kvforge.benchmarks.serve", "drive an OpenAI-compatible server with a seeded workload"),
+    "moe": ("kvforge.benchmarks.moe", "the MoE layer's CPU path against a per-expert loop"),
 }
 _SERVE_MODULE = "kvforge.server.cli"
+_QUANTIZE_MODULE = "kvforge.quantization.cli"
+_EVALS = {"perplexity": ("kvforge.eval.perplexity", "perplexity of a text, with a sliding window")}
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +120,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                       for name, (_, text) in _BENCHMARKS.items()}
     module_parsers[("serve", None)] = commands.add_parser(
         "serve", help="OpenAI-compatible HTTP server", description="Serve the model over an OpenAI-compatible API.")
+    module_parsers[("quantize", None)] = commands.add_parser(
+        "quantize", help="write a quantized checkpoint (rtn, gptq, awq, w8a8)",
+        description="Quantize a float model and write a checkpoint folder.")
+    evals = commands.add_parser("eval", help="evaluations").add_subparsers(dest="evaluation", required=True)
+    module_parsers.update({("eval", name): evals.add_parser(name, help=text, description=text)
+                           for name, (_, text) in _EVALS.items()})
     return parser, module_parsers
 
 
@@ -126,6 +136,10 @@ def _module_of(argv: list[str]) -> tuple[tuple, str] | None:
         return ("serve", None), _SERVE_MODULE
     if words[:1] == ["bench"] and len(words) > 1 and words[1] in _BENCHMARKS:
         return ("bench", words[1]), _BENCHMARKS[words[1]][0]
+    if words[:1] == ["quantize"]:
+        return ("quantize", None), _QUANTIZE_MODULE
+    if words[:1] == ["eval"] and len(words) > 1 and words[1] in _EVALS:
+        return ("eval", words[1]), _EVALS[words[1]][0]
     return None
 
 

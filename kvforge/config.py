@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_QUANTIZATIONS = ("w8a16", "w4a16", "w8a8")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -32,10 +33,13 @@ class ModelConfig:
     model: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
+    quantization: str | None = None  # quantize a float checkpoint at load time: w8a16, w4a16 or w8a8
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, *_QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -19,6 +19,7 @@ def build_engine_config(
     model: str | None = None,
     dtype: str = "auto",
     max_model_len: int | None = None,
+    quantization: str | None = None,
     block_size: int = 16,
     kv_cache_memory: int | str | None = None,
     gpu_memory_utilization: float = 0.9,
@@ -33,7 +34,8 @@ def build_engine_config(
     seed: int = 0,
 ) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len),
+        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
+                          quantization=quantization),
         cache=CacheConfig(
             block_size=block_size,
             kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
@@ -59,6 +61,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)")
     group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    group.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8"],
+                       help="quantize a float checkpoint's linear layers at load time (round-to-nearest)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     group.add_argument("--kv-cache-memory", default=None,
                        help="KV cache byte budget, e.g. 2GiB (default: 2GiB on CPU, free GPU memory share)")
@@ -77,8 +81,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 ENGINE_ARG_NAMES = (
-    "model", "dtype", "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
-    "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+    "model", "dtype", "max_model_len", "quantization", "block_size", "kv_cache_memory",
+    "gpu_memory_utilization", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
     "tensor_parallel_size", "device", "attention_backend",
 )
 

@@ -187,7 +187,7 @@ class AsyncEngine:
         if self._loop is None:
             raise RuntimeError("call start() before adding requests")
         if self.error is not None:
-            raise EngineDeadError("the engine is not running") from self.error
+            raise EngineDeadError(str(self.error)) from self.error.__cause__
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, self._abort, self._loop.create_future())
@@ -238,14 +238,12 @@ class AsyncEngine:
 
     def _on_stopped(self, cause: BaseException | None) -> None:
         message = "the engine was shut down" if cause is None else f"the engine loop died: {cause!r}"
-        self.error = cause if cause is not None else EngineDeadError(message)
+        self.error = _dead(message, cause)
         for stream in self._streams.values():
-            error = EngineDeadError(message)
-            error.__cause__ = cause
             if stream.ack.done():
-                stream.fail(error)
+                stream.fail(_dead(message, cause))
             else:
-                stream.ack.set_exception(error)
+                stream.ack.set_exception(_dead(message, cause))
         self._streams.clear()
 
     # ---- the engine thread -------------------------------------------------------------------
@@ -285,11 +283,16 @@ class AsyncEngine:
     def _add(self, command: _Add) -> BaseException | None:
         num_waiting = len(self.engine.scheduler.waiting)
         if num_waiting >= self.max_queue:
-            return EngineOverloadedError(
-                f"the server is overloaded: {num_waiting} sequences already wait (max queue {self.max_queue}); "
-                "retry later")
+            return EngineOverloadedError(f"the server is overloaded: {num_waiting} sequences already wait "
+                                         f"(max queue {self.max_queue}); retry later")
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params)
         except ValueError as error:
             return error
         return None
+
+
+def _dead(message: str, cause: BaseException | None) -> EngineDeadError:
+    error = EngineDeadError(message)
+    error.__cause__ = cause
+    return error

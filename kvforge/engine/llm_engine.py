@@ -15,7 +15,7 @@ from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from kvforge.executor.device import resolve_device
-from kvforge.executor.kv_cache_memory import kv_bytes_per_token, kv_cache_budget, num_blocks_for_budget
+from kvforge.executor.kv_cache_memory import kv_cache_budget, num_blocks_for_budget
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
 from kvforge.kernels import ops
 from kvforge.layers.sampler import RawLogprobs
@@ -66,9 +66,9 @@ class LLMEngine:
         loaded = load_model(config.model, self.device)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
+        self.hf_config = loaded.hf_config
         model_cfg = loaded.model.config
-        bytes_per_token = kv_bytes_per_token(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                             loaded.dtype)
+        bytes_per_token = loaded.model.kv_cache_spec.bytes_per_token(loaded.dtype)
         block_size = config.cache.block_size
         budget = kv_cache_budget(config.cache.kv_cache_memory, self.device, config.cache.gpu_memory_utilization)
         num_blocks = num_blocks_for_budget(budget, block_size, bytes_per_token)

@@ -1,15 +1,10 @@
-"""Sizing the paged KV cache from a byte budget."""
+"""Sizing the paged KV cache from a byte budget (bytes per token: the model's kv_cache_spec)."""
 
 from __future__ import annotations
 
 import torch
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Keys and values of one token across all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
 def kv_cache_budget(requested: int | None, device: torch.device, gpu_memory_utilization: float) -> int:

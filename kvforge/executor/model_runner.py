@@ -34,20 +34,15 @@ class _Batch:
 
 
 class ModelRunner:
-    """Owns the model and its KV cache tensors (one key and one value tensor per layer)."""
+    """Owns the model and its KV cache tensors: per layer, the tensors the model's kv_cache_spec names."""
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = model.kv_cache_spec.allocate(num_blocks, block_size, dtype, device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 

@@ -19,8 +19,12 @@ import torch
 
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kvforge.kernels.cache_write import reshape_and_cache_ref, reshape_and_cache_triton
+from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_triton
+from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton
+from kvforge.kernels.mla_decode import mla_decode_ref, mla_decode_triton
 from kvforge.kernels.paged_attention import paged_attention_triton
 from kvforge.kernels.paged_attention_cpu import paged_attention_cpu
+from kvforge.kernels.quant_gemm import quant_gemm_ref, quant_gemm_triton
 from kvforge.kernels.rms_norm import (
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
@@ -117,6 +121,50 @@ def _(
     return query.new_empty(query.shape)
 
 
+@torch.library.custom_op("kvforge::quant_gemm", mutates_args=())
+def _quant_gemm_op(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, bits: int) -> Tensor:
+    return quant_gemm_triton(x, qweight, scales, zeros, bits)
+
+
+@_quant_gemm_op.register_fake
+def _(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, bits: int) -> Tensor:
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+@torch.library.custom_op("kvforge::int8_gemm", mutates_args=())
+def _int8_gemm_op(a: Tensor, b: Tensor, a_scales: Tensor, b_scales: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return int8_gemm_triton(a, b, a_scales, b_scales, out_dtype)
+
+
+@_int8_gemm_op.register_fake
+def _(a: Tensor, b: Tensor, a_scales: Tensor, b_scales: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("kvforge::fused_moe", mutates_args=())
+def _fused_moe_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe_op.register_fake
+def _(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    return hidden.new_empty(hidden.shape)
+
+
+@torch.library.custom_op("kvforge::mla_decode", mutates_args=())
+def _mla_decode_op(
+    query: Tensor, latent_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float, latent_dim: int
+) -> Tensor:
+    return mla_decode_triton(query, latent_cache, block_tables, seq_lens, scale, latent_dim)
+
+
+@_mla_decode_op.register_fake
+def _(
+    query: Tensor, latent_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float, latent_dim: int
+) -> Tensor:
+    return query.new_empty((*query.shape[:2], latent_dim))
+
+
 @dataclass(frozen=True, slots=True)
 class OpTable:
     """One implementation of every op."""
@@ -127,6 +175,10 @@ class OpTable:
     silu_and_mul: Callable[..., Tensor]
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., Tensor]
+    quant_gemm: Callable[..., Tensor]
+    int8_gemm: Callable[..., Tensor]
+    fused_moe: Callable[..., Tensor]
+    mla_decode: Callable[..., Tensor]
 
 
 TORCH_OPS = OpTable(
@@ -136,6 +188,10 @@ TORCH_OPS = OpTable(
     silu_and_mul=silu_and_mul_ref,
     reshape_and_cache=reshape_and_cache_ref,
     paged_attention=paged_attention_cpu,
+    quant_gemm=quant_gemm_ref,
+    int8_gemm=int8_gemm_ref,
+    fused_moe=fused_moe_cpu,
+    mla_decode=mla_decode_ref,
 )
 TRITON_OPS = OpTable(
     rms_norm=torch.ops.kvforge.rms_norm,
@@ -144,6 +200,10 @@ TRITON_OPS = OpTable(
     silu_and_mul=torch.ops.kvforge.silu_and_mul,
     reshape_and_cache=torch.ops.kvforge.reshape_and_cache,
     paged_attention=torch.ops.kvforge.paged_attention,
+    quant_gemm=torch.ops.kvforge.quant_gemm,
+    int8_gemm=torch.ops.kvforge.int8_gemm,
+    fused_moe=torch.ops.kvforge.fused_moe,
+    mla_decode=torch.ops.kvforge.mla_decode,
 )
 
 _backend: str = ""  # set, with the op names below, by set_backend() at import
@@ -154,7 +214,7 @@ def set_backend(name: str | None = None) -> str:
 
     Returns the backend in use. Raises ValueError for an unknown name, or "triton" without triton."""
     global _backend, rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul
-    global reshape_and_cache, paged_attention
+    global reshape_and_cache, paged_attention, quant_gemm, int8_gemm, fused_moe, mla_decode
     _backend = select_backend(name)
     table = TRITON_OPS if _backend == "triton" else TORCH_OPS
     rms_norm = table.rms_norm
@@ -163,6 +223,10 @@ def set_backend(name: str | None = None) -> str:
     silu_and_mul = table.silu_and_mul
     reshape_and_cache = table.reshape_and_cache
     paged_attention = table.paged_attention
+    quant_gemm = table.quant_gemm
+    int8_gemm = table.int8_gemm
+    fused_moe = table.fused_moe
+    mla_decode = table.mla_decode
     return _backend
 
 
@@ -178,8 +242,12 @@ __all__ = [
     "TORCH_OPS",
     "TRITON_OPS",
     "fused_add_rms_norm",
+    "fused_moe",
     "get_backend",
+    "int8_gemm",
+    "mla_decode",
     "paged_attention",
+    "quant_gemm",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",

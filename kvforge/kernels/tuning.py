@@ -154,3 +154,38 @@ def tuning_for_arch(arch: str) -> ArchTuning:
 def kernel_tuning(platform: Platform | None = None) -> ArchTuning:
     """The launch parameters for platform (default: the current one)."""
     return tuning_for_arch((platform if platform is not None else current_platform()).arch)
+
+
+@dataclass(frozen=True, slots=True)
+class GemmTiles:
+    """Quantized GEMM tiles: block_m tokens x block_n output features per program, block_k per step."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        _check_power_of_2("GemmTiles", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
+                          num_warps=self.num_warps)
+        if min(self.block_m, self.block_n, self.block_k) < 16:
+            raise ValueError(f"GemmTiles blocks must be >= 16 (tl.dot), got {self}")
+
+
+# (decode: M <= 16, prefill) per architecture. NOTE: decode tiles keep block_m at the tl.dot minimum
+# and spend the registers on block_n, so that a 1-token batch still spreads over every SM/CU.
+_GEMM_TILES: dict[str, tuple[GemmTiles, GemmTiles]] = {
+    "default": (GemmTiles(16, 64, 64, 4, 2), GemmTiles(64, 64, 32, 4, 2)),
+    "sm_80": (GemmTiles(16, 64, 128, 4, 3), GemmTiles(64, 128, 32, 4, 3)),
+    "sm_90": (GemmTiles(16, 128, 128, 4, 4), GemmTiles(128, 128, 64, 8, 3)),
+    "gfx90a": (GemmTiles(16, 64, 128, 4, 1), GemmTiles(64, 64, 64, 4, 1)),
+    "gfx942": (GemmTiles(16, 64, 128, 4, 2), GemmTiles(64, 128, 64, 8, 2)),
+}
+
+
+def gemm_tiles(num_tokens: int, platform: Platform | None = None) -> GemmTiles:
+    """Tiles of the quantized GEMMs for a batch of num_tokens rows on platform (default: current)."""
+    arch = (platform if platform is not None else current_platform()).arch
+    decode, prefill = _GEMM_TILES.get(arch, _GEMM_TILES["default"])
+    return decode if num_tokens <= 16 else prefill

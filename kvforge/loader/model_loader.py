@@ -12,6 +12,7 @@ from torch import nn
 from kvforge.config import ModelConfig
 from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
 from kvforge.models.registry import resolve_model_class
+from kvforge.quantization import process_weights_after_loading, quantize_model, resolve_quant_config
 from kvforge.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,17 +61,21 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
         tokenizer = Tokenizer.from_dir(str(path))
         weights = None
     model_class = resolve_model_class(hf_config)
+    quant_config = resolve_quant_config(hf_config, config.quantization)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the run dtype; rope tables stay fp32
     try:
         with torch.device(device):
             model = model_class(hf_config)
+            if quant_config is not None:
+                quantize_model(model, quant_config, from_float="quantization_config" not in hf_config)
     finally:
         torch.set_default_dtype(default_dtype)
     if weights is None:
         weights = iterate_safetensors(safetensors_files(path), dtype)
     model.load_weights(weights)
+    process_weights_after_loading(model)
     model.eval()
     logger.info("loaded %s (%s) as %s on %s", path.name, model_class.__name__, dtype, device)
     return LoadedModel(model, tokenizer, hf_config, dtype, str(path))

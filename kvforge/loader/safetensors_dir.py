@@ -37,11 +37,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iterate_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor in dtype) one tensor at a time, so peak memory stays near one tensor."""
+    """Yield (name, tensor) one tensor at a time, so peak memory stays near one tensor. Float tensors are
+    cast to dtype; integer ones (quantized codes) are kept as they are."""
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name).to(dtype)
+                    tensor = handle.get_tensor(name)
+                    yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
         except (OSError, SafetensorError) as err:
             raise ValueError(f"cannot read safetensors file {file}: {err}") from err

@@ -10,6 +10,7 @@ from torch import nn
 
 from kvforge.kernels import ops
 from kvforge.layers.attention import Attention, AttentionMetadata
+from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.linear import Linear
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
@@ -95,10 +96,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """Pre-norm attention and MLP with residuals; other families pass their own attention or MLP (MoE)."""
+
+    def __init__(
+        self, cfg: LlamaConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg) if self_attn is None else self_attn
+        self.mlp = LlamaMLP(cfg) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -127,6 +132,7 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    merged_params = _MERGED  # checkpoint tensors stacked into one parameter
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
@@ -134,13 +140,22 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(hf_config, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size])
+
+    def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:
+        """Decoder layer layer_idx (self.config is set); MoE families override it."""
+        return LlamaDecoderLayer(self.config)
 
     @property
     def num_kv_heads(self) -> int:
         return self.config.num_kv_heads
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Per token and layer, the paged cache keeps a key and a value of num_kv_heads x head_dim."""
+        return KVCacheSpec.key_value(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -165,24 +180,26 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            for fragment, (merged, shard) in _MERGED.items():
-                if fragment in name:
-                    layer_name, param_name = name.replace(fragment, merged).rsplit(".", 1)
-                    self.get_submodule(layer_name).load_shard(param_name, shard, tensor)
-                    missing.discard(f"{layer_name}.{param_name}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                if params[name].shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(params[name].shape)}"
-                    )
-                params[name].data.copy_(tensor)
-                missing.discard(name)
+            missing.discard(self.load_tensor(name, tensor, params))
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {sorted(missing)[:5]}")
+
+    def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
+        """Copy one checkpoint tensor (name without "model.") into place; returns the parameter filled."""
+        for fragment, (merged, shard) in self.merged_params.items():
+            if fragment in name:
+                layer_name, param_name = name.replace(fragment, merged).rsplit(".", 1)
+                self.get_submodule(layer_name).load_shard(param_name, shard, tensor)
+                return f"{layer_name}.{param_name}"
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        if params[name].shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(params[name].shape)}"
+            )
+        params[name].data.copy_(tensor)
+        return name
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
 
 from kvforge.llm import LLM
 from kvforge.sampling_params import SamplingParams
-
-from .conftest import API_KEY, MODEL_NAME, ServerThread, metric, wait_idle
+from tests.server.harness import API_KEY, MODEL_NAME, ServerThread, metric, wait_idle
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):\n    return"]
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir: Path) -> LLM:
-    return LLM(str(tiny_model_dir), kv_cache_memory="64MiB")
 
 
 def _stream_text(chunks: list, n: int = 1) -> tuple[list[str], list[str | None]]:
@@ -35,12 +27,12 @@ def _stream_text(chunks: list, n: int = 1) -> tuple[list[str], list[str | None]]
 
 def test_models_and_health(client: openai.OpenAI, tiny_server: ServerThread) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
-    assert httpx.get(f"{tiny_server.base_url}/health").status_code == 200
+    assert tiny_server.http.get("/health").status_code == 200
 
 
-def test_greedy_completions_equal_llm_generate(client: openai.OpenAI, llm: LLM) -> None:
+def test_greedy_completions_equal_llm_generate(client: openai.OpenAI, tiny_llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    expected = llm.generate(PROMPTS, params)
+    expected = tiny_llm.generate(PROMPTS, params)
     response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=12, temperature=0)
     assert [c.text for c in response.choices] == [o.outputs[0].text for o in expected]
     assert [c.index for c in response.choices] == [0, 1, 2]
@@ -55,10 +47,11 @@ def test_greedy_completions_equal_llm_generate(client: openai.OpenAI, llm: LLM) 
     assert one.choices[0].text == response.choices[1].text
 
 
-def test_greedy_chat_equals_llm_chat(client: openai.OpenAI, llm: LLM) -> None:
+def test_greedy_chat_equals_llm_chat(client: openai.OpenAI, tiny_llm: LLM) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a capital."}]
-    expected = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=10))[0]
-    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0)
+    expected = tiny_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=10))[0]
+    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10,
+                                              temperature=0)
     choice = response.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == expected.outputs[0].text
@@ -82,8 +75,10 @@ def test_streamed_chat_equals_non_streamed(client: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hello there"}], max_tokens=16,
                   temperature=0.8, seed=3, n=3)
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
-    roles = [(c.choices[0].index, c.choices[0].delta.role) for c in chunks if c.choices and c.choices[0].delta.role]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    roles = [(c.choices[0].index, c.choices[0].delta.role)
+             for c in chunks if c.choices and c.choices[0].delta.role]
     assert roles == [(0, "assistant"), (1, "assistant"), (2, "assistant")]
     texts, reasons = _stream_text(chunks[:-1], n=3)
     assert texts == [c.message.content for c in full.choices]
@@ -94,8 +89,8 @@ def test_streamed_chat_equals_non_streamed(client: openai.OpenAI) -> None:
 
 def test_seeds_are_reproducible(client: openai.OpenAI) -> None:
     def sample(seed: int) -> list[str]:
-        response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=16, temperature=1.0,
-                                             n=2, seed=seed)
+        response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=16,
+                                             temperature=1.0, n=2, seed=seed)
         return [c.text for c in response.choices]
 
     first = sample(11)
@@ -124,7 +119,8 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
                                          logprobs=3)
     logprobs = response.choices[0].logprobs
     assert len(logprobs.tokens) == response.usage.completion_tokens == 8
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+    rows = zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True)
+    for token, logprob, top in rows:
         assert 1 <= len(top) <= 4 and logprob <= 0.0  # fewer when tokens share a text
         assert logprob == pytest.approx(max(top.values()))  # greedy: the chosen token is the most likely
         assert top[token] == pytest.approx(logprob)
@@ -152,18 +148,22 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert entry.bytes == list(entry.token.encode())
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
-    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    def pairs(entries: list) -> list[tuple[str, float]]:
+        return [(e.token, round(e.logprob, 4)) for e in entries]
+
+    assert pairs(streamed) == pairs(content)
 
 
 def test_disconnected_clients_abort_their_requests(tiny_server: ServerThread) -> None:
-    url, headers = tiny_server.base_url, {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
-    wait_idle(url)
-    before = metric(url, "kvforge:generation_tokens_total")
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers) as response:
+    http, headers = tiny_server.http, {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0}
+    wait_idle(http)
+    before = metric(http, "kvforge:generation_tokens_total")
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-        httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=0.5)
-    wait_idle(url)
-    assert metric(url, "kvforge:generation_tokens_total") - before < 2 * 400, "the requests ran to the end"
+        http.post("/v1/completions", json=body, headers=headers, timeout=0.5)
+    wait_idle(http)
+    assert metric(http, "kvforge:generation_tokens_total") - before < 2 * 400, "the requests ran to the end"

@@ -1,0 +1,60 @@
+"""Quantized weights and activations: formats (GPTQ, AWQ, W8A8), their runtime, and the quantizers."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvforge.layers.linear import Linear
+from kvforge.quantization.config import QuantConfig, resolve_quant_config
+from kvforge.quantization.formats import AWQMethod, GPTQMethod
+from kvforge.quantization.linear_method import LinearMethod, RTNMethod
+from kvforge.quantization.w8a8 import W8A8Method
+
+# Layers that stay in float: the LM head (GPTQ and AWQ leave it unquantized too).
+_FLOAT_LAYERS = ("lm_head",)
+
+
+def linear_method(config: QuantConfig, from_float: bool) -> LinearMethod:
+    """The method of every quantized Linear of a model run with config."""
+    if config.method == "rtn":
+        return RTNMethod(config.bits, config.group_size, config.sym)
+    if config.method == "w8a8":
+        return W8A8Method(from_float=from_float, smoothquant=config.smoothquant)
+    if config.method == "gptq":
+        return GPTQMethod(config.bits, config.group_size, config.checkpoint_format)
+    return AWQMethod(config.bits, config.group_size)
+
+
+def quantizable_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, Linear]:
+    """name -> Linear of every layer a quantization applies to."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, Linear)
+        and name not in _FLOAT_LAYERS
+        and not any(part in name.split(".") for part in skip)
+    }
+
+
+def quantize_model(model: nn.Module, config: QuantConfig, from_float: bool) -> None:
+    """Give every quantizable Linear its method, before the checkpoint is loaded."""
+    method = linear_method(config, from_float)
+    for layer in quantizable_linears(model, config.modules_to_not_convert).values():
+        layer.set_quant_method(method)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Convert every quantized Linear's checkpoint tensors to its runtime layout."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)
+
+
+__all__ = [
+    "QuantConfig",
+    "linear_method",
+    "process_weights_after_loading",
+    "quantizable_linears",
+    "quantize_model",
+    "resolve_quant_config",
+]

@@ -1,0 +1,107 @@
+"""The interface between Linear and a quantization method, and the weight-only (W4A16, W8A16) runtime.
+
+A method owns a Linear's weight from construction to matmul:
+
+    create_weights(layer)                 register parameters in the checkpoint's layout
+    load_shard(layer, name, shard, t)     fill one shard of a (merged) layer; False: Linear's float path
+    process_weights_after_loading(layer)  convert to the runtime layout, drop the checkpoint tensors
+    apply(layer, x)                       y = x W^T + b
+
+Weight-only methods end in the same runtime whatever the checkpoint format: a QuantizedWeight handed
+to `install_weight_only`, which picks the fastest kernel for the layer's device.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvforge.kernels import ops
+from kvforge.kernels.quant_gemm import pack_codes
+from kvforge.quantization import cpu_gemm
+from kvforge.quantization.quantized_weight import QuantizedWeight, quantize_rtn
+
+if TYPE_CHECKING:
+    from kvforge.layers.linear import Linear
+
+
+class LinearMethod:
+    """Base of every quantization method; the float weight path is Linear's own."""
+
+    def create_weights(self, layer: Linear) -> None:
+        """Replace the float weight with the checkpoint's tensors (default: keep the float weight)."""
+
+    def load_shard(self, layer: Linear, param_name: str, shard: int, tensor: torch.Tensor) -> bool:
+        """Load a tensor this method owns; False hands it to Linear's float loading."""
+        return False
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class WeightOnlyMethod(LinearMethod):
+    """Weights quantized, activations in float: subclasses turn their tensors into a QuantizedWeight."""
+
+    def to_quantized_weight(self, layer: Linear) -> QuantizedWeight:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        install_weight_only(layer, self.to_quantized_weight(layer))
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
+        if layer.w_perm is not None:
+            rows = rows[:, layer.w_perm]
+        kernel = layer.quant_kernel
+        if kernel == "int8pack":
+            out = cpu_gemm.int8pack_linear(rows, layer.w_codes, layer.w_scales)
+        elif kernel == "int4pack":
+            out = cpu_gemm.int4pack_linear(rows, layer.w_packed, layer.w_scales_zeros, layer.group_size)
+        else:
+            out = ops.quant_gemm(rows, layer.w_codes, layer.w_scales, layer.w_zeros, layer.bits)
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class RTNMethod(WeightOnlyMethod):
+    """Round-to-nearest of a float checkpoint at load time (the `quantization=` engine option)."""
+
+    def __init__(self, bits: int, group_size: int, sym: bool) -> None:
+        self.bits, self.group_size, self.sym = bits, group_size, sym
+
+    def to_quantized_weight(self, layer: Linear) -> QuantizedWeight:
+        return quantize_rtn(layer.weight.data, self.bits, self.group_size, self.sym)
+
+
+def drop_parameters(layer: Linear, *names: str) -> None:
+    for name in names:
+        delattr(layer, name)
+
+
+def install_weight_only(layer: Linear, weight: QuantizedWeight) -> None:
+    """Store weight in the layout of the fastest kernel for the layer's device, drop the float weight."""
+    device, dtype = layer.param_device, layer.param_dtype
+    drop_parameters(layer, *[name for name, _ in layer.named_parameters(recurse=False) if name != "bias"])
+    layer.bits, layer.group_size = weight.bits, weight.group_size
+    layer.register_buffer("w_perm", None if weight.perm is None else weight.perm.to(device), persistent=False)
+    on_cpu = device.type == "cpu" and ops.get_backend() == "torch"
+    if on_cpu and cpu_gemm.int8pack_eligible(weight):
+        layer.quant_kernel = "int8pack"
+        codes, scales = cpu_gemm.prepack_int8(weight)
+        layer.register_buffer("w_codes", codes.to(device), persistent=False)
+        layer.register_buffer("w_scales", scales.to(device), persistent=False)
+    elif on_cpu and cpu_gemm.int4pack_eligible(weight):
+        layer.quant_kernel = "int4pack"
+        packed, scales_zeros = cpu_gemm.prepack_int4(weight)
+        layer.register_buffer("w_packed", packed.to(device), persistent=False)
+        layer.register_buffer("w_scales_zeros", scales_zeros.to(device), persistent=False)
+    else:
+        layer.quant_kernel = "generic"
+        layer.register_buffer("w_codes", pack_codes(weight.codes, weight.bits).to(device), persistent=False)
+        layer.register_buffer("w_scales", weight.scales.to(device, dtype).contiguous(), persistent=False)
+        layer.register_buffer("w_zeros", weight.zeros.to(device, dtype).contiguous(), persistent=False)

@@ -1,0 +1,139 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or not, with logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from kvforge.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvforge.server.errors import APIError
+from kvforge.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+)
+from kvforge.server.serving import (
+    ChoiceProgress,
+    RequestGroup,
+    ServerState,
+    max_tokens_in_context,
+    new_request_id,
+    sampling_params,
+    sse,
+    sse_response,
+    usage,
+)
+from kvforge.tokenizer import Tokenizer
+
+router = APIRouter()
+
+
+def _message_dict(message: ChatMessage) -> dict:
+    fields = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        fields["content"] = "\n".join(part.text for part in message.content)
+    return fields
+
+
+def _prompt_token_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    messages = [_message_dict(m) for m in body.messages]
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                             tokenize=True)
+    except (ValueError, TypeError, jinja2.TemplateError) as error:  # the template rejects the messages
+        raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
+
+
+def _check_fields(body: ChatCompletionRequest) -> None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, f"response_format {body.response_format.type!r} is not supported",
+                       param="response_format")
+
+
+def _num_logprobs(body: ChatCompletionRequest) -> int | None:
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, http_request: Request) -> Response:
+    state: ServerState = http_request.app.state.server
+    model = state.check_model(body.model)
+    _check_fields(body)
+    num_logprobs = _num_logprobs(body)
+    token_ids = _prompt_token_ids(state.engine.tokenizer, body)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(state, body, max_tokens_in_context(state, len(token_ids), requested),
+                             logprobs=num_logprobs)
+    request_id = new_request_id("chatcmpl")
+    group = RequestGroup(state)
+    await group.start(request_id, [(token_ids, params)])
+    if body.stream:
+        return sse_response(group, _stream(group, body, request_id, model))
+    (output,) = await group.final_outputs(http_request)
+    choices = [
+        ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                   logprobs=_logprobs(c, 0, num_logprobs))
+        for c in output.outputs
+    ]
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]))
+
+
+async def _stream(group: RequestGroup, body: ChatCompletionRequest, request_id: str,
+                  model: str) -> AsyncIterator[str]:
+    num_logprobs = _num_logprobs(body)
+
+    def chunk(choice: ChatChunkChoice) -> str:
+        return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]), exclude_none=True)
+
+    sent = [ChoiceProgress() for _ in range(body.n)]
+    final: RequestOutput | None = None
+    async for _, output in group.outputs():
+        final = output
+        for c in output.outputs:
+            if not sent[c.index].has_news(c):
+                continue
+            num_chars, num_tokens, first = sent[c.index].advance(c)
+            delta = DeltaMessage(role="assistant" if first else None, content=c.text[num_chars:])
+            yield chunk(ChatChunkChoice(index=c.index, delta=delta, finish_reason=c.finish_reason,
+                                        logprobs=_logprobs(c, num_tokens, num_logprobs)))
+    if body.include_usage_in_stream and final is not None:
+        yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage([final])),
+                  exclude_none=True)
+
+
+def _logprobs(completion: CompletionOutput, num_tokens: int, num_top: int | None) -> ChatLogprobs | None:
+    """The chat-style logprobs of the completion's tokens from num_tokens on."""
+    if num_top is None:
+        return None
+    # NOTE: the engine appends to this list as it runs; read only the tokens this output has.
+    positions = (completion.logprobs or [])[num_tokens : len(completion.token_ids)]
+    return ChatLogprobs(content=[_token_logprob(token_id, position, num_top)
+                                 for token_id, position in zip(completion.token_ids[num_tokens:], positions,
+                                                               strict=True)])
+
+
+def _token_logprob(token_id: int, position: PositionLogprobs, num_top: int) -> ChatTokenLogprob:
+    entry = position[token_id]
+    ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top),
+                    key=lambda lp: lp.rank)
+    top = [TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob, bytes=_bytes(lp.decoded_token))
+           for lp in ranked]
+    token = entry.decoded_token or ""
+    return ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=_bytes(token), top_logprobs=top)
+
+
+def _bytes(text: str | None) -> list[int]:
+    return list((text or "").encode("utf-8"))

@@ -1,0 +1,51 @@
+"""`kvforge serve`: load the model and serve it over the OpenAI-compatible HTTP API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from kvforge.config import parse_bytes
+from kvforge.engine_args import add_engine_arguments, build_engine_config, engine_kwargs_from_args
+
+API_KEY_ENV = "KVFORGE_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                       help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="names clients address the model by (default: the --model value, or the "
+                            "default model's file name)")
+    group.add_argument("--max-queue", type=int, default=1024,
+                       help="most sequences waiting for a batch slot; beyond it requests get 503")
+    group.add_argument("--max-request-size", default="16MiB",
+                       help="largest request body, e.g. 16MiB (larger ones get 413)")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvforge.engine.async_engine import AsyncEngine
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.server.app import ServerConfig, build_app
+
+    if not 0 <= args.port < 2**16:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    max_body_bytes = parse_bytes(args.max_request_size)
+    engine = LLMEngine(build_engine_config(**engine_kwargs_from_args(args)))
+    names = tuple(args.served_model_name or [args.model or Path(engine.model_name).stem])
+    config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=max_body_bytes)
+    app = build_app(AsyncEngine(engine, max_queue=args.max_queue), config)
+    print(f"kvforge: serving {', '.join(names)} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                access_log=args.access_log)
+    return 0

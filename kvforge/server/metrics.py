@@ -1,0 +1,105 @@
+"""Prometheus metrics on the server's own registry: engine gauges, token counters, latency histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvforge.engine.async_engine import EngineStats
+from kvforge.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_PER_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's latest stats snapshot at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+        self.get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.get_stats()
+        gauges = [
+            ("kvforge:num_requests_running", "Sequences in the running batch.", stats.num_running),
+            ("kvforge:num_requests_waiting", "Sequences waiting for a batch slot.", stats.num_waiting),
+            ("kvforge:kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).",
+             stats.kv_cache_usage),
+            ("kvforge:kv_cache_free_blocks", "Free KV cache blocks.", stats.num_free_blocks),
+            ("kvforge:kv_cache_total_blocks", "Usable KV cache blocks.", stats.num_usable_blocks),
+            ("kvforge:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up.",
+             stats.num_prefix_hit_tokens / max(stats.num_prefix_query_tokens, 1)),
+        ]
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(name, text, value=value)
+        counters = [
+            ("kvforge:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             stats.num_prefix_query_tokens),
+            ("kvforge:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             stats.num_prefix_hit_tokens),
+            ("kvforge:num_preemptions", "Sequences preempted (to be recomputed) for lack of KV blocks.",
+             stats.num_preemptions),
+        ]
+        for name, text, value in counters:
+            yield CounterMetricFamily(name, text, value=value)
+
+
+class ServerMetrics:
+    """All the server's metrics; `track` follows one engine request through its outputs."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(get_stats))
+        self.prompt_tokens = Counter("kvforge:prompt_tokens", "Prompt tokens of admitted requests.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("kvforge:generation_tokens", "Generated tokens.",
+                                         registry=self.registry)
+        self.requests = Counter("kvforge:request_success", "Finished sequences (samples) by finish reason.",
+                                ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("kvforge:time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("kvforge:time_per_output_token_seconds",
+                              "Mean time between output tokens of a request, after the first.",
+                              buckets=_PER_TOKEN_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kvforge:e2e_request_latency_seconds", "Arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self, num_prompt_tokens: int) -> RequestTracker:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Counts a request's new tokens as its outputs arrive; observes its latencies once it finishes."""
+
+    __slots__ = ("metrics", "num_tokens")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.num_tokens = 0
+
+    def update(self, output: RequestOutput) -> None:
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        self.metrics.generation_tokens.inc(num_tokens - self.num_tokens)
+        self.num_tokens = num_tokens
+        if not output.finished:
+            return
+        for completion in output.outputs:
+            self.metrics.requests.labels(finished_reason=completion.finish_reason).inc()
+        times = output.metrics
+        arrival, end = times["arrival_time"], times["now"]
+        self.metrics.e2e.observe(end - arrival)
+        first = times.get("first_token_time")
+        if first is None:
+            return
+        self.metrics.ttft.observe(first - arrival)
+        num_decoded = max(len(c.token_ids) for c in output.outputs) - 1
+        if num_decoded > 0:
+            self.metrics.tpot.observe((end - first) / num_decoded)

@@ -1,0 +1,220 @@
+"""What completions and chat completions share: validation, admission, output streams, SSE, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+
+from kvforge.engine.async_engine import AsyncEngine, RequestStream
+from kvforge.outputs import CompletionOutput, RequestOutput
+from kvforge.sampling_params import SamplingParams
+from kvforge.server.errors import APIError, as_api_error, error_body
+from kvforge.server.metrics import RequestTracker, ServerMetrics
+from kvforge.server.protocol import PromptTokensDetails, SamplingRequest, Usage
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What every route needs, held in `app.state.server`."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_names: tuple[str, ...]  # the first one is the name /v1/models lists first
+    vocab_size: int
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request asked for (None: the default); 404 for any other."""
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{list(self.model_names)}", param="model", code="model_not_found")
+        return name
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(state: ServerState, request: SamplingRequest, max_tokens: int,
+                    **extra: object) -> SamplingParams:
+    """SamplingParams from the request's fields; 400 with the engine's message for a bad value."""
+    if request.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    bad_ids = [t for t in request.stop_token_ids or [] if not 0 <= t < state.vocab_size]
+    if bad_ids:
+        raise APIError(400, f"stop_token_ids must be in [0, {state.vocab_size}), got {bad_ids}",
+                       param="stop_token_ids")
+    try:
+        return SamplingParams(
+            n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            min_p=request.min_p, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+            seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop or [],
+            stop_token_ids=request.stop_token_ids or [], ignore_eos=request.ignore_eos,
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output, **extra,
+        )
+    except ValueError as error:
+        raise APIError(400, str(error)) from error
+
+
+def max_tokens_in_context(state: ServerState, num_prompt_tokens: int, requested: int | None) -> int:
+    """The tokens to generate: as requested (400 if prompt + output would not fit the context), or
+    as many as fit when not given."""
+    max_model_len = state.engine.max_model_len
+    if num_prompt_tokens == 0:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if requested is not None and requested < 1:
+        raise APIError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
+    room = max_model_len - num_prompt_tokens
+    if room < 1 or (requested is not None and requested > room):
+        asked = f"{num_prompt_tokens} in the prompt"
+        if requested is not None:
+            asked += f", {requested} to generate"
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the request "
+                            f"needs more ({asked}); shorten the prompt or lower max_tokens",
+                       param="max_tokens")
+    return room if requested is None else requested
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt), their metrics, and their outputs."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.streams: list[RequestStream] = []
+        self.trackers: list[RequestTracker] = []
+
+    async def start(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]) -> None:
+        """Queue every prompt at once; if any is refused, abort the others and raise its error."""
+        engine = self.state.engine
+        results = await asyncio.gather(
+            *(engine.add_request(f"{request_id}-{i}", {"prompt_token_ids": token_ids}, params)
+              for i, (token_ids, params) in enumerate(prompts)),
+            return_exceptions=True,
+        )
+        self.streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.abort()
+            if not isinstance(errors[0], Exception):
+                raise errors[0]
+            raise as_api_error(errors[0]) from errors[0]
+        self.trackers = [self.state.metrics.track(len(token_ids)) for token_ids, _ in prompts]
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as they come, until every request has finished."""
+        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    index = pending.pop(task)
+                    output = task.result()
+                    self.trackers[index].update(output)
+                    if not output.finished:
+                        pending[asyncio.ensure_future(anext(self.streams[index]))] = index
+                    yield index, output
+        finally:
+            for task in pending:
+                task.cancel()
+            self.abort()
+
+    async def final_outputs(self, http_request: Request) -> list[RequestOutput]:
+        """Every request's finished output; aborts them all if the client disconnects first."""
+        collect = asyncio.ensure_future(self._collect())
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(http_request))
+        await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        disconnected.cancel()
+        if not collect.done():
+            collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)
+            raise APIError(499, "the client closed the request")
+        try:
+            return collect.result()
+        except Exception as error:
+            raise as_api_error(error) from error
+
+    async def _collect(self) -> list[RequestOutput]:
+        latest: dict[int, RequestOutput] = {}
+        async for index, output in self.outputs():
+            latest[index] = output
+        return [latest[index] for index in range(len(self.streams))]
+
+
+async def _wait_for_disconnect(http_request: Request) -> None:
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass(slots=True)
+class ChoiceProgress:
+    """How much of one choice a stream has sent. A chunk goes out for every new token (its text may
+    be empty: held back, or a special token), so clients see each token's timing."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    started: bool = False
+    finished: bool = False
+
+    def has_news(self, completion: CompletionOutput) -> bool:
+        return not self.finished and (completion.finished or len(completion.token_ids) > self.num_tokens)
+
+    def advance(self, completion: CompletionOutput) -> tuple[int, int, bool]:
+        """Mark the completion as sent; returns the characters and tokens sent before, and whether
+        this is the choice's first chunk."""
+        before = (self.num_chars, self.num_tokens, not self.started)
+        self.num_chars, self.num_tokens = len(completion.text), len(completion.token_ids)
+        self.started, self.finished = True, completion.finished
+        return before
+
+
+def sse(payload: BaseModel | dict, exclude_none: bool = False) -> str:
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude_none=exclude_none)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def sse_response(group: RequestGroup, events: AsyncIterator[str]) -> Response:
+    """Stream events, then `data: [DONE]`; an error mid-stream becomes an OpenAI error event.
+
+    The background task aborts whatever is still running once the response ends, however it ends
+    (a disconnected client included)."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as error:
+            api_error = as_api_error(error)
+            yield sse(error_body(api_error.status, api_error.message, api_error.param, api_error.code))
+            return
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(group.abort),
+                             headers={"Cache-Control": "no-cache"})
+
+
+def usage(outputs: list[RequestOutput]) -> Usage:
+    """Token counts over all prompts of a request (each prompt counted once, whatever n)."""
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_cached = sum(o.num_cached_tokens for o in outputs)
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                 total_tokens=num_prompt + num_completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))

@@ -1,0 +1,74 @@
+"""Test helpers: the real app served by uvicorn in a thread, the tiny model, and /metrics readers."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from kvforge.engine.async_engine import AsyncEngine
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine_args import build_engine_config
+from kvforge.server.app import ServerConfig, build_app
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """The app of an AsyncEngine served by uvicorn in a daemon thread, until stop()."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        app = build_app(engine, config)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.http = httpx.Client(base_url=self.base_url, timeout=60)  # one connection pool: fast
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_tiny_server(model_dir: Path, max_queue: int = 1024, api_key: str | None = API_KEY,
+                      **engine_kwargs: object) -> ServerThread:
+    engine = LLMEngine(build_engine_config(model=str(model_dir), kv_cache_memory="64MiB", **engine_kwargs))
+    config = ServerConfig((MODEL_NAME,), api_key=api_key)
+    return ServerThread(AsyncEngine(engine, max_queue=max_queue), config)
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    """One sample of /metrics, by its exposed name (e.g. 'kvforge:kv_cache_free_blocks')."""
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> None:
+    """Wait until no sequence runs or waits, then check every KV block is free again."""
+    deadline = time.monotonic() + timeout
+    while metric(http, "kvforge:num_requests_running") + metric(http, "kvforge:num_requests_waiting"):
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)
+    free = metric(http, "kvforge:kv_cache_free_blocks")
+    assert free == metric(http, "kvforge:kv_cache_total_blocks"), "KV blocks leaked"
