@@ -82,7 +82,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_ARG_NAMES = (
     "model", "dtype", "max_model_len", "quantization", "block_size", "kv_cache_memory",
-    "gpu_memory_utilization", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+    "gpu_memory_utilization", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
+    "long_prefill_token_threshold",
     "tensor_parallel_size", "device", "attention_backend",
 )
 
