@@ -95,7 +95,8 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--log-level", default="INFO",
+                        help="kvforge's log level: DEBUG, INFO (default: model, cache size, backend), WARNING, ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="complete prompts (as a chat by default)",
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(module_parsers[found[0]])
     args = parser.parse_args(argv)
     handler = module.run if found is not None else args.handler
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvforge").setLevel(args.log_level.upper())
     try:
         return handler(args)
     except ValueError as err:
