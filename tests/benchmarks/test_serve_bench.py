@@ -61,7 +61,7 @@ def test_workload_file_at_a_poisson_rate_and_chat(server: ServerThread, model_di
 
 def test_failures_are_counted(server: ServerThread, tmp_path: Path) -> None:
     code, result = _bench(server, tmp_path, "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
-                          "--random-token-range", "10", "300", "--model", "no-such-model")
+                          "--random-token-range", "10", "300", "--model", "no-such-model", "--num-warmups", "0")
     assert code == 1 and result["failed"] == 2 and "404" in result["errors"][0]
 
 
