@@ -142,3 +142,18 @@ def test_sampling_follows_the_distribution():
     tokens = _sample(probs, [None] * 20000)
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     assert freq[1] == 0 and torch.allclose(freq, probs[0], atol=0.015)
+
+
+def test_streamed_text_never_shows_what_a_stop_string_removes(tiny_llm):
+    engine = tiny_llm.engine
+    base = tiny_llm.generate("Paris is the", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    text = base.outputs[0].text
+    stop = text[4:9]
+    engine.add_request("held", "Paris is the", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                                stop=[stop]))
+    shown = []
+    while engine.has_unfinished_requests():
+        shown += [o.outputs[0].text for o in engine.step()]
+    final = shown[-1]
+    assert final == text[: text.index(stop)]
+    assert all(final.startswith(partial) for partial in shown)

@@ -20,6 +20,9 @@ from kvforge import LLM, SamplingParams
         ({"n": 0}, "n must be"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"logprobs": 50}, "logprobs"),
+        ({"seed": 2**64}, "seed"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):
@@ -34,6 +37,8 @@ def test_empty_and_too_long_prompts_rejected_without_losing_others(tiny_llm):
         tiny_llm.generate([{"prompt_token_ids": [5] * 600}])
     with pytest.raises(ValueError, match="token ids must be integers"):
         tiny_llm.generate([{"prompt_token_ids": [10**7]}])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        tiny_llm.generate(["fine"], SamplingParams(stop_token_ids=[10**9], min_tokens=2))
     with pytest.raises(ValueError, match="empty"):
         tiny_llm.generate(["fine prompt", ""])  # the first was accepted, then withdrawn
     assert not tiny_llm.engine.has_unfinished_requests()

@@ -53,4 +53,4 @@ class IncrementalDetokenizer:
         """The text safe to show: all of it once finished, else without a possible stop-string start."""
         if finished or not self.stop:
             return self.text
-        return self.text[: len(self.text) - self.holdback]
+        return self.text[: max(len(self.text) - self.holdback, 0)]

@@ -114,6 +114,9 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but this engine fits at most "
                 f"{self.max_model_len - 1} prompt tokens (max model len {self.max_model_len})"
             )
+        vocab_size = self.runner.model.config.vocab_size
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab_size}: {params.stop_token_ids}")
         samples = []
         for index in range(params.n):
             child_params = params

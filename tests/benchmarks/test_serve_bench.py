@@ -63,6 +63,9 @@ def test_failures_are_counted(server: ServerThread, tmp_path: Path) -> None:
     code, result = _bench(server, tmp_path, "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
                           "--random-token-range", "10", "300", "--model", "no-such-model", "--num-warmups", "0")
     assert code == 1 and result["failed"] == 2 and "404" in result["errors"][0]
+    # With the default warm-up request, the run stops before timing anything.
+    assert main(["bench", "serve", "--base-url", f"{server.base_url}/v1", "--api-key", API_KEY,
+                 "--model", "no-such-model", "--num-prompts", "2"]) == 2
 
 
 def test_seeded_workloads_repeat(tmp_path: Path) -> None:
