@@ -19,6 +19,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: dict[str, list[int]] = {}
+        self.num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,8 +75,11 @@ class KVCacheManager:
         self.block_tables[request.request_id] = table
         if self.enable_prefix_caching:
             num_full = (num_computed + num_new_tokens) // self.block_size
-            for block_id, block_hash in zip(table[:num_full], self._hashes(request, num_full)):
+            first = self.num_registered.get(request.request_id, 0)
+            hashes = self._hashes(request, num_full)
+            for block_id, block_hash in zip(table[first:num_full], hashes[first:]):
                 self.pool.cache_block(block_id, block_hash)
+            self.num_registered[request.request_id] = max(first, num_full)
         return True
 
     def free(self, request: Request) -> None:
@@ -83,3 +87,4 @@ class KVCacheManager:
         table = self.block_tables.pop(request.request_id, [])
         self.pool.free(reversed(table))
         self.block_hashes.pop(request.request_id, None)
+        self.num_registered.pop(request.request_id, None)
