@@ -62,6 +62,8 @@ def main() -> None:
         ("W4A16 GPTQ g64 act-order", {"model": str(root / "gptq")}),
         ("W4A16 AWQ g64", {"model": str(root / "awq")}),
         ("W8A8 (dynamic per-token)", {"quantization": "w8a8"}),
+        ("GGUF Q4_1 kept quantized", {"quantization": "gguf"}),
+        ("FP8 e4m3 per channel", {"quantization": "fp8"}),
     ]
     token_ids = None
     print(

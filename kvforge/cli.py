@@ -20,6 +20,7 @@ _BENCHMARKS = {
 }
 _SERVE_MODULE = "kvforge.server.cli"
 _QUANTIZE_MODULE = "kvforge.quantization.cli"
+_PLAN_MODULE = "kvforge.plan.cli"
 _EVALS = {"perplexity": ("kvforge.eval.perplexity", "perplexity of a text, with a sliding window")}
 
 
@@ -124,6 +125,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     module_parsers[("quantize", None)] = commands.add_parser(
         "quantize", help="write a quantized checkpoint (rtn, gptq, awq, w8a8)",
         description="Quantize a float model and write a checkpoint folder.")
+    module_parsers[("plan", None)] = commands.add_parser(
+        "plan", help="memory and speed of each tensor x pipeline split over N devices",
+        description="Estimate memory per device and roofline speed for each TP x PP split, and pick one.")
     evals = commands.add_parser("eval", help="evaluations").add_subparsers(dest="evaluation", required=True)
     module_parsers.update({("eval", name): evals.add_parser(name, help=text, description=text)
                            for name, (_, text) in _EVALS.items()})
@@ -139,6 +143,8 @@ def _module_of(argv: list[str]) -> tuple[tuple, str] | None:
         return ("bench", words[1]), _BENCHMARKS[words[1]][0]
     if words[:1] == ["quantize"]:
         return ("quantize", None), _QUANTIZE_MODULE
+    if words[:1] == ["plan"]:
+        return ("plan", None), _PLAN_MODULE
     if words[:1] == ["eval"] and len(words) > 1 and words[1] in _EVALS:
         return ("eval", words[1]), _EVALS[words[1]][0]
     return None

@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_QUANTIZATIONS = ("w8a16", "w4a16", "w8a8")
+_KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+_QUANTIZATIONS = ("w8a16", "w4a16", "w8a8", "fp8", "gguf")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -33,7 +34,9 @@ class ModelConfig:
     model: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
-    quantization: str | None = None  # quantize a float checkpoint at load time: w8a16, w4a16 or w8a8
+    # quantize a float checkpoint at load time (w8a16, w4a16, w8a8, fp8), or keep a GGUF file's
+    # Q8_0/Q4_0/Q4_1 linear weights quantized instead of dequantizing them (gguf)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -46,12 +49,14 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV cache: block size, byte budget (None = automatic) and prefix caching."""
+    """Paged KV cache: block size, byte budget (None = automatic), prefix caching, and what a cached key
+    or value is stored as: the model dtype ("auto"), or int8 / fp8 codes with a scale per token and head."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -60,6 +65,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +86,20 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
+    """Ranks that split each layer (tensor parallel) times stages that split the layer stack."""
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ValueError("tensor/pipeline parallelism is not available yet; use size 1")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,10 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes when running tensor or pipeline parallel (else nothing)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

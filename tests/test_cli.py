@@ -19,6 +19,16 @@ def test_generate_on_a_checkpoint_folder(tiny_llama_dir):
     assert result.stdout.count("--- ") == 2
 
 
+def test_generate_with_an_int8_kv_cache(tiny_llama_dir):
+    result = _kvforge("generate", "--model", str(tiny_llama_dir[0]), "--kv-cache-memory", "8MiB",
+                      "--kv-cache-dtype", "int8", "--max-tokens", "8", "--ignore-eos", "The quick brown")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "KV cache (int8, 160 bytes/token)" in result.stderr  # vs 512 bytes a token in float32
+    bad = _kvforge("generate", "--model", str(tiny_llama_dir[0]), "--kv-cache-dtype", "int4", "hi")
+    assert bad.returncode == 2 and "--kv-cache-dtype: invalid choice: 'int4'" in bad.stderr
+
+
 def test_chat_with_messages(tiny_llama_dir):
     result = _kvforge("chat", "--model", str(tiny_llama_dir[0]), "--kv-cache-memory", "8MiB", "--max-tokens",
                       "4", "--message", "hello", "--message", "again")

@@ -151,7 +151,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer  # thread-safe: encoding and decoding only
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
-        self.vocab_size = engine.runner.model.config.vocab_size
+        self.vocab_size = engine.vocab_size
         self.max_queue = max_queue
         self.stats = EngineStats.of(engine)
         self.error: BaseException | None = None

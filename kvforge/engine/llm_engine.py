@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -14,12 +15,9 @@ from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from kvforge.executor.device import resolve_device
-from kvforge.executor.kv_cache_memory import kv_cache_budget, num_blocks_for_budget
+from kvforge.executor.executor import create_executor
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
-from kvforge.kernels import ops
 from kvforge.layers.sampler import RawLogprobs
-from kvforge.loader.model_loader import load_model
 from kvforge.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -58,32 +56,43 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        self.device = resolve_device(config.device)
-        backend = config.device.attention_backend
-        if backend == "auto" and self.device.type == "cpu":
-            backend = "torch"  # a GPU machine told to run on its CPU
-        self.attention_backend = ops.set_backend(None if backend == "auto" else backend)
-        loaded = load_model(config.model, self.device)
+        self.executor = create_executor(config)
+        worker = self.executor.worker
+        loaded = worker.loaded
+        self.device = worker.device
+        self.attention_backend = worker.attention_backend
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.hf_config = loaded.hf_config
         model_cfg = loaded.model.config
-        bytes_per_token = loaded.model.kv_cache_spec.bytes_per_token(loaded.dtype)
-        block_size = config.cache.block_size
-        budget = kv_cache_budget(config.cache.kv_cache_memory, self.device, config.cache.gpu_memory_utilization)
-        num_blocks = num_blocks_for_budget(budget, block_size, bytes_per_token)
+        self.vocab_size = model_cfg.vocab_size
+        bytes_per_token = worker.bytes_per_token
+        num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        self.runner = ModelRunner(loaded.model, num_blocks, block_size, loaded.dtype, self.device)
+        self.in_flight: deque[SchedulerOutput] = deque()
         self.max_model_len = min(config.model.max_model_len or model_cfg.max_position,
                                  model_cfg.max_position, self.kv_cache_manager.capacity_tokens)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
         logger.info("attention backend: %s", self.attention_backend)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); max model len %d",
-                    num_blocks - 1, block_size, self.kv_cache_manager.capacity_tokens,
-                    num_blocks * block_size * bytes_per_token / 2**20, self.max_model_len)
+        kv_dtype = config.cache.kv_cache_dtype
+        if kv_dtype == "auto":
+            kv_dtype = str(loaded.dtype).removeprefix("torch.")
+        logger.info("KV cache (%s, %d bytes/token): %d blocks of %d tokens = %d tokens (%.1f MiB per rank); "
+                    "max model len %d", kv_dtype, bytes_per_token, num_blocks - 1, block_size,
+                    self.kv_cache_manager.capacity_tokens, num_blocks * block_size * bytes_per_token / 2**20,
+                    self.max_model_len)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner of this process's rank (the whole model on one device)."""
+        return self.executor.worker.runner
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes (if any). The engine cannot step afterwards."""
+        self.executor.shutdown()
 
     # ---- requests in ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -96,7 +105,7 @@ class LLMEngine:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        vocab_size = self.runner.model.config.vocab_size
+        vocab_size = self.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
         return None, list(prompt)
@@ -114,7 +123,7 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but this engine fits at most "
                 f"{self.max_model_len - 1} prompt tokens (max model len {self.max_model_len})"
             )
-        vocab_size = self.runner.model.config.vocab_size
+        vocab_size = self.vocab_size
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab_size}: {params.stop_token_ids}")
         samples = []
@@ -158,15 +167,29 @@ class LLMEngine:
             scheduled = ScheduledRequest(request.request_id, token_ids, 0,
                                          self.kv_cache_manager.get_block_table(request.request_id),
                                          request.sampling_params, token_ids, [], False, [])
-            return self.runner.logits_of_all_tokens(SchedulerOutput(scheduled=[scheduled]))
+            if self.in_flight:
+                raise ValueError("cannot score while steps are in flight; call step() until they finish")
+            return self.executor.score(SchedulerOutput(scheduled=[scheduled]))
         finally:
             self.kv_cache_manager.free(request)
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, and return outputs for every request that advanced."""
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        """Schedule one batch, run it, and return outputs for every request that advanced.
+
+        With pipeline parallelism, up to pp_size batches of different requests are submitted before
+        the oldest is collected, so every stage has work; a step returns the oldest batch's outputs."""
+        while len(self.in_flight) < self.executor.max_in_flight:
+            busy = {s.request_id for out in self.in_flight for s in out.scheduled}
+            scheduler_output = self.scheduler.schedule(busy)
+            if self.in_flight and not scheduler_output.scheduled and not scheduler_output.finished_request_ids:
+                break
+            self.executor.submit(scheduler_output)
+            self.in_flight.append(scheduler_output)
+            if not scheduler_output.scheduled:
+                break
+        scheduler_output = self.in_flight.popleft()
+        runner_output = self.executor.collect()
         self.scheduler.update_after_step(scheduler_output)
         touched = {s.request_id.rsplit("#", 1)[0] for s in scheduler_output.scheduled}
         self._apply(runner_output)
@@ -183,12 +206,14 @@ class LLMEngine:
     def _apply(self, out: ModelRunnerOutput) -> None:
         requests = self.scheduler.requests
         for request_id, (start, chunk) in out.prompt_logprobs.items():
-            request = requests[request_id]
-            if start == len(request.prompt_logprobs):  # not a recompute after preemption
+            request = requests.get(request_id)
+            if request is not None and start == len(request.prompt_logprobs):  # not a recompute after preemption
                 request.prompt_logprobs.extend(self._logprob_dicts(chunk))
         finished: dict[RequestStatus, list[str]] = {}
         for request_id, token_id in out.sampled_token_ids.items():
-            request = requests[request_id]
+            request = requests.get(request_id)
+            if request is None:  # aborted while its step was in flight
+                continue
             request.append_output_token(token_id)
             if request.logprobs is not None:
                 request.logprobs.extend(self._logprob_dicts([out.logprobs[request_id]]))

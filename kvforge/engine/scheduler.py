@@ -83,8 +83,10 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         return min(num_new, threshold) if threshold > 0 else num_new
 
-    def _preempt_newest(self, output: SchedulerOutput) -> Request:
-        victim = self.running.pop()
+    def _preempt_newest(self, output: SchedulerOutput, busy: set[str]) -> Request:
+        """Free the newest running request that is not in a step in flight (the caller is not)."""
+        index = max(i for i, r in enumerate(self.running) if r.request_id not in busy)
+        victim = self.running.pop(index)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -116,13 +118,16 @@ class Scheduler:
         eos = [] if params.ignore_eos else list(request.eos_token_ids)
         return eos + params.stop_token_ids
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, busy: set[str]) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.request_id in busy:
+                index += 1
+                continue
             num_new = self._chunk(request, budget)
             while not self.kv.allocate_slots(request, num_new):
-                if self._preempt_newest(output) is request:
+                if self._preempt_newest(output, busy) is request:
                     return budget
             self._emit(output, request, num_new)
             budget -= num_new
@@ -147,11 +152,14 @@ class Scheduler:
             self._emit(output, request, num_new)
             budget -= num_new
 
-    def schedule(self) -> SchedulerOutput:
-        """Build one step. Invariant: every scheduled request has blocks for all its new tokens."""
+    def schedule(self, busy: set[str] | frozenset[str] = frozenset()) -> SchedulerOutput:
+        """Build one step. Invariant: every scheduled request has blocks for all its new tokens.
+
+        busy: requests in a step still in flight (pipeline parallelism); they are neither scheduled
+        nor preempted until its result is back."""
         output = SchedulerOutput(finished_request_ids=self.finished_ids)
         self.finished_ids = []
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, set(busy))
         if not output.preempted_request_ids:
             self._schedule_waiting(output, budget)
         return output

@@ -8,8 +8,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvforge.distributed.communicator import recv_tensor, send_tensor
+from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvforge.layers.attention import AttentionMetadata
+from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
 
 
@@ -34,15 +37,23 @@ class _Batch:
 
 
 class ModelRunner:
-    """Owns the model and its KV cache tensors: per layer, the tensors the model's kv_cache_spec names."""
+    """Owns the model and its KV cache tensors: per layer, the tensors the model's kv_cache_spec names.
+
+    Under pipeline parallelism a stage receives the previous stage's (hidden, residual) and sends its
+    own on; under tensor parallelism every rank of the last stage computes the (gathered) logits and
+    only the first one samples. execute() returns the sampled tokens on that rank, None elsewhere."""
 
     def __init__(
-        self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        kv_cache_spec: KVCacheSpec | None = None,
     ) -> None:
         self.model = model
         self.device = device
+        self.dtype = dtype
+        self.parallel = get_parallel_state()
         self.block_size = block_size
-        self.kv_caches = model.kv_cache_spec.allocate(num_blocks, block_size, dtype, device)
+        # kv_cache_spec: the model's, or the same stored as int8 / fp8 codes (KVCacheSpec.with_kv_cache_dtype)
+        self.kv_caches = (kv_cache_spec or model.kv_cache_spec).allocate(num_blocks, block_size, dtype, device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 
@@ -118,28 +129,48 @@ class ModelRunner:
             result[request_id] = (first_pos + 1, compute_logprobs(logits, targets, num_logprobs))
         return result
 
-    def _forward(self, output: SchedulerOutput) -> tuple[_Batch, torch.Tensor]:
+    def _forward(self, output: SchedulerOutput) -> tuple[_Batch, torch.Tensor | None]:
+        """The final hidden states [num_tokens, hidden] on the last pipeline stage, None before it."""
         batch = self._prepare(output)
-        return batch, self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        state = self.parallel
+        intermediate = None
+        if not state.is_first_stage:
+            shape = (batch.input_ids.shape[0], self.model.config.hidden_size)
+            src = state.stage_rank(state.pp_rank - 1)
+            intermediate = tuple(recv_tensor(state, shape, self.dtype, self.device, src) for _ in range(2))
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, intermediate)
+        if state.is_last_stage:
+            return batch, hidden
+        for tensor in hidden:  # (hidden, residual) to the next stage
+            send_tensor(state, tensor, state.stage_rank(state.pp_rank + 1))
+        return batch, None
 
     @torch.inference_mode()
-    def logits_of_all_tokens(self, output: SchedulerOutput) -> torch.Tensor:
+    def logits_of_all_tokens(self, output: SchedulerOutput) -> torch.Tensor | None:
         """fp32 logits at every scheduled token: [num_tokens, vocab]. Nothing is sampled."""
-        return self.model.compute_logits(self._forward(output)[1])
+        hidden = self._forward(output)[1]
+        return None if hidden is None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. The only host sync is reading back the sampled ids (and logprobs if asked)."""
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
-        result = ModelRunnerOutput()
+        samples = self.parallel.rank == self.parallel.sampler_rank
+        result = ModelRunnerOutput() if samples else None
         if not output.scheduled:
             return result
         batch, hidden = self._forward(output)
+        if hidden is None:
+            return result
         if batch.prompt_rows:
-            result.prompt_logprobs = self._prompt_logprobs(hidden, batch, output.scheduled)
+            prompt_logprobs = self._prompt_logprobs(hidden, batch, output.scheduled)
+            if samples:
+                result.prompt_logprobs = prompt_logprobs
         if batch.sample_rows:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            logits = self.model.compute_logits(hidden[batch.sample_rows])  # collective under tensor parallel
+            if not samples:
+                return result
             token_ids, logprobs = self.sampler(logits, self._sampling_batch(batch.sample_requests))
             for i, s in enumerate(batch.sample_requests):
                 result.sampled_token_ids[s.request_id] = token_ids[i]

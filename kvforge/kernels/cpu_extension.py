@@ -1,12 +1,14 @@
 """The C++ CPU kernels (csrc/), compiled once per machine on first use and cached by torch.
 
 Without a C++ compiler or ninja, `cpu_kernels()` returns None and the caller keeps its pure-torch
-path; the reason is logged once.
+path; the reason is logged once. paged_decode.cpp binds its functions on the returned module;
+quant_gemv.cpp registers torch ops (`torch.ops.kvforge_cpu.*`), available once the module is loaded.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -14,7 +16,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "quant_gemv.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
@@ -27,12 +29,15 @@ def cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         logger.info("loading the CPU kernels (the first use on a machine compiles them, ~1 min)")
+        # NOTE: a digest of the sources in the name: two checkouts with different kernels never share (and
+        # rebuild over each other) one build folder, nor load each other's module.
+        digest = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES)).hexdigest()[:12]
         return load(
-            name="kvforge_cpu_kernels",
+            name=f"kvforge_cpu_kernels_{digest}",
             sources=[str(s) for s in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             verbose=False,
         )
     except (OSError, RuntimeError, ImportError) as err:
-        logger.warning("CPU kernels unavailable (%s); using the torch attention path", err)
+        logger.warning("CPU kernels unavailable (%s); using the torch attention and quantized-matmul paths", err)
         return None

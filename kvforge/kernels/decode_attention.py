@@ -24,11 +24,12 @@ from kvforge.kernels.tuning import DecodeTiles
 @jit
 def _decode_kernel(
     out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    query_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -58,10 +59,11 @@ def _decode_kernel(
     for start in range(key_start, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < key_end
-        k, v = load_kv_tiles(key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, keys, key_mask,
-                             dims, dim_mask, stride_cb, stride_cs, stride_ch, PAGE_SIZE)  # fmt: skip
+        k, v = load_kv_tiles(key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, block_table_ptr,
+                             kv_head, keys, key_mask, dims, dim_mask, stride_cb, stride_cs, stride_ch,
+                             stride_sb, stride_ss, PAGE_SIZE, QUANTIZED)  # fmt: skip
         visible = key_mask[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -104,6 +106,8 @@ def launch_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -113,7 +117,7 @@ def launch_decode(
     upcast: bool,
 ) -> None:
     """Attention rows of the sequences with one query; inputs already checked by the caller (the key
-    and value caches share strides)."""
+    and value caches share strides, and so do the scales of a quantized cache, None otherwise)."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -124,14 +128,18 @@ def launch_decode(
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
     partial_sum = torch.empty_like(partial_max)
     partial_acc = torch.empty((*partial_shape, head_dim_p), dtype=torch.float32, device=query.device)
+    quantized = key_scale is not None
+    if not quantized:  # NOTE: the caches stand in for the scale pointers, which are never read
+        key_scale, value_scale = key_cache, value_cache
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, partial_acc, partial_max, partial_sum,
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, qk_scale,
+        query, key_cache, value_cache, key_scale, value_scale, block_tables, query_start_loc, seq_lens, qk_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_scale.stride(0), key_scale.stride(1),
+        block_tables.stride(0),
         GROUP=group, BLOCK_G=max(next_power_of_2(group), 16), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         PAGE_SIZE=key_cache.shape[1], BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
-        UPCAST=upcast, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        UPCAST=upcast, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, QUANTIZED=quantized,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:

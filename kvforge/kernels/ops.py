@@ -81,15 +81,21 @@ def _(x: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@torch.library.custom_op("kvforge::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
+@torch.library.custom_op(
+    "kvforge::reshape_and_cache", mutates_args=("key_cache", "value_cache", "key_scale", "value_scale")
+)
 def _reshape_and_cache_op(
-    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
-) -> None:
-    reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
+    key_scale: Tensor | None = None, value_scale: Tensor | None = None,
+) -> None:  # fmt: skip
+    reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale)
 
 
 @_reshape_and_cache_op.register_fake
-def _(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
+def _(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
+    key_scale: Tensor | None = None, value_scale: Tensor | None = None,
+) -> None:  # fmt: skip
     return None
 
 
@@ -102,9 +108,11 @@ def _paged_attention_op(
     query_start_loc: Tensor,
     seq_lens: Tensor,
     scale: float,
+    key_scale: Tensor | None = None,
+    value_scale: Tensor | None = None,
 ) -> Tensor:
     return paged_attention_triton(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, key_scale, value_scale
     )
 
 
@@ -117,6 +125,8 @@ def _(
     query_start_loc: Tensor,
     seq_lens: Tensor,
     scale: float,
+    key_scale: Tensor | None = None,
+    value_scale: Tensor | None = None,
 ) -> Tensor:
     return query.new_empty(query.shape)
 

@@ -17,12 +17,14 @@ import torch
 
 from kvforge.kernels.attention_tiles import LOG2E
 from kvforge.kernels.decode_attention import launch_decode
+from kvforge.kernels.kv_quant import CODE_DTYPES, check_triton_code_dtype, dequantize_kv
 from kvforge.kernels.prefill_attention import launch_prefill
 from kvforge.kernels.triton_compat import INTERPRETED, next_power_of_2, require_triton
 from kvforge.kernels.tuning import kernel_tuning
 from kvforge.kernels.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_kv_scales,
     check_matches,
     check_same_device,
     check_same_dtype,
@@ -33,12 +35,22 @@ from kvforge.platforms import current_platform
 MAX_HEAD_DIM = 256
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def gather_kv(
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_tokens: int,
+    scales: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """cache: [num_blocks, block_size, num_kv_heads, head_dim] (contiguous);
-    block_tables: [num_seqs, max_blocks].
+    block_tables: [num_seqs, max_blocks]; scales: [num_blocks, block_size, num_kv_heads] when the cache
+    holds quantized codes, whose values then come back as dtype.
 
     Returns the first num_tokens cached tokens of each sequence: [num_seqs, num_tokens, kv_heads, dim].
     NOTE: index_select over whole blocks is several times faster on the CPU than advanced indexing."""
+    if scales is not None:
+        return dequantize_kv(gather_kv(cache, block_tables, num_tokens),
+                             gather_kv(scales, block_tables, num_tokens), dtype)  # fmt: skip
     num_seqs = block_tables.shape[0]
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
@@ -75,10 +87,14 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_seqs, max_blocks] int32; query_start_loc: [num_seqs + 1] int32;
     seq_lens: [num_seqs] int32. Returns [num_tokens, num_heads, head_dim].
+    key_scale/value_scale: [num_blocks, block_size, num_kv_heads] float32 when the caches hold int8 or fp8
+    codes (see kv_quant.py), None otherwise.
 
     One-token queries (decodes) are attended together as one padded batch; longer queries
     (prefill chunks) one sequence at a time."""
@@ -92,16 +108,16 @@ def paged_attention_ref(
         rows = torch.tensor([starts[s] for s in decode_seqs], device=query.device)
         dec_lens = seq_lens[idx].to(query.device)
         max_len = max(lens[s] for s in decode_seqs)
-        k = gather_kv(key_cache, block_tables[idx], max_len)
-        v = gather_kv(value_cache, block_tables[idx], max_len)
+        k = gather_kv(key_cache, block_tables[idx], max_len, key_scale)
+        v = gather_kv(value_cache, block_tables[idx], max_len, value_scale)
         mask = torch.arange(max_len, device=query.device)[None, None, :] < dec_lens[:, None, None]
         out[rows] = _attend(query[rows].unsqueeze(1), k, v, mask, scale).squeeze(1)
     for s, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
         seq_len = lens[s]
-        k = gather_kv(key_cache, block_tables[s : s + 1], seq_len)
-        v = gather_kv(value_cache, block_tables[s : s + 1], seq_len)
+        k = gather_kv(key_cache, block_tables[s : s + 1], seq_len, key_scale)
+        v = gather_kv(value_cache, block_tables[s : s + 1], seq_len, value_scale)
         q = query[starts[s] : starts[s + 1]].unsqueeze(0)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = (torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]).unsqueeze(0)
@@ -117,12 +133,17 @@ def _check_attention_inputs(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
 ) -> None:
     check_tensor("query", query, shape=(None, None, None), dtypes=FLOAT_DTYPES)
     num_heads, head_dim = query.shape[1:]
-    check_tensor("key_cache", key_cache, shape=(None, None, None, head_dim), dtypes=FLOAT_DTYPES)
-    check_tensor("value_cache", value_cache, shape=tuple(key_cache.shape), dtypes=FLOAT_DTYPES)
-    check_same_dtype(query=query, key_cache=key_cache, value_cache=value_cache)
+    check_tensor("key_cache", key_cache, shape=(None, None, None, head_dim), dtypes=FLOAT_DTYPES + CODE_DTYPES)
+    check_tensor("value_cache", value_cache, shape=tuple(key_cache.shape), dtypes=(key_cache.dtype,))
+    if check_kv_scales(key_cache, key_scale, value_scale):
+        check_same_device(key_cache=key_cache, key_scale=key_scale, value_scale=value_scale)
+    else:
+        check_same_dtype(query=query, key_cache=key_cache, value_cache=value_cache)
     if key_cache.stride() != value_cache.stride():
         raise ValueError(
             f"key_cache and value_cache must share strides, "
@@ -157,6 +178,8 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
@@ -168,7 +191,8 @@ def paged_attention_triton(
     out: a preallocated [num_tokens, num_heads, head_dim] buffer; num_splits: override the number of
     key-range splits of the decode kernel (default: from the tuning table and the device size)."""
     require_triton()
-    _check_attention_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+    _check_attention_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                            key_scale, value_scale)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     check_matches("out", out, shape=query.shape, dtype=query.dtype, device=query.device, contiguous=True)
@@ -178,9 +202,11 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
     platform = current_platform()
+    check_triton_code_dtype(key_cache.dtype, platform)
     tuning = kernel_tuning(platform)
     upcast = INTERPRETED and query.dtype == torch.bfloat16
-    args = (out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale * LOG2E)
+    args = (out, query, key_cache, value_cache, key_scale, value_scale, block_tables, query_start_loc, seq_lens,
+            scale * LOG2E)
     if num_tokens > num_seqs:
         padded_head_dim = next_power_of_2(query.shape[2])
         launch_prefill(*args, tiles=tuning.prefill_tiles(padded_head_dim), upcast=upcast)

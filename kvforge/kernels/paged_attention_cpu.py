@@ -2,16 +2,37 @@
 
 Same contract as `paged_attention_ref` (see paged_attention.py). Decodes of a step are attended in
 padded groups of similar length with a length mask; each prefill chunk on its own, with the plain causal mask when
-it has no earlier context and an offset causal mask when it follows earlier chunks or cached blocks.
+it has no earlier context and an offset causal mask when it follows earlier chunks or cached blocks. A quantized
+cache (codes + scales) is dequantized to the query dtype as its blocks are gathered; the C++ decode kernel reads
+the codes in place.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.cpu_extension import cpu_kernels
 from kvforge.kernels.paged_attention import gather_kv
+
+
+@dataclass(frozen=True, slots=True)
+class _PagedKV:
+    """One layer's key and value caches, with their scales when they hold quantized codes."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    key_scale: torch.Tensor | None
+    value_scale: torch.Tensor | None
+
+    def gather(self, block_tables: torch.Tensor, num_tokens: int, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first num_tokens tokens: [num_seqs, num_tokens, kv_heads, dim] each."""
+        return (gather_kv(self.key_cache, block_tables, num_tokens, self.key_scale, dtype),
+                gather_kv(self.value_cache, block_tables, num_tokens, self.value_scale, dtype))
+
 
 # Decodes are sorted by context length and attended in groups of this many, so that padding each
 # group to its longest context wastes little memory traffic.
@@ -28,32 +49,31 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: fl
     return out.transpose(1, 2)
 
 
-def _decode_group(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  block_tables: torch.Tensor, starts: list[int], lens: list[int], seqs: list[int],
-                  scale: float) -> None:
+def _decode_group(out: torch.Tensor, query: torch.Tensor, kv: _PagedKV, block_tables: torch.Tensor,
+                  starts: list[int], lens: list[int], seqs: list[int], scale: float) -> None:
     """One-token queries of sequences of similar length, attended as one padded batch."""
     rows = torch.tensor([starts[s] for s in seqs])
     tables = block_tables[seqs]
     max_len = lens[seqs[-1]]
-    key = gather_kv(key_cache, tables, max_len)
-    value = gather_kv(value_cache, tables, max_len)
+    key, value = kv.gather(tables, max_len, query.dtype)
     seq_lens = torch.tensor([lens[s] for s in seqs])
     mask = (torch.arange(max_len)[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out[rows] = _sdpa(query[rows].unsqueeze(1), key, value, scale, mask=mask).squeeze(1)
 
 
-def _decode_native(kernels, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   starts: list[int], seqs: list[int], scale: float) -> None:
-    """All one-token queries through the C++ kernel, which reads the cache in place."""
+def _decode_native(kernels, out: torch.Tensor, query: torch.Tensor, kv: _PagedKV, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, starts: list[int], seqs: list[int], scale: float) -> None:
+    """All one-token queries through the C++ kernel, which reads the cache (codes and scales) in place."""
+    caches = (kv.key_cache, kv.value_cache)
+    scales = (kv.key_scale, kv.value_scale)
     if len(seqs) == len(starts) - 1:  # a decode-only step: rows are sequences, in order
-        kernels.paged_decode(out, query.contiguous(), key_cache, value_cache, block_tables.contiguous(),
-                             seq_lens.contiguous(), scale)
+        kernels.paged_decode(out, query.contiguous(), *caches, block_tables.contiguous(), seq_lens.contiguous(),
+                             scale, *scales)
         return
     rows = torch.tensor([starts[s] for s in seqs])
     decode_out = torch.empty_like(query[rows])
-    kernels.paged_decode(decode_out, query[rows], key_cache, value_cache, block_tables[seqs].contiguous(),
-                         seq_lens[seqs].contiguous(), scale)
+    kernels.paged_decode(decode_out, query[rows], *caches, block_tables[seqs].contiguous(),
+                         seq_lens[seqs].contiguous(), scale, *scales)
     out[rows] = decode_out
 
 
@@ -65,27 +85,27 @@ def paged_attention_cpu(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    kv = _PagedKV(key_cache, value_cache, key_scale, value_scale)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode_seqs = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
     kernels = cpu_kernels()
     if kernels is not None and decode_seqs:
-        _decode_native(kernels, out, query, key_cache, value_cache, block_tables, seq_lens, starts, decode_seqs,
-                       scale)
+        _decode_native(kernels, out, query, kv, block_tables, seq_lens, starts, decode_seqs, scale)
         decode_seqs = []
     decode_seqs.sort(key=lens.__getitem__)
     for first in range(0, len(decode_seqs), DECODE_GROUP):
-        _decode_group(out, query, key_cache, value_cache, block_tables, starts, lens,
-                      decode_seqs[first : first + DECODE_GROUP], scale)
+        _decode_group(out, query, kv, block_tables, starts, lens, decode_seqs[first : first + DECODE_GROUP], scale)
     for s, seq_len in enumerate(lens):
         q_len = starts[s + 1] - starts[s]
         if q_len == 1:
             continue
-        key = gather_kv(key_cache, block_tables[s : s + 1], seq_len)
-        value = gather_kv(value_cache, block_tables[s : s + 1], seq_len)
+        key, value = kv.gather(block_tables[s : s + 1], seq_len, query.dtype)
         query_rows = query[starts[s] : starts[s + 1]].unsqueeze(0)
         if q_len == seq_len:
             out[starts[s] : starts[s + 1]] = _sdpa(query_rows, key, value, scale, causal=True)[0]

@@ -37,12 +37,12 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @jit
 def _prefill_kernel(
-    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale, num_seqs,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -75,10 +75,11 @@ def _prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < kv_end
-        k, v = load_kv_tiles(key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, keys, key_mask,
-                             dims, dim_mask, stride_cb, stride_cs, stride_ch, PAGE_SIZE)  # fmt: skip
+        k, v = load_kv_tiles(key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, block_table_ptr,
+                             kv_head, keys, key_mask, dims, dim_mask, stride_cb, stride_cs, stride_ch,
+                             stride_sb, stride_ss, PAGE_SIZE, QUANTIZED)  # fmt: skip
         visible = (keys[None, :] <= q_pos[:, None]) & key_mask[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + tokens[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -90,6 +91,8 @@ def launch_prefill(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -98,7 +101,7 @@ def launch_prefill(
     upcast: bool,
 ) -> None:
     """Attention rows of the sequences with more than one query; inputs already checked by the caller
-    (the key and value caches share strides)."""
+    (the key and value caches share strides, and so do the scales of a quantized cache, None otherwise)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -106,12 +109,16 @@ def launch_prefill(
     block_q = max(tiles.block_m // group_p, 1)
     num_seqs = seq_lens.shape[0]
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    quantized = key_scale is not None
+    if not quantized:  # NOTE: the caches stand in for the scale pointers, which are never read
+        key_scale, value_scale = key_cache, value_cache
     _prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, qk_scale, num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        out, query, key_cache, value_cache, key_scale, value_scale, block_tables, query_start_loc, seq_lens,
+        qk_scale, num_seqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_scale.stride(0), key_scale.stride(1),
+        block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=max(next_power_of_2(head_dim), 16),
         PAGE_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_N=tiles.block_n,
-        UPCAST=upcast, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        UPCAST=upcast, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, QUANTIZED=quantized,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

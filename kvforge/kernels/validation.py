@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.kernels.kv_quant import CODE_DTYPES, SCALE_DTYPE
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -60,3 +62,23 @@ def check_matches(
         )
     if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
+
+
+def check_kv_scales(
+    key_cache: torch.Tensor, key_scale: torch.Tensor | None, value_scale: torch.Tensor | None
+) -> bool:
+    """Whether the cache is quantized: codes with [num_blocks, block_size, num_kv_heads] float32 scales
+    (the key and value scales share strides), or model-dtype values without scales."""
+    if key_scale is None and value_scale is None:
+        check_tensor("key_cache", key_cache, shape=(None, None, None, None), dtypes=FLOAT_DTYPES)
+        return False
+    if key_scale is None or value_scale is None:
+        raise ValueError("key_scale and value_scale go together: give both (quantized cache) or neither")
+    check_tensor("key_cache", key_cache, shape=(None, None, None, None), dtypes=CODE_DTYPES)
+    check_tensor("key_scale", key_scale, shape=tuple(key_cache.shape[:3]), dtypes=(SCALE_DTYPE,))
+    check_tensor("value_scale", value_scale, shape=tuple(key_cache.shape[:3]), dtypes=(SCALE_DTYPE,))
+    if key_scale.stride() != value_scale.stride():
+        raise ValueError(
+            f"key_scale and value_scale must share strides, got {key_scale.stride()} and {value_scale.stride()}"
+        )
+    return True

@@ -38,12 +38,14 @@ class Attention(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
-        ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        """kv_cache: (key_cache, value_cache) in the model dtype, or (key codes, value codes, key scales,
+        value scales) for a quantized cache (see KVCacheSpec)."""
+        key_cache, value_cache, *scales = kv_cache
+        ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping, *scales)
         return ops.paged_attention(
             query, key_cache, value_cache, metadata.block_tables,
-            metadata.query_start_loc, metadata.seq_lens, self.scale,
+            metadata.query_start_loc, metadata.seq_lens, self.scale, *scales,
         )

@@ -4,21 +4,31 @@ Every cache tensor of a layer is paged the same way, [num_blocks, block_size, *t
 
     multi-head attention (Llama)   (key [num_kv_heads, head_dim], value [num_kv_heads, head_dim])
     latent attention (DeepSeek)    (latent [kv_lora_rank + qk_rope_head_dim],)
+
+A quantized cache (code_dtype int8 or fp8, see kernels/kv_quant.py) stores each tensor as codes and adds
+one float32 scale per row of the last dim, in a tensor of the shape without it, after the codes:
+
+    multi-head attention, int8     (key codes, value codes, key scales [num_kv_heads], value scales [num_kv_heads])
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from kvforge.kernels.kv_quant import SCALE_DTYPE, kv_code_dtype
 
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """layer_shapes[layer]: the per-token shape of each cache tensor of that layer."""
+    """layer_shapes[layer]: the per-token shape of each cache tensor of that layer; code_dtype: None to
+    store values in the model dtype, or the dtype of quantized codes (with scales beside them)."""
 
     layer_shapes: tuple[tuple[tuple[int, ...], ...], ...]
+    code_dtype: torch.dtype | None = None
+    quantizable: bool = True  # whether the model's attention reads a quantized cache
 
     def __post_init__(self) -> None:
         if not self.layer_shapes or not all(self.layer_shapes):
@@ -36,18 +46,37 @@ class KVCacheSpec:
     @classmethod
     def latent(cls, num_layers: int, latent_dim: int) -> KVCacheSpec:
         """One row of latent_dim per token and layer, shared by every head (multi-head latent attention)."""
-        return cls((((latent_dim,),),) * num_layers)
+        # NOTE: the latent cache is already ~10x smaller than keys and values; MLA reads it unquantized.
+        return cls((((latent_dim,),),) * num_layers, quantizable=False)
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> KVCacheSpec:
+        """This spec stored as kv_cache_dtype: "auto" (the model dtype), "int8" or "fp8"."""
+        code_dtype = kv_code_dtype(kv_cache_dtype)
+        if code_dtype is not None and not self.quantizable:
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} (--kv-cache-dtype) is not supported by this model's "
+                f"latent attention (MLA) cache; use kv_cache_dtype='auto'"
+            )
+        return replace(self, code_dtype=code_dtype)
+
+    def _layer_tensors(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype
+                       ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(per-token shape, dtype) of each tensor of one layer, in allocation order."""
+        if self.code_dtype is None:
+            return [(shape, dtype) for shape in shapes]
+        return [(shape, self.code_dtype) for shape in shapes] + [(shape[:-1], SCALE_DTYPE) for shape in shapes]
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Cache bytes of one token across all layers."""
-        return sum(math.prod(shape) for shapes in self.layer_shapes for shape in shapes) * dtype.itemsize
+        """Cache bytes of one token across all layers (dtype: the model dtype), scales included."""
+        return sum(math.prod(shape) * tensor_dtype.itemsize
+                   for shapes in self.layer_shapes for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
 
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> list[tuple[torch.Tensor, ...]]:
-        """Zeroed cache tensors, one tuple per layer in the order of layer_shapes."""
+        """Zeroed cache tensors, one tuple per layer in the order of layer_shapes (then their scales)."""
         return [
-            tuple(torch.zeros((num_blocks, block_size, *shape), dtype=dtype, device=device)
-                  for shape in shapes)
+            tuple(torch.zeros((num_blocks, block_size, *shape), dtype=tensor_dtype, device=device)
+                  for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
             for shapes in self.layer_shapes
         ]

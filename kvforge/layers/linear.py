@@ -1,4 +1,10 @@
-"""Linear layers, including the merged ones (QKV, gate-up) that load several checkpoint tensors."""
+"""Linear layers: merged ones (QKV, gate-up) load several checkpoint tensors; the tensor-parallel
+ones hold one rank's slice of the checkpoint matrix.
+
+    column-parallel   W [N, K] split by rows: each rank computes N / tp outputs, no communication
+    row-parallel      W [N, K] split by columns: each rank multiplies its K / tp inputs, then the
+                      partial outputs are summed over the tensor-parallel group (one all-reduce)
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvforge.distributed.communicator import tp_all_reduce
+from kvforge.distributed.parallel_state import get_parallel_state
 
 if TYPE_CHECKING:
     from kvforge.quantization.linear_method import LinearMethod
@@ -35,7 +44,17 @@ class Linear(nn.Module):
         self.quant_method = method
         method.create_weights(self)
 
+    def checkpoint_axes(self, param_name: str) -> tuple[int | None, int | None]:
+        """(output-feature axis, input-feature axis) of a checkpoint tensor of this layer; None: absent."""
+        axes = None if self.quant_method is None else self.quant_method.checkpoint_axes(param_name)
+        return axes if axes is not None else _FLOAT_AXES.get(param_name, (0, None))
+
+    def checkpoint_slice(self, param_name: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a full checkpoint tensor that this rank holds (all of it without parallelism)."""
+        return tensor
+
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
+        tensor = self.checkpoint_slice(param_name, shard, tensor)
         if self.quant_method is not None and self.quant_method.load_shard(self, param_name, shard, tensor):
             return
         param = getattr(self, param_name)
@@ -53,3 +72,63 @@ class Linear(nn.Module):
         if self.quant_method is None:
             return F.linear(x, self.weight, self.bias)
         return self.quant_method.apply(self, x)
+
+
+_FLOAT_AXES = {"weight": (0, 1), "bias": (0, None)}
+
+
+def _piece(tensor: torch.Tensor, axis: int, num_pieces: int, index: int, what: str) -> torch.Tensor:
+    """Piece `index` of `num_pieces` equal pieces of tensor along axis."""
+    size = tensor.shape[axis]
+    if size % num_pieces:
+        raise ValueError(f"cannot split {what} of shape {tuple(tensor.shape)} into {num_pieces} equal parts "
+                         f"along axis {axis}")
+    width = size // num_pieces
+    return tensor.narrow(axis, index * width, width)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over the tensor-parallel ranks; each output shard of a merged layer is
+    split on its own. shard_pieces[i] = (pieces, index): shard i of the checkpoint is cut into
+    `pieces` parts and this rank holds part `index` (KV heads fewer than ranks are replicated by
+    cutting into fewer pieces than ranks). Default: (tp, tp_rank) for every shard."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False,
+                 shard_pieces: list[tuple[int, int]] | None = None) -> None:
+        state = get_parallel_state()
+        pieces = shard_pieces or [(state.tp_size, state.tp_rank)] * len(shard_sizes)
+        for size, (num_pieces, _) in zip(shard_sizes, pieces, strict=True):
+            if size % num_pieces:
+                raise ValueError(f"{size} output features cannot be split over {num_pieces} tensor-parallel ranks")
+        super().__init__(in_features, [size // n for size, (n, _) in zip(shard_sizes, pieces)], bias)
+        self.shard_pieces = pieces
+
+    def checkpoint_slice(self, param_name: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        axis, _ = self.checkpoint_axes(param_name)
+        num_pieces, index = self.shard_pieces[shard]
+        if axis is None or num_pieces == 1:
+            return tensor
+        return _piece(tensor, axis, num_pieces, index, f"{param_name} (shard {shard})")
+
+
+class RowParallelLinear(Linear):
+    """Input features split over the tensor-parallel ranks; forward sums the partial products."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
+        state = get_parallel_state()
+        if in_features % state.tp_size:
+            raise ValueError(f"{in_features} input features cannot be split over {state.tp_size} tensor-parallel ranks")
+        super().__init__(in_features // state.tp_size, shard_sizes, bias)
+        self.parallel = state
+        self.tp_size, self.tp_rank = state.tp_size, state.tp_rank
+
+    def checkpoint_slice(self, param_name: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return tensor
+        if param_name == "bias":  # added once: rank 0 holds it, the others add zeros
+            return tensor if self.tp_rank == 0 else torch.zeros_like(tensor)
+        _, axis = self.checkpoint_axes(param_name)
+        return tensor if axis is None else _piece(tensor, axis, self.tp_size, self.tp_rank, param_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tp_all_reduce(self.parallel, super().forward(x))

@@ -15,6 +15,8 @@ import re
 import torch
 from torch import nn
 
+from kvforge.distributed.communicator import tp_all_reduce
+from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.kernels import ops
 from kvforge.layers.moe_router import Router
 
@@ -121,10 +123,11 @@ class SparseMoeBlock(nn.Module):
         self.experts = experts
         self.shared_experts = shared_experts
         self.shared_expert_gate = shared_expert_gate
+        self.parallel = get_parallel_state()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        out = self.experts(x, topk_weights, topk_ids)
+        out = tp_all_reduce(self.parallel, self.experts(x, topk_weights, topk_ids))  # each rank's share
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:

@@ -2,14 +2,16 @@
 
 Every tensor is dequantized on the host with the `gguf` package's numpy code (F32, F16, BF16 and
 every block format it implements: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, the IQ formats, ...)
-and cast to the requested dtype, so the model sees plain dense weights.
+and cast to the requested dtype, so the model sees plain dense weights. With keep_quantized, the
+Q8_0 / Q4_0 / Q4_1 weights of linear layers are decoded into QuantizedWeights instead
+(kvforge.quantization.gguf_quants), for `quantization="gguf"`.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gguf
@@ -17,6 +19,8 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from kvforge.quantization.gguf_quants import KEPT_TYPES, decode_blocks
+from kvforge.quantization.quantized_weight import QuantizedWeight
 from kvforge.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Layer tensors that are the weights of linear layers (kept quantized with keep_quantized).
+_LINEAR_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 # rope_freqs holds llama 3.x's per-frequency rope-scaling divisors. HF derives them from
 # config["rope_scaling"], which such files do not record; transformers drops them too.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -64,10 +70,12 @@ class GGUFCheckpoint:
     config: dict[str, Any]  # config.json vocabulary: architectures, hidden_size, ...
     tensors: dict[str, torch.Tensor]  # HF parameter name -> dense tensor
     tokenizer: Tokenizer
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # HF weight name -> kept blocks
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> GGUFCheckpoint:
-    """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer."""
+def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GGUFCheckpoint:
+    """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer.
+    keep_quantized: linear-layer weights of a type in KEPT_TYPES go to `quantized` instead."""
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
@@ -85,17 +93,23 @@ def load_gguf(path: str, dtype: torch.dtype) -> GGUFCheckpoint:
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     config = _hf_config(path, arch, meta, shapes, tokenizer)
     tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             logger.warning("%s: ignoring %s (llama3-style rope scaling is not applied)", path, _ROPE_FREQS)
             continue
         hf_name = _hf_name(path, tensor.name)
-        weight = _dequantize(path, tensor)
+        heads = None
         if arch in _ROPE_PERMUTED_ARCHITECTURES and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
+        if keep_quantized and _is_kept(tensor):
+            quantized[hf_name] = _decode_kept(path, tensor, heads)
+            continue
+        weight = _dequantize(path, tensor)
+        if heads is not None:
             weight = _undo_rope_permutation(path, tensor.name, weight, heads)
         tensors[hf_name] = weight.to(dtype)
-    return GGUFCheckpoint(config, tensors, tokenizer)
+    return GGUFCheckpoint(config, tensors, tokenizer, quantized)
 
 
 def _hf_config(
@@ -159,6 +173,32 @@ def _dequantize(path: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
         ) from e
     # NOTE: a copy, because the reader's arrays are views of the memory-mapped file.
     return torch.from_numpy(np.array(values, dtype=np.float32))
+
+
+def _is_kept(tensor: gguf.ReaderTensor) -> bool:
+    match = _LAYER_TENSOR.fullmatch(tensor.name)
+    return (
+        match is not None
+        and match.group(2) in _LINEAR_KINDS
+        and match.group(3) == "weight"
+        and tensor.tensor_type in KEPT_TYPES
+    )
+
+
+def _decode_kept(path: str, tensor: gguf.ReaderTensor, heads: int | None) -> QuantizedWeight:
+    """A kept tensor's blocks as a QuantizedWeight, its rows in HF order (the rope permutation only
+    reorders output rows, so it moves codes, scales and zero points alike)."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    try:
+        weight = decode_blocks(tensor.data, tensor.tensor_type, shape)
+    except ValueError as e:
+        raise ValueError(f"{path}: tensor {tensor.name}: {e}") from e
+    if heads is None:
+        return weight
+    codes, scales, zeros = (
+        _undo_rope_permutation(path, tensor.name, t, heads) for t in (weight.codes, weight.scales, weight.zeros)
+    )
+    return QuantizedWeight(codes, scales, zeros, weight.bits)
 
 
 def _undo_rope_permutation(path: str, name: str, weight: torch.Tensor, num_heads: int) -> torch.Tensor:

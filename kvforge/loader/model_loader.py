@@ -13,6 +13,8 @@ from kvforge.config import ModelConfig
 from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
 from kvforge.models.registry import resolve_model_class
 from kvforge.quantization import process_weights_after_loading, quantize_model, resolve_quant_config
+from kvforge.quantization.fp8 import fp8_checkpoint_tensors
+from kvforge.quantization.gguf_quants import keep_gguf_quantized
 from kvforge.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,19 +51,22 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
         path = Path(config.model)
     if not path.exists():
         raise ValueError(f"model {str(path)!r} not found: give a checkpoint folder or a .gguf file")
+    keep_gguf = config.quantization == "gguf"  # keep a GGUF file's quantized tensors as they are
     if path.is_file():
         from kvforge.loader.gguf import load_gguf
 
-        checkpoint = load_gguf(str(path), torch.float32)
+        checkpoint = load_gguf(str(path), torch.float32, keep_quantized=keep_gguf)
         hf_config, tokenizer = checkpoint.config, checkpoint.tokenizer
         weights = iter(checkpoint.tensors.items())
     else:
+        if keep_gguf:
+            raise ValueError(f"quantization='gguf' keeps a .gguf file's quantized tensors; {str(path)!r} is a folder")
         hf_config = read_hf_config(path)
         resolve_model_class(hf_config)  # an unknown architecture fails before anything else is read
         tokenizer = Tokenizer.from_dir(str(path))
         weights = None
     model_class = resolve_model_class(hf_config)
-    quant_config = resolve_quant_config(hf_config, config.quantization)
+    quant_config = resolve_quant_config(hf_config, None if keep_gguf else config.quantization)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the run dtype; rope tables stay fp32
@@ -70,10 +75,14 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
             model = model_class(hf_config)
             if quant_config is not None:
                 quantize_model(model, quant_config, from_float="quantization_config" not in hf_config)
+            if keep_gguf:
+                weights = keep_gguf_quantized(model, checkpoint.tensors, checkpoint.quantized)
     finally:
         torch.set_default_dtype(default_dtype)
     if weights is None:
         weights = iterate_safetensors(safetensors_files(path), dtype)
+        if quant_config is not None and quant_config.method == "fp8" and "quantization_config" in hf_config:
+            weights = fp8_checkpoint_tensors(weights)
     model.load_weights(weights)
     process_weights_after_loading(model)
     model.eval()

@@ -38,12 +38,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def iterate_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one tensor at a time, so peak memory stays near one tensor. Float tensors are
-    cast to dtype; integer ones (quantized codes) are kept as they are."""
+    cast to dtype; integer and fp8 ones (quantized codes) are kept as they are."""
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
                     tensor = handle.get_tensor(name)
-                    yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    is_codes = not tensor.is_floating_point() or tensor.element_size() == 1
+                    yield name, tensor if is_codes else tensor.to(dtype)
         except (OSError, SafetensorError) as err:
             raise ValueError(f"cannot read safetensors file {file}: {err}") from err

@@ -14,6 +14,7 @@ import re
 import torch
 from torch import nn
 
+from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.mla import MLADims, MultiHeadLatentAttention
 from kvforge.layers.moe_router import RoutingConfig
@@ -62,6 +63,9 @@ class DeepseekV2ForCausalLM(MoELlamaForCausalLM):
         )
 
     def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:
+        if get_parallel_state().tp_size > 1:
+            raise ValueError("multi-head latent attention (DeepSeek) is not tensor-parallel yet; "
+                             "use pipeline_parallel_size to split it over devices")
         dims = mla_dims(hf_config, self.config)
         attn = MultiHeadLatentAttention(dims, self._shared_rotary(hf_config, dims.qk_rope_head_dim))
         if layer_idx < (hf_config.get("first_k_dense_replace") or 0):
@@ -83,8 +87,8 @@ class DeepseekV2ForCausalLM(MoELlamaForCausalLM):
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         """Per token and layer, one row: the KV latent (kv_lora_rank) and the roped key (qk_rope_head_dim)."""
-        dims = self.layers[0].self_attn.dims
-        return KVCacheSpec.latent(self.config.num_layers, dims.cache_dim)
+        dims = self.stage_layers[0].self_attn.dims
+        return KVCacheSpec.latent(len(self.stage_layers), dims.cache_dim)
 
     def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
         layer = _LAYER.match(name)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.kernels import ops
 from kvforge.layers.attention import Attention, AttentionMetadata
+from kvforge.layers.embedding import VocabParallelEmbedding
 from kvforge.layers.kv_cache_spec import KVCacheSpec
-from kvforge.layers.linear import Linear
+from kvforge.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
 
@@ -55,18 +58,40 @@ class LlamaConfig:
         )
 
 
+def local_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int, tuple[int, int]]:
+    """This tensor-parallel rank's (query heads, KV heads, (KV pieces, KV piece index)).
+
+    KV heads are split like the query heads when there are at least as many as ranks; with fewer,
+    each KV head is replicated on tp / num_kv_heads consecutive ranks (those holding its queries)."""
+    state = get_parallel_state()
+    tp, rank = state.tp_size, state.tp_rank
+    if num_heads % tp:
+        raise ValueError(f"{num_heads} attention heads cannot be split over tensor_parallel_size={tp}")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be split or replicated over tensor_parallel_size={tp}")
+    kv_pieces = (tp, rank) if num_kv_heads >= tp else (num_kv_heads, rank * num_kv_heads // tp)
+    return num_heads // tp, num_kv_heads // kv_pieces[0], kv_pieces
+
+
 class LlamaAttention(nn.Module):
+    """Self-attention over this rank's heads: QKV column-parallel, the output projection row-parallel."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        num_heads, num_kv_heads, kv_pieces = local_heads(cfg.num_heads, cfg.num_kv_heads)
+        self.q_size = num_heads * cfg.head_dim
+        self.kv_size = num_kv_heads * cfg.head_dim
         self.head_dim = cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, [cfg.hidden_size])
+        tp = get_parallel_state()
+        full_kv = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.num_heads * cfg.head_dim, full_kv, full_kv], bias=cfg.qkv_bias,
+            shard_pieces=[(tp.tp_size, tp.tp_rank), kv_pieces, kv_pieces])
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, [cfg.hidden_size])
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = Attention(num_heads, num_kv_heads, cfg.head_dim)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -88,8 +113,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size])
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, [cfg.hidden_size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -127,8 +152,15 @@ _MERGED = {
 }
 
 
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
 class LlamaForCausalLM(nn.Module):
-    """Decoder stack plus LM head. forward() returns hidden states; compute_logits() the logits."""
+    """Decoder stack plus LM head. forward() returns hidden states; compute_logits() the logits.
+
+    Under pipeline parallelism this rank builds only its stage's layers (the others are empty
+    placeholders, so checkpoint names keep their layer index), the embedding only on the first stage
+    and the norm and LM head only on the last; a stage that is not the last returns (hidden, residual)."""
 
     qkv_bias = False
     qk_norm = False
@@ -138,51 +170,83 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         cfg = LlamaConfig.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(self.make_layer(hf_config, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size])
+        state = get_parallel_state()
+        self.start_layer, self.end_layer = state.layer_range(cfg.num_layers)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if state.is_first_stage else None
+        self.layers = nn.ModuleList(
+            self.make_layer(hf_config, i) if self.start_layer <= i < self.end_layer else nn.Identity()
+            for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if state.is_last_stage else None
+        self.lm_head = None
+        if state.is_last_stage:
+            tied_here = cfg.tie_word_embeddings and self.embed_tokens is not None
+            self.lm_head = self.embed_tokens if tied_here else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
 
     def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:
         """Decoder layer layer_idx (self.config is set); MoE families override it."""
         return LlamaDecoderLayer(self.config)
 
     @property
-    def num_kv_heads(self) -> int:
-        return self.config.num_kv_heads
+    def stage_layers(self) -> nn.ModuleList:
+        return self.layers[self.start_layer : self.end_layer]
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        """Per token and layer, the paged cache keeps a key and a value of num_kv_heads x head_dim."""
-        return KVCacheSpec.key_value(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
+        """Per token and stage layer, the paged cache keeps a key and a value of this rank's KV heads."""
+        num_kv_heads = self.stage_layers[0].self_attn.attn.num_kv_heads
+        return KVCacheSpec.key_value(len(self.stage_layers), num_kv_heads, self.config.head_dim)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.embed_tokens is not None:
+            x, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        else:
+            x, residual = intermediate  # from the previous pipeline stage
+        for layer, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, metadata)
+        if self.norm is None:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        """fp32 logits over the whole vocabulary, [num_tokens, vocab] (last stage only)."""
+        return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; every parameter must be covered (the tied head aside)."""
+        """Load HF-named tensors, each cut to this rank's share; every parameter must be covered."""
         params = dict(self.named_parameters())
         missing = set(params)
+        tied = self.config.tie_word_embeddings
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+            layer = _LAYER_INDEX.match(name)
+            other_stage = layer is not None and not self.start_layer <= int(layer.group(1)) < self.end_layer
+            if "rotary_emb.inv_freq" in name or other_stage:
                 continue
-            missing.discard(self.load_tensor(name, tensor, params))
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                missing -= self._load_vocab(name, tensor, tied)
+            elif name == "norm.weight" and self.norm is None:
+                continue
+            else:
+                missing.discard(self.load_tensor(name, tensor, params))
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {sorted(missing)[:5]}")
+
+    def _load_vocab(self, name: str, tensor: torch.Tensor, tied: bool) -> set[str]:
+        """The embedding (also the head when tied) or the head; returns the parameters filled."""
+        filled = set()
+        if name == "embed_tokens.weight" and self.embed_tokens is not None:
+            self.embed_tokens.load(tensor)
+            filled.add("embed_tokens.weight")
+        if self.lm_head is not None and self.lm_head is not self.embed_tokens and (name == "lm_head.weight") != tied:
+            self.lm_head.load(tensor)
+            filled.add("lm_head.weight")
+        return filled
 
     def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
         """Copy one checkpoint tensor (name without "model.") into place; returns the parameter filled."""
@@ -193,6 +257,11 @@ class LlamaForCausalLM(nn.Module):
                 return f"{layer_name}.{param_name}"
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        module_name, param_name = name.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        if isinstance(module, Linear):  # cut to this rank's share, or handed to a quantization method
+            module.load_shard(param_name, 0, tensor)
+            return name
         if params[name].shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.layers.linear import Linear
 from kvforge.layers.moe import FusedMoE, SparseMoeBlock, load_expert_tensor
 from kvforge.layers.moe_router import Router, RoutingConfig
@@ -27,12 +28,13 @@ class MoELlamaForCausalLM(LlamaForCausalLM):
         shared_expert_gate: bool = False,
     ) -> SparseMoeBlock:  # fmt: skip
         hidden = self.config.hidden_size
+        state = get_parallel_state()
         shared = None
         if shared_intermediate_size:
             shared = LlamaMLP(replace(self.config, intermediate_size=shared_intermediate_size))
         return SparseMoeBlock(
             Router(hidden, routing),
-            FusedMoE(routing.num_experts, hidden, moe_intermediate_size),
+            FusedMoE(routing.num_experts, hidden, moe_intermediate_size, state.tp_rank, state.tp_size),
             shared_experts=shared,
             shared_expert_gate=Linear(hidden, [1]) if shared_expert_gate else None,
         )

@@ -25,6 +25,7 @@ class DevicePeak:
 
 # NOTE: first match wins, so a more specific name ("H100 PCIe", "MI250X") precedes a general one.
 _KNOWN_DEVICES: tuple[tuple[str, DevicePeak], ...] = (
+    ("B200", DevicePeak(8000.0, 2250.0, 75.0)),
     ("H200", DevicePeak(4800.0, 989.0, 67.0)),
     ("H100 PCIe", DevicePeak(2000.0, 756.0, 51.0)),
     ("H100 NVL", DevicePeak(3900.0, 835.0, 60.0)),

@@ -1,4 +1,5 @@
-"""Quantized weights and activations: formats (GPTQ, AWQ, W8A8), their runtime, and the quantizers."""
+"""Quantized weights and activations: formats (GPTQ, AWQ, W8A8, fp8, GGUF blocks), their runtime, and the
+quantizers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from torch import nn
 from kvforge.layers.linear import Linear
 from kvforge.quantization.config import QuantConfig, resolve_quant_config
 from kvforge.quantization.formats import AWQMethod, GPTQMethod
+from kvforge.quantization.fp8 import Fp8Method
 from kvforge.quantization.linear_method import LinearMethod, RTNMethod
 from kvforge.quantization.w8a8 import W8A8Method
 
@@ -20,6 +22,8 @@ def linear_method(config: QuantConfig, from_float: bool) -> LinearMethod:
         return RTNMethod(config.bits, config.group_size, config.sym)
     if config.method == "w8a8":
         return W8A8Method(from_float=from_float, smoothquant=config.smoothquant)
+    if config.method == "fp8":
+        return Fp8Method(from_float=from_float)
     if config.method == "gptq":
         return GPTQMethod(config.bits, config.group_size, config.checkpoint_format)
     return AWQMethod(config.bits, config.group_size)

@@ -1,5 +1,5 @@
 """Which quantization a model runs with: from a checkpoint's `quantization_config`, or an engine option
-that quantizes a float checkpoint on the fly (round-to-nearest)."""
+that quantizes a float checkpoint on the fly (round-to-nearest, or fp8)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,18 @@ ONLINE_METHODS = {
     "w8a16": ("rtn", 8, -1, True),
     "w4a16": ("rtn", 4, 64, False),
     "w8a8": ("w8a8", 8, -1, True),
+    "fp8": ("fp8", 8, -1, True),
 }
-CHECKPOINT_METHODS = ("gptq", "awq", "w8a8")
+CHECKPOINT_METHODS = ("gptq", "awq", "w8a8", "fp8")
+FP8_ACTIVATION_SCHEMES = ("dynamic", "static")
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores zero points minus one; v2 stores them as they are
 
 
 @dataclass(frozen=True, slots=True)
 class QuantConfig:
-    """method: "gptq" / "awq" (checkpoint formats), "rtn" (float checkpoint, quantized at load time) or
-    "w8a8" (int8 weights and per-token int8 activations). group_size -1 means one group per row."""
+    """method: "gptq" / "awq" (checkpoint formats), "rtn" (float checkpoint, quantized at load time),
+    "w8a8" (int8 weights and per-token int8 activations) or "fp8" (e4m3 weights, per-channel scales).
+    group_size -1 means one group per row."""
 
     method: str
     bits: int
@@ -35,7 +38,7 @@ class QuantConfig:
             raise ValueError(
                 f"quantization method must be one of {(*CHECKPOINT_METHODS, 'rtn')}, got {self.method!r}"
             )
-        allowed_bits = (4,) if self.method == "awq" else (8,) if self.method == "w8a8" else (4, 8)
+        allowed_bits = (4,) if self.method == "awq" else (8,) if self.method in ("w8a8", "fp8") else (4, 8)
         if self.bits not in allowed_bits:
             raise ValueError(f"{self.method} supports bits in {allowed_bits}, got {self.bits}")
         if self.group_size != -1 and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
@@ -47,12 +50,14 @@ class QuantConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> QuantConfig:
-        """Parse a config.json `quantization_config` (GPTQ, AWQ or kvforge's W8A8)."""
+        """Parse a config.json `quantization_config` (GPTQ, AWQ, fp8 or kvforge's W8A8)."""
         method = str(config.get("quant_method", "")).lower()
         if method not in CHECKPOINT_METHODS:
             raise ValueError(
                 f"unsupported quantization_config quant_method {method!r}; supported: {CHECKPOINT_METHODS}"
             )
+        if method == "fp8":
+            return cls._fp8_from_hf(config)
         if method == "awq":
             version = str(config.get("version", "gemm")).lower()
             if version != "gemm":
@@ -76,6 +81,20 @@ class QuantConfig:
         )
 
     @classmethod
+    def _fp8_from_hf(cls, config: dict) -> QuantConfig:
+        """AutoFP8 / llm-compressor / vLLM fp8: per-tensor or per-channel weight scales."""
+        if config.get("weight_block_size"):
+            raise ValueError(
+                f"fp8 checkpoints with block-wise scales (weight_block_size={config['weight_block_size']}) "
+                "are not supported; per-tensor and per-channel weight_scale are"
+            )
+        scheme = str(config.get("activation_scheme", "dynamic"))
+        if scheme not in FP8_ACTIVATION_SCHEMES:
+            raise ValueError(f"fp8 activation_scheme must be one of {FP8_ACTIVATION_SCHEMES}, got {scheme!r}")
+        skipped = config.get("ignored_layers") or config.get("modules_to_not_convert") or ()
+        return cls("fp8", 8, modules_to_not_convert=tuple(skipped))
+
+    @classmethod
     def online(cls, name: str) -> QuantConfig:
         """The config of an engine option `quantization=name` applied to a float checkpoint."""
         if name not in ONLINE_METHODS:
@@ -94,6 +113,8 @@ class QuantConfig:
                 "version": "gemm",
                 "modules_to_not_convert": list(self.modules_to_not_convert) or None,
             }
+        if self.method == "fp8":
+            return {"quant_method": "fp8", "activation_scheme": "dynamic"}
         if self.method == "w8a8":
             return {
                 "quant_method": "w8a8",

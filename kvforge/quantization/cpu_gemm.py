@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvforge.kernels.cpu_extension import cpu_kernels
+from kvforge.kernels.quant_gemv_cpu import layout_fits
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 INT8PACK_MAX_TOKENS = 16  # above this many rows, dequantize + F.linear beats int8pack
@@ -27,6 +29,11 @@ INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 
 def _has_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
+
+
+def native_eligible(weight: QuantizedWeight) -> bool:
+    """The C++ kernels take 4- and 8-bit codes with any zero points, in groups of whole 32-column blocks."""
+    return cpu_kernels() is not None and layout_fits(weight.bits, weight.codes.shape[1], weight.group_size)
 
 
 def int8pack_eligible(weight: QuantizedWeight) -> bool:

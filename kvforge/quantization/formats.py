@@ -83,6 +83,11 @@ class _PackedMethod(WeightOnlyMethod):
         tensor = torch.zeros(shape, dtype=dtype, device=layer.param_device)
         layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
 
+    def checkpoint_axes(self, param_name: str) -> tuple[int | None, int | None] | None:
+        if param_name == "bias":
+            return None
+        return (None, 0) if param_name == "g_idx" else (1, 0)
+
     def load_shard(self, layer: Linear, param_name: str, shard: int, tensor: torch.Tensor) -> bool:
         if param_name == "bias":
             return False
@@ -109,6 +114,7 @@ class _PackedMethod(WeightOnlyMethod):
 
 def _load_shared(param: torch.Tensor, tensor: torch.Tensor) -> None:
     """g_idx is one vector for all shards of a merged layer (they share the input, so the Hessian)."""
+    tensor = tensor - tensor.min()  # a row-parallel slice starts at a later group
     if tensor.shape != param.shape:
         raise ValueError(f"checkpoint g_idx of shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
     if (param >= 0).all() and not torch.equal(param.data, tensor.to(param.dtype)):

@@ -19,6 +19,7 @@ import torch
 
 from kvforge.kernels import ops
 from kvforge.kernels.quant_gemm import pack_codes
+from kvforge.kernels.quant_gemv_cpu import pack_weight, quant_linear_cpu
 from kvforge.quantization import cpu_gemm
 from kvforge.quantization.quantized_weight import QuantizedWeight, quantize_rtn
 
@@ -35,6 +36,11 @@ class LinearMethod:
     def load_shard(self, layer: Linear, param_name: str, shard: int, tensor: torch.Tensor) -> bool:
         """Load a tensor this method owns; False hands it to Linear's float loading."""
         return False
+
+    def checkpoint_axes(self, param_name: str) -> tuple[int | None, int | None] | None:
+        """(output-feature axis, input-feature axis) of a checkpoint tensor, for tensor-parallel
+        slicing; None: laid out like the float weight ([N, K]) or a per-output vector ([N])."""
+        return None
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         raise NotImplementedError
@@ -57,7 +63,9 @@ class WeightOnlyMethod(LinearMethod):
         if layer.w_perm is not None:
             rows = rows[:, layer.w_perm]
         kernel = layer.quant_kernel
-        if kernel == "int8pack":
+        if kernel == "native":
+            out = quant_linear_cpu(rows, layer.w_codes, layer.w_scales, layer.w_offsets, layer.bits)
+        elif kernel == "int8pack":
             out = cpu_gemm.int8pack_linear(rows, layer.w_codes, layer.w_scales)
         elif kernel == "int4pack":
             out = cpu_gemm.int4pack_linear(rows, layer.w_packed, layer.w_scales_zeros, layer.group_size)
@@ -90,7 +98,13 @@ def install_weight_only(layer: Linear, weight: QuantizedWeight) -> None:
     layer.bits, layer.group_size = weight.bits, weight.group_size
     layer.register_buffer("w_perm", None if weight.perm is None else weight.perm.to(device), persistent=False)
     on_cpu = device.type == "cpu" and ops.get_backend() == "torch"
-    if on_cpu and cpu_gemm.int8pack_eligible(weight):
+    if on_cpu and cpu_gemm.native_eligible(weight):
+        layer.quant_kernel = "native"
+        codes, scales, offsets = pack_weight(weight.codes, weight.scales, weight.zeros, weight.bits)
+        layer.register_buffer("w_codes", codes.to(device), persistent=False)
+        layer.register_buffer("w_scales", scales.to(device), persistent=False)
+        layer.register_buffer("w_offsets", offsets.to(device), persistent=False)
+    elif on_cpu and cpu_gemm.int8pack_eligible(weight):
         layer.quant_kernel = "int8pack"
         codes, scales = cpu_gemm.prepack_int8(weight)
         layer.register_buffer("w_codes", codes.to(device), persistent=False)
@@ -104,4 +118,7 @@ def install_weight_only(layer: Linear, weight: QuantizedWeight) -> None:
         layer.quant_kernel = "generic"
         layer.register_buffer("w_codes", pack_codes(weight.codes, weight.bits).to(device), persistent=False)
         layer.register_buffer("w_scales", weight.scales.to(device, dtype).contiguous(), persistent=False)
-        layer.register_buffer("w_zeros", weight.zeros.to(device, dtype).contiguous(), persistent=False)
+        # NOTE: zero points that are not integers (GGUF Q4_1's -m / d) stay float32, which a half type
+        # would round by up to a whole code when they are a few hundred codes from the block.
+        zeros_dtype = dtype if torch.equal(weight.zeros, weight.zeros.round()) else torch.float32
+        layer.register_buffer("w_zeros", weight.zeros.to(device, zeros_dtype).contiguous(), persistent=False)

@@ -19,7 +19,7 @@ from kvforge.kernels.quant_gemm import dequantize_ref, pack_codes
 class QuantizedWeight:
     codes: torch.Tensor  # [N, K] uint8, in [0, 2**bits)
     scales: torch.Tensor  # [N, G] float32
-    zeros: torch.Tensor  # [N, G] float32, zero points in code units (integers)
+    zeros: torch.Tensor  # [N, G] float32, zero points in code units (integers, but GGUF Q4_1's are not)
     bits: int
     perm: torch.Tensor | None = None  # [K] int64: column k of codes is input feature perm[k]
 

@@ -50,6 +50,9 @@ class W8A8Method(LinearMethod):
             smooth = torch.zeros(layer.in_features, dtype=torch.float32, device=device)
             layer.register_parameter("smooth_factor", torch.nn.Parameter(smooth, requires_grad=False))
 
+    def checkpoint_axes(self, param_name: str) -> tuple[int | None, int | None] | None:
+        return (None, 0) if param_name == "smooth_factor" else None
+
     def load_shard(self, layer: Linear, param_name: str, shard: int, tensor: torch.Tensor) -> bool:
         if self.from_float or param_name != "smooth_factor":
             return False  # weight and weight_scale are row-sharded like a float weight

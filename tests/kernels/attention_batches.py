@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from kvforge.kernels.kv_quant import dequantize_kv, quantize_kv
 from kvforge.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 
 # Measured max |out - ref| on unit-normal inputs (|out| < 2): fp32 2e-6, fp16 1e-3, bf16 1.6e-2 (the
@@ -41,14 +43,19 @@ class PagedBatch:
             blocks, positions % block_size
         ]
 
-    def poison_unused_slots(self) -> None:
-        """NaN in every cache slot outside the sequences' contexts (the null block included), so a
-        kernel that reads past a context or through a padded block-table entry produces NaN."""
+    def used_slots(self) -> torch.Tensor:
+        """[num_blocks, block_size] bool: the cache slots inside some sequence's context."""
         used = torch.zeros(self.key_cache.shape[:2], dtype=torch.bool, device=self.key_cache.device)
         block_size = self.key_cache.shape[1]
         for seq in range(self.seq_lens.shape[0]):
             positions = torch.arange(int(self.seq_lens[seq]), device=used.device)
             used[self.block_tables[seq].long()[positions // block_size], positions % block_size] = True
+        return used
+
+    def poison_unused_slots(self) -> None:
+        """NaN in every cache slot outside the sequences' contexts (the null block included), so a
+        kernel that reads past a context or through a padded block-table entry produces NaN."""
+        used = self.used_slots()
         self.key_cache[~used] = float("nan")
         self.value_cache[~used] = float("nan")
 
@@ -99,3 +106,23 @@ def run_and_compare(batch: PagedBatch, num_splits: int | None = None) -> None:
     paged_attention_triton(*batch.args(), scale, out=out, num_splits=num_splits)
     tol = TOLERANCE[batch.query.dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def quantize_batch_cache(batch: PagedBatch, code_dtype: torch.dtype) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+    """The batch with its caches replaced by codes; NaN scales in every slot outside the contexts."""
+    key_codes, key_scale = quantize_kv(batch.key_cache, code_dtype)
+    value_codes, value_scale = quantize_kv(batch.value_cache, code_dtype)
+    used = batch.used_slots()
+    key_scale[~used] = float("nan")
+    value_scale[~used] = float("nan")
+    return dataclasses.replace(batch, key_cache=key_codes, value_cache=value_codes), key_scale, value_scale
+
+
+def dequantized_reference(
+    batch: PagedBatch, key_scale: torch.Tensor, value_scale: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """paged_attention_ref over float caches holding the dequantized values (unused slots 0)."""
+    key_cache = dequantize_kv(batch.key_cache, key_scale.nan_to_num(), torch.float32)
+    value_cache = dequantize_kv(batch.value_cache, value_scale.nan_to_num(), torch.float32)
+    float_batch = dataclasses.replace(batch, query=batch.query.float(), key_cache=key_cache, value_cache=value_cache)
+    return paged_attention_ref(*float_batch.args(), scale)

@@ -58,3 +58,23 @@ def test_cuda_graph_replay_follows_new_metadata() -> None:
     expected = paged_attention_ref(*batch.args(), 0.088)
     tol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_model_sized_batch_over_quantized_cache(code_dtype: torch.dtype) -> None:
+    """Compiled prefill and decode kernels reading int8 / fp8 codes and scales at Llama-sized heads."""
+    from kvforge.kernels.kv_quant import check_triton_code_dtype
+    from kvforge.platforms import current_platform
+    from tests.kernels.attention_batches import dequantized_reference, quantize_batch_cache
+
+    try:
+        check_triton_code_dtype(code_dtype, current_platform())
+    except ValueError as err:
+        pytest.skip(str(err))
+    batch = make_paged_batch([1, 1, 512, 1500, 37], [100, 8000, 512, 3000, 2049], num_heads=32, num_kv_heads=8,
+                             head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda")
+    batch, key_scale, value_scale = quantize_batch_cache(batch, code_dtype)
+    expected = dequantized_reference(batch, key_scale, value_scale, 128**-0.5)
+    out = paged_attention_triton(*batch.args(), 128**-0.5, key_scale, value_scale)
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvforge.kernels.cpu_extension import cpu_kernels
 from kvforge.layers.linear import Linear
+from kvforge.quantization import cpu_gemm
 from kvforge.quantization.linear_method import RTNMethod
 from kvforge.quantization.w8a8 import W8A8Method
 
@@ -22,8 +24,9 @@ def _layer(method, weight: torch.Tensor, bias: torch.Tensor) -> Linear:
 
 
 @pytest.mark.parametrize("num_tokens", [1, 40])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize(
-    "bits,group_size,sym,kernel",
+    "bits,group_size,sym,fallback_kernel",
     [
         (8, -1, True, "int8pack"),
         (8, 32, False, "generic"),
@@ -33,12 +36,17 @@ def _layer(method, weight: torch.Tensor, bias: torch.Tensor) -> Linear:
     ],
 )
 def test_weight_only_error_is_bounded_by_the_step(
-    num_tokens: int, bits: int, group_size: int, sym: bool, kernel: str
+    monkeypatch: pytest.MonkeyPatch, num_tokens: int, native: bool, bits: int, group_size: int, sym: bool,
+    fallback_kernel: str,
 ) -> None:
+    if native and cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    if not native:  # as without a compiler, or with KVFORGE_NO_CPU_EXTENSION=1
+        monkeypatch.setattr(cpu_gemm, "cpu_kernels", lambda: None)
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 128), torch.randn(96), torch.randn(num_tokens, 128)
     layer = _layer(RTNMethod(bits, group_size, sym), weight, bias)
-    assert layer.quant_kernel == kernel and not hasattr(layer, "weight")
+    assert layer.quant_kernel == ("native" if native else fallback_kernel) and not hasattr(layer, "weight")
     # each weight is off by at most half a step; the step is at most range / (2**bits - 1)
     step = 2 * weight.abs().max() / (2**bits - 1)
     bound = x.abs().sum(dim=1, keepdim=True) * step / 2

@@ -1,0 +1,75 @@
+"""Executors: how the engine's steps reach the workers.
+
+    in-process      one device: the engine calls its only worker directly
+    distributed     tp x pp ranks: the engine's process is rank 0 and sends each step's
+                    SchedulerOutput to every other rank (multiproc.py); workers never schedule
+
+The engine submits steps and collects their results in order. With pipeline parallelism up to
+pp_size steps are in flight at once (disjoint requests), so every stage has work.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.distributed.parallel_state import ParallelState
+from kvforge.engine.scheduler import SchedulerOutput
+from kvforge.executor.device import resolve_device
+from kvforge.executor.model_runner import ModelRunnerOutput
+from kvforge.executor.worker import Worker, agree_num_blocks
+
+
+class Executor:
+    """The engine's handle on the workers. `worker` is the one in this process (rank 0)."""
+
+    worker: Worker
+    num_blocks: int
+    max_in_flight: int = 1  # steps that may be submitted before the oldest is collected
+
+    def submit(self, output: SchedulerOutput) -> None:
+        raise NotImplementedError
+
+    def collect(self) -> ModelRunnerOutput:
+        """The result of the oldest submitted step (blocks until it is there)."""
+        raise NotImplementedError
+
+    def score(self, output: SchedulerOutput) -> torch.Tensor:
+        """fp32 logits of every scheduled token; no step may be in flight."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Stop the workers (if any); the executor is unusable afterwards."""
+
+
+class InProcessExecutor(Executor):
+    """One device: the only worker lives in the engine's process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config, resolve_device(config.device))
+        self.num_blocks = agree_num_blocks(self.worker, ParallelState())
+        self.worker.init_cache(self.num_blocks)
+        self._results: deque[ModelRunnerOutput] = deque()
+
+    def submit(self, output: SchedulerOutput) -> None:
+        self._results.append(self.worker.execute(output))
+
+    def collect(self) -> ModelRunnerOutput:
+        return self._results.popleft()
+
+    def score(self, output: SchedulerOutput) -> torch.Tensor:
+        return self.worker.score(output)
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """In-process for one rank; otherwise this process becomes rank 0 of a distributed world (the
+    other ranks are started here, or by torchrun, which sets RANK and WORLD_SIZE)."""
+    world_size = config.parallel.world_size
+    if world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return InProcessExecutor(config)
+    from kvforge.executor.multiproc import DistributedExecutor
+
+    return DistributedExecutor(config)

@@ -1,0 +1,67 @@
+"""One rank of the engine: its share of the model, its KV cache and its model runner.
+
+With one device the engine holds the only worker in-process. With several, every rank (the
+driver's included) holds one, and each step every worker runs the same SchedulerOutput: the ranks
+of a stage split each layer (tensor parallel), the stages pass hidden states on (pipeline parallel),
+and the last stage's first rank samples.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from kvforge.config import CacheConfig, EngineConfig
+from kvforge.distributed.parallel_state import ParallelState
+from kvforge.engine.scheduler import SchedulerOutput
+from kvforge.executor.kv_cache_memory import kv_cache_budget, num_blocks_for_budget
+from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
+from kvforge.kernels import ops
+from kvforge.loader.model_loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Loads this rank's shard of the model; `init_cache` then allocates its paged KV cache."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        backend = config.device.attention_backend
+        if backend == "auto" and device.type == "cpu":
+            backend = "torch"  # a GPU machine told to run on its CPU
+        self.attention_backend = ops.set_backend(None if backend == "auto" else backend)
+        self.loaded: LoadedModel = load_model(config.model, device)
+        self.kv_cache_spec = self.loaded.model.kv_cache_spec.with_kv_cache_dtype(config.cache.kv_cache_dtype)
+        self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
+        self.runner: ModelRunner | None = None
+
+    def num_blocks_that_fit(self, cache: CacheConfig) -> int:
+        """Blocks this rank's budget holds; across ranks the smallest count wins (see agree_num_blocks)."""
+        budget = kv_cache_budget(cache.kv_cache_memory, self.device, cache.gpu_memory_utilization)
+        return num_blocks_for_budget(budget, cache.block_size, self.bytes_per_token)
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size,
+                                  self.loaded.dtype, self.device, self.kv_cache_spec)
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run this rank's part of a step; the sampling rank returns the sampled tokens, others None."""
+        return self.runner.execute(output)
+
+    def score(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """fp32 logits of every scheduled token on the sampling rank, None elsewhere."""
+        return self.runner.logits_of_all_tokens(output)
+
+
+def agree_num_blocks(worker: Worker, state: ParallelState) -> int:
+    """Every rank must index the same block ids: take the smallest block count of all ranks."""
+    num_blocks = worker.num_blocks_that_fit(worker.config.cache)
+    if state.world_size == 1:
+        return num_blocks
+    count = torch.tensor([num_blocks], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=state.cpu_group)
+    return int(count.item())

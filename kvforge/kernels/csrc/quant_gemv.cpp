@@ -1,0 +1,305 @@
+// Weight-only quantized matmul for the CPU at decode sizes (a few rows of activations), fp32 accumulation.
+//
+// At one token per step the whole model's weights stream from memory once per token, so bytes per weight is
+// the speed: the kernel reads the 8-bit or 4-bit codes as they are stored and never materializes a float
+// weight. Layout (made and pictured in kvforge/kernels/quant_gemv_cpu.py):
+//
+//   qweight  uint8 [N, K * BITS / 8]   codes, in blocks of eight 32-bit words: lane i of word vector j holds
+//                                      column 8j + i of the block (BITS = 8: 32 columns, 4: 64 columns)
+//   scales   float [N, G], offsets float [N, G]   (G groups along K, group_size a multiple of 32)
+//
+//   W[n, k] = code[n, k] * scales[n, g] + offsets[n, g],   g = k / group_size
+//
+// so out[m, n] = sum_g scales[n, g] * (sum_{k in g} x[m, k] code[n, k]) + offsets[n, g] * xsum[m, g], with
+// xsum[m, g] the sum of x over the group, computed once per call.
+//
+// Decoding vector j of a block is one AND with a mask at bit BITS * j and a conversion to float: the float is
+// code * 2^(BITS j). x is pre-scaled once per call by 2^-(BITS j) per column (exact: a power of two), so the
+// product is code * x. The top vector is shifted down instead (its mask would set the sign bit).
+//
+// Work is split over output rows n; each weight row is decoded once per tile of up to 4 rows of x, and
+// several weight rows go together when x has fewer rows, so that four accumulator chains are in flight.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;     // columns per step of the K loop: four vectors of 8
+constexpr int64_t kRowBlock = 64;  // weight rows that all tiles of x pass over while they stay in cache
+
+template <int BITS>
+constexpr int64_t block_columns() { return 8 * 32 / BITS; }  // columns of 32 bytes of codes
+template <int BITS>
+constexpr int top_vector() { return 32 / BITS - 1; }
+// 2^-(BITS j): the scale of x's columns under vector j of a block.
+template <int BITS>
+inline float lane_factor(int j) { return j == top_vector<BITS>() ? 1.f : 1.f / static_cast<float>(1u << (BITS * j)); }
+
+#ifdef __AVX2__
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float s) { return _mm256_set1_ps(s); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+using Block = __m256i;
+template <int BITS>
+inline Block load_block(const uint8_t* row, int64_t k) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k / block_columns<BITS>() * 32));
+}
+// code * 2^(BITS J) in each lane (just code for the top vector).
+template <int BITS, int J>
+inline Vec decode_vec(Block words) {
+  if (J == top_vector<BITS>()) return _mm256_cvtepi32_ps(_mm256_srli_epi32(words, 32 - BITS));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(((1 << BITS) - 1) << (BITS * J))));
+}
+#else
+// Portable fallback with the same structure: eight lanes in an array, loops the compiler may vectorize.
+struct Vec {
+  float v[8];
+};
+inline Vec vzero() { return Vec{}; }
+inline Vec vset(float s) {
+  Vec r;
+  for (int i = 0; i < 8; ++i) r.v[i] = s;
+  return r;
+}
+inline Vec vload(const float* p) {
+  Vec r;
+  for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+  return r;
+}
+inline void vstore(float* p, Vec v) {
+  for (int i = 0; i < 8; ++i) p[i] = v.v[i];
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < 8; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline float vsum(Vec v) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += v.v[i];
+  return s;
+}
+
+using Block = const uint8_t*;  // the block's 32 bytes
+template <int BITS>
+inline Block load_block(const uint8_t* row, int64_t k) {
+  return row + k / block_columns<BITS>() * 32;
+}
+template <int BITS, int J>
+inline Vec decode_vec(Block bytes) {
+  const float factor = 1.f / lane_factor<BITS>(J);
+  Vec r;
+  for (int i = 0; i < 8; ++i) {
+    const int bit = BITS * J;  // of word i, stored little-endian in bytes 4i .. 4i + 3
+    const int code = (bytes[4 * i + bit / 8] >> (bit % 8)) & ((1 << BITS) - 1);
+    r.v[i] = static_cast<float>(code) * factor;
+  }
+  return r;
+}
+#endif
+
+struct GemvArgs {
+  const float* x;        // [M, K], pre-scaled by lane_factor per column
+  const float* xsum;     // [M, G], of the unscaled x
+  const uint8_t* qweight;
+  const float* scales;   // [N, G]
+  const float* offsets;  // [N, G]
+  float* out;            // [M, N]
+  int64_t M, N, K, G, group_size, row_bytes;
+};
+
+// Vector J of the blocks of NR weight rows, times the matching 8 columns of MT rows of x.
+template <int BITS, int MT, int NR, int J>
+inline void fma_vec(const GemvArgs& a, const float* x, const Block* blocks, int64_t column, Vec (&acc)[MT][NR]) {
+  for (int r = 0; r < NR; ++r) {
+    const Vec w = decode_vec<BITS, J>(blocks[r]);
+    for (int m = 0; m < MT; ++m) acc[m][r] = vfma(w, vload(x + m * a.K + column), acc[m][r]);
+  }
+}
+
+// The 32 columns at k: vectors 4 HALF .. 4 HALF + 3 of their block (HALF = 1: second half of a 4-bit block).
+template <int BITS, int MT, int NR, int HALF>
+inline void fma_columns(const GemvArgs& a, const float* x, const uint8_t* const* rows, int64_t k, Vec (&acc)[MT][NR]) {
+  Block blocks[NR];
+  for (int r = 0; r < NR; ++r) blocks[r] = load_block<BITS>(rows[r], k);
+  fma_vec<BITS, MT, NR, 4 * HALF + 0>(a, x, blocks, k + 0, acc);
+  fma_vec<BITS, MT, NR, 4 * HALF + 1>(a, x, blocks, k + 8, acc);
+  fma_vec<BITS, MT, NR, 4 * HALF + 2>(a, x, blocks, k + 16, acc);
+  fma_vec<BITS, MT, NR, 4 * HALF + 3>(a, x, blocks, k + 24, acc);
+}
+
+// out[m0 .. m0 + MT, n0 .. n0 + NR]: one accumulator chain per (row of x, weight row).
+template <int BITS, int MT, int NR>
+inline void dot_tile(const GemvArgs& a, int64_t m0, int64_t n0) {
+  const float* x = a.x + m0 * a.K;
+  const uint8_t* rows[NR];
+  for (int r = 0; r < NR; ++r) rows[r] = a.qweight + (n0 + r) * a.row_bytes;
+  Vec total[MT][NR];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < NR; ++r) total[m][r] = vzero();
+  for (int64_t g = 0; g < a.G; ++g) {
+    Vec acc[MT][NR];
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < NR; ++r) acc[m][r] = vzero();
+    for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; k += kBlock) {
+      if (BITS == 4 && (k & 32)) fma_columns<BITS, MT, NR, 1>(a, x, rows, k, acc);
+      else fma_columns<BITS, MT, NR, 0>(a, x, rows, k, acc);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const Vec scale = vset(a.scales[(n0 + r) * a.G + g]);
+      for (int m = 0; m < MT; ++m) total[m][r] = vfma(acc[m][r], scale, total[m][r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const float* offsets = a.offsets + (n0 + r) * a.G;
+    for (int m = 0; m < MT; ++m) {
+      const float* xsum = a.xsum + (m0 + m) * a.G;
+      float offset_dot = 0.f;
+      for (int64_t g = 0; g < a.G; ++g) offset_dot += offsets[g] * xsum[g];
+      a.out[(m0 + m) * a.N + n0 + r] = vsum(total[m][r]) + offset_dot;
+    }
+  }
+}
+
+template <int BITS, int MT, int NR>
+void dot_rows(const GemvArgs& a, int64_t m0, int64_t begin, int64_t end) {
+  int64_t n = begin;
+  for (; n + NR <= end; n += NR) dot_tile<BITS, MT, NR>(a, m0, n);
+  for (; n < end; ++n) dot_tile<BITS, MT, 1>(a, m0, n);
+}
+
+// Tiles of 4 rows of x, then the rest with as many weight rows as keep four accumulator chains.
+template <int BITS>
+void gemv_kernel(const GemvArgs& a) {
+  // NOTE: a chunk of at least ~64k multiply-adds, so that small layers do not pay a thread fork per row.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (a.K * a.M));
+  at::parallel_for(0, a.N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
+      const int64_t n1 = std::min(end, n0 + kRowBlock);
+      int64_t m0 = 0;
+      for (; m0 + 4 <= a.M; m0 += 4) dot_rows<BITS, 4, 1>(a, m0, n0, n1);
+      switch (a.M - m0) {
+        case 3: dot_rows<BITS, 3, 1>(a, m0, n0, n1); break;
+        case 2: dot_rows<BITS, 2, 2>(a, m0, n0, n1); break;
+        case 1: dot_rows<BITS, 1, 4>(a, m0, n0, n1); break;
+        default: break;
+      }
+    }
+  });
+}
+
+template <int BITS, int HALF>
+inline void dequantize_columns(float* out, const uint8_t* row, int64_t k, float scale, float offset) {
+  const Block block = load_block<BITS>(row, k);
+  const Vec shift = vset(offset);
+  vstore(out + k + 0, vfma(decode_vec<BITS, 4 * HALF + 0>(block), vset(scale * lane_factor<BITS>(4 * HALF + 0)), shift));
+  vstore(out + k + 8, vfma(decode_vec<BITS, 4 * HALF + 1>(block), vset(scale * lane_factor<BITS>(4 * HALF + 1)), shift));
+  vstore(out + k + 16, vfma(decode_vec<BITS, 4 * HALF + 2>(block), vset(scale * lane_factor<BITS>(4 * HALF + 2)), shift));
+  vstore(out + k + 24, vfma(decode_vec<BITS, 4 * HALF + 3>(block), vset(scale * lane_factor<BITS>(4 * HALF + 3)), shift));
+}
+
+template <int BITS>
+void dequantize_kernel(float* out, const uint8_t* qweight, const float* scales, const float* offsets, int64_t N,
+                       int64_t K, int64_t G) {
+  const int64_t group_size = K / G, row_bytes = K * BITS / 8;
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; k += kBlock) {
+        const int64_t g = n * G + k / group_size;
+        if (BITS == 4 && (k & 32)) dequantize_columns<BITS, 1>(out + n * K, qweight + n * row_bytes, k, scales[g], offsets[g]);
+        else dequantize_columns<BITS, 0>(out + n * K, qweight + n * row_bytes, k, scales[g], offsets[g]);
+      }
+  });
+}
+
+void check_layout(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& offsets,
+                  int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "qweight must be a contiguous uint8 [N, K * bits / 8]");
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits;
+  for (const auto* t : {&scales, &offsets}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N,
+                "scales and offsets must be contiguous float32 [N, G] with N = ", N);
+  }
+  TORCH_CHECK(offsets.size(1) == scales.size(1), "scales and offsets have different group counts");
+  const int64_t G = scales.size(1);
+  TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % kBlock == 0, "group size K / G = ", K, " / ", G,
+              " must be a whole multiple of ", kBlock);
+  TORCH_CHECK(qweight.size(1) % 32 == 0, "rows of qweight must be whole blocks of 32 bytes, got ", qweight.size(1));
+  for (const auto* t : {&qweight, &scales, &offsets}) TORCH_CHECK(t->device().is_cpu(), "tensors must be on the CPU");
+}
+
+// x_lanes [M, K] = x times the lane factor of each column; xsum [M, G] = sums of x over the groups.
+template <int BITS>
+void prepare_x(const float* x, float* x_lanes, float* xsum, int64_t M, int64_t K, int64_t G) {
+  float factors[block_columns<BITS>()];
+  for (int64_t c = 0; c < block_columns<BITS>(); ++c) factors[c] = lane_factor<BITS>(static_cast<int>(c / 8));
+  const int64_t group_size = K / G;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+        sum += x[m * K + k];
+        x_lanes[m * K + k] = x[m * K + k] * factors[k % block_columns<BITS>()];
+      }
+      xsum[m * G + g] = sum;
+    }
+}
+
+}  // namespace
+
+// x: [M, K] float32 -> x W^T: [M, N] float32, W in the layout above.
+torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
+                         int64_t bits) {
+  check_layout(qweight, scales, offsets, bits);
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits, G = scales.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
+              "x must be a float32 [M, ", K, "] CPU tensor");
+  const int64_t M = x.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  x = x.contiguous();
+  auto x_lanes = torch::empty_like(x);
+  auto xsum = torch::empty({M, G}, x.options());
+  if (bits == 8) prepare_x<8>(x.data_ptr<float>(), x_lanes.data_ptr<float>(), xsum.data_ptr<float>(), M, K, G);
+  else prepare_x<4>(x.data_ptr<float>(), x_lanes.data_ptr<float>(), xsum.data_ptr<float>(), M, K, G);
+  const GemvArgs args{x_lanes.data_ptr<float>(), xsum.data_ptr<float>(), qweight.data_ptr<uint8_t>(),
+                      scales.data_ptr<float>(), offsets.data_ptr<float>(), out.data_ptr<float>(),
+                      M, N, K, G, K / G, qweight.size(1)};
+  if (bits == 8) gemv_kernel<8>(args);
+  else gemv_kernel<4>(args);
+  return out;
+}
+
+// The float32 weight [N, K] the layout stands for (larger batches multiply it with a float GEMM).
+torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets, int64_t bits) {
+  check_layout(qweight, scales, offsets, bits);
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits, G = scales.size(1);
+  auto out = torch::empty({N, K}, scales.options());
+  const uint8_t* codes = qweight.data_ptr<uint8_t>();
+  if (bits == 8) dequantize_kernel<8>(out.data_ptr<float>(), codes, scales.data_ptr<float>(), offsets.data_ptr<float>(), N, K, G);
+  else dequantize_kernel<4>(out.data_ptr<float>(), codes, scales.data_ptr<float>(), offsets.data_ptr<float>(), N, K, G);
+  return out;
+}
+
+// Registered as torch ops (torch.ops.kvforge_cpu.*), so this file needs no share of the module's pybind init.
+TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
+  m.def("quant_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor", &quant_gemv);
+  m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor", &quant_dequantize);
+}

@@ -1,0 +1,72 @@
+"""Weight-only quantized matmul on the CPU (W8A16, W4A16): the C++ kernels of csrc/quant_gemv.cpp.
+
+The layer keeps its codes at 8 or 4 bits in the layout below and never holds a float weight. Up to
+GEMV_MAX_TOKENS rows (decode), the kernel streams the codes and accumulates in fp32; above, the weight
+is dequantized to float32 for the call and multiplied by F.linear (prefill is compute-bound, and a
+float GEMM beats re-decoding the codes for every few rows).
+
+    qweight  uint8 [N, K * bits / 8]   codes, in blocks of 32 bytes (8 bits: 32 columns, 4 bits: 64)
+    scales   float32 [N, G]
+    offsets  float32 [N, G]            offsets = -zeros * scales
+
+    W[n, k] = code[n, k] * scales[n, g] + offsets[n, g],   g = k // group_size
+
+A block is eight little-endian 32-bit words; word i holds columns i, 8 + i, 16 + i, ... of the block
+(8 bits: byte j = column 8j + i; 4 bits: nibble j, low nibble first = column 8j + i):
+
+    block columns   0  1 .. 7 | 8  9 .. 15 | ...          word i, 8-bit:  [ c_i | c_8+i | c_16+i | c_24+i ]
+    word            0  1 .. 7 | 0  1 ..  7 | ...                  4-bit:  [ c_i | c_8+i | ... | c_56+i ]
+
+so the kernel decodes the j-th vector of 8 columns with one AND (or a shift) in place, no shuffle.
+
+Zero points may be fractional (GGUF's Q4_1 stores a float minimum): they only enter the offsets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GEMV_MAX_TOKENS = 16  # rows of x up to which the kernel beats dequantize + F.linear
+CODE_BLOCK = 32  # columns per decoded block (a packed 4-bit block holds two); group sizes are multiples
+
+
+def layout_fits(bits: int, in_features: int, group_size: int) -> bool:
+    """Whether a weight of these parameters has the layout: whole 32-column blocks per group, and whole
+    blocks of 32 bytes per row."""
+    return (
+        bits in (4, 8)
+        and group_size % CODE_BLOCK == 0
+        and in_features % group_size == 0
+        and in_features % (CODE_BLOCK * 8 // bits) == 0
+    )
+
+
+def pack_weight(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes [N, K] in [0, 2**bits), scales and zeros [N, G] -> (qweight, scales, offsets) of the layout."""
+    num_rows, in_features = codes.shape
+    if not layout_fits(bits, in_features, in_features // scales.shape[1]):
+        raise ValueError(f"no CPU layout for {bits}-bit codes of width {in_features} in {scales.shape[1]} groups")
+    block_columns = CODE_BLOCK * 8 // bits  # 32 bytes per block
+    lanes = codes.to(torch.uint8).reshape(num_rows, -1, block_columns // 8, 8).transpose(-1, -2)  # [N, blocks, i, j]
+    if bits == 8:
+        qweight = lanes.reshape(num_rows, -1)
+    else:
+        nibbles = lanes.reshape(num_rows, -1, 2)  # j = 2b, 2b + 1 in byte b of the word
+        qweight = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    scales = scales.float()
+    offsets = -zeros.float() * scales
+    return qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+
+
+def quant_linear_cpu(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """x: [M, K] float -> x W^T: [M, N] in x's dtype. Needs the CPU extension loaded (cpu_kernels())."""
+    if x.shape[0] <= GEMV_MAX_TOKENS:
+        out = torch.ops.kvforge_cpu.quant_gemv(x.float(), qweight, scales, offsets, bits)
+        return out.to(x.dtype)
+    weight = torch.ops.kvforge_cpu.quant_dequantize(qweight, scales, offsets, bits)
+    return F.linear(x, weight.to(x.dtype))

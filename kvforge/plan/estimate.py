@@ -1,0 +1,179 @@
+"""The plan: for every TP x PP split of the devices, memory per device, the largest batch and context that
+fit, decode and prefill speed bounds; and the split to use.
+
+Memory per device mirrors the engine: of `gpu_memory_utilization` x capacity, weights, rotary tables and
+the largest step's activations come first, and the KV cache takes the rest (or `kv_cache_memory`, when
+given). Every stage holds the same number of cached tokens, so the fullest stage sets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvforge.plan.devices import DeviceSpec
+from kvforge.plan.model_shape import ModelShape
+from kvforge.plan.precision import Precision
+from kvforge.plan.stage import build_stages
+from kvforge.plan.throughput import Roofline, SpeedEstimate, decode_speed, prefill_speed
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """What to plan for; the engine's own defaults where the engine has the same knob."""
+
+    num_devices: int = 1
+    context_len: int = 4096  # tokens per sequence (prompt + output) at which batch and speed are given
+    batch_size: int | None = None  # None: the largest batch that fits, up to max_num_seqs
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # KV cache bytes per device; None: whatever is left
+
+    def __post_init__(self) -> None:
+        for name in ("num_devices", "context_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Bytes on one device of the fullest pipeline stage."""
+
+    weights: float
+    buffers: float  # rotary cos/sin tables
+    activations: float
+    kv_cache: float
+    kv_bytes_per_token: float
+    kv_tokens: int  # cached tokens every stage has room for
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.buffers + self.activations + self.kv_cache
+
+
+@dataclass(frozen=True, slots=True)
+class SplitEstimate:
+    """One TP x PP split. `problem` says why it is not usable (None when it is)."""
+
+    tp: int
+    pp: int
+    problem: str | None = None
+    memory: MemoryEstimate | None = None
+    max_batch: int = 0  # sequences of context_len tokens that fit
+    max_context: int = 0  # tokens one sequence may reach (the model's max position caps it)
+    batch: int = 0  # the batch the speeds are for
+    decode: SpeedEstimate | None = None
+    prefill: SpeedEstimate | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: ModelShape
+    device: DeviceSpec
+    precision: Precision
+    options: PlanOptions
+    splits: list[SplitEstimate] = field(default_factory=list)
+    recommended: SplitEstimate | None = None
+    reason: str = ""
+
+
+def make_plan(shape: ModelShape, device: DeviceSpec, precision: Precision, options: PlanOptions) -> Plan:
+    """Estimate every split of options.num_devices devices and pick one."""
+    if options.num_devices > 1 and device.interconnect_gbs is None:
+        raise ValueError(f"{device.name} has no device-to-device interconnect: plan for --devices 1")
+    if options.context_len > shape.max_position:
+        raise ValueError(f"--context {options.context_len} exceeds {shape.name}'s "
+                         f"{shape.max_position} positions")  # fmt: skip
+    if precision.kv_value_bytes == 1 and shape.num_kv_heads == 0:
+        raise ValueError(f"{shape.name}'s latent (MLA) KV cache is kept unquantized: use --kv-cache-dtype auto")
+    splits = [
+        estimate_split(shape, device, precision, options, tp, options.num_devices // tp)
+        for tp in range(1, options.num_devices + 1) if options.num_devices % tp == 0
+    ]  # fmt: skip
+    recommended, reason = _recommend(splits, options)
+    return Plan(shape, device, precision, options, splits, recommended, reason)
+
+
+def split_problem(shape: ModelShape, tp: int, pp: int) -> str | None:
+    """Why a split cannot cut this model, or None."""
+    for size in shape.tp_divisors:
+        if size % tp:
+            return f"TP={tp} does not divide {size} (heads or intermediate size)"
+    kv = shape.num_kv_heads
+    if kv and kv % tp and tp % kv:
+        return f"TP={tp} neither divides nor is a multiple of the {kv} KV heads"
+    if pp > shape.num_layers:
+        return f"PP={pp} exceeds the {shape.num_layers} layers"
+    return None
+
+
+def estimate_split(
+    shape: ModelShape, device: DeviceSpec, precision: Precision, options: PlanOptions, tp: int, pp: int
+) -> SplitEstimate:
+    problem = split_problem(shape, tp, pp)
+    if problem is not None:
+        return SplitEstimate(tp, pp, problem)
+    stages = build_stages(shape, tp, pp, precision, options.max_num_batched_tokens, options.max_num_seqs)
+    usable = device.memory_bytes * options.gpu_memory_utilization
+    budgets = [options.kv_cache_memory or usable - stage.fixed_bytes for stage in stages]
+    kv_tokens = max(0, min(int(budget // stage.kv_bytes_per_token) for budget, stage in zip(budgets, stages)))
+    fullest = max(stages, key=lambda stage: stage.fixed_bytes + kv_tokens * stage.kv_bytes_per_token)
+    memory = MemoryEstimate(fullest.weight_bytes, fullest.buffer_bytes, fullest.activation_bytes,
+                            kv_tokens * fullest.kv_bytes_per_token, fullest.kv_bytes_per_token, kv_tokens)  # fmt: skip
+    max_batch = kv_tokens // options.context_len
+    batch = options.batch_size or max(1, min(max_batch, options.max_num_seqs))
+    estimate = SplitEstimate(tp, pp, None, memory, max_batch, min(kv_tokens, shape.max_position), batch)
+    problem = _memory_problem(memory, usable, options, max_batch, batch)
+    if memory.weights + memory.buffers + memory.activations > usable:
+        return replace(estimate, problem=problem)
+    roofline = Roofline(shape, device, precision, tp)
+    return replace(
+        estimate, problem=problem, decode=decode_speed(roofline, stages, batch, options.context_len),
+        prefill=prefill_speed(roofline, stages, options.context_len, options.max_num_batched_tokens),
+    )  # fmt: skip
+
+
+def _memory_problem(memory: MemoryEstimate, usable: float, options: PlanOptions, max_batch: int, batch: int
+                    ) -> str | None:  # fmt: skip
+    gib = 2**30
+    fixed = memory.weights + memory.buffers + memory.activations
+    if fixed > usable:
+        return (f"weights and activations need {fixed / gib:.1f} GiB per device, "
+                f"{usable / gib:.1f} GiB usable")  # fmt: skip
+    if memory.total > usable:
+        return f"needs {memory.total / gib:.1f} GiB per device with the KV cache, {usable / gib:.1f} GiB usable"
+    if max_batch < batch:
+        return (f"KV cache holds {memory.kv_tokens:,} tokens: {max_batch} sequences of {options.context_len} "
+                f"tokens, not {batch}")  # fmt: skip
+    return None
+
+
+def _recommend(splits: list[SplitEstimate], options: PlanOptions) -> tuple[SplitEstimate | None, str]:
+    usable = [s for s in splits if s.fits and s.decode is not None]
+    if not usable:
+        shown = [f"TP={s.tp} x PP={s.pp}: {s.problem}" for s in splits]
+        return None, "no split fits: " + "; ".join(shown)
+    # NOTE: speeds within 2% are a tie, broken by the shorter time per token, then the fewer stages.
+    best_speed = max(s.decode.tokens_per_s for s in usable)
+    ties = [s for s in usable if s.decode.tokens_per_s >= 0.98 * best_speed]
+    best = min(ties, key=lambda s: (s.decode.latency_ms, s.pp))
+    reason = (f"TP={best.tp} x PP={best.pp}: the highest decode throughput bound among the splits that fit "
+              f"({best.decode.tokens_per_s:,.0f} tokens/s at batch {best.batch} x {options.context_len} tokens, "
+              f"{best.decode.latency_ms:.1f} ms per token, {best.decode.bound}-bound, "
+              f"{best.decode.comm_share:.0%} of the step in all-reduces)")  # fmt: skip
+    runner_up = [s for s in usable if s is not best]
+    if runner_up:
+        second = max(runner_up, key=lambda s: s.decode.tokens_per_s)
+        reason += (f"; next TP={second.tp} x PP={second.pp} at {second.decode.tokens_per_s:,.0f} tokens/s "
+                   f"(batch {second.batch})")  # fmt: skip
+    return best, reason

@@ -1,0 +1,161 @@
+"""FP8 (e4m3) weights: one byte per weight and a float32 scale per output channel.
+
+    W[n, k] ~= weight[n, k] * weight_scale[n]        weight [N, K] float8_e4m3fn, weight_scale [N] float32
+
+Two sources:
+- a float checkpoint with `quantization="fp8"`: weight_scale = max |W[n, :]| / 448 (e4m3's largest
+  value), weight = W / weight_scale rounded to e4m3;
+- an fp8 checkpoint (`quantization_config.quant_method: "fp8"`, as AutoFP8, llm-compressor and vLLM
+  write it): each `weight_scale` is per tensor ([] or [1]) or per channel ([N] or [N, 1]); a per-tensor
+  scale becomes the scale of each of its tensor's rows, so that the shards of a merged layer keep their
+  own. Static activation scales (`input_scale`) are dropped: activations stay in float, or on fp8 GPUs
+  are quantized per token as they come, which is at least as precise.
+
+The matmul, where the device has fp8 math (CUDA sm_89 and later, ROCm gfx942 and gfx950): activations
+are quantized to fp8 per token and torch._scaled_mm multiplies with fp32 accumulation,
+
+    y[m, n] = (sum_k xq[m, k] * weight[n, k]) * x_scale[m] * weight_scale[n]
+
+Elsewhere (the CPU, older GPUs) the weight is dequantized to the activation dtype and F.linear runs:
+fp8 then saves memory, not time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.platforms import Platform, current_platform
+from kvforge.quantization.linear_method import LinearMethod, drop_parameters
+
+if TYPE_CHECKING:
+    from kvforge.layers.linear import Linear
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+_MIN_SCALE = 1e-12
+# AMD MI300 (gfx942) multiplies the "fnuz" variant of e4m3: no negative zero, exponent bias 8, so the
+# same bits stand for half the value; gfx950 and NVIDIA use the OCP e4m3fn of checkpoints.
+_FNUZ_ARCHS = ("gfx942",)
+_FP8_ROCM_ARCHS = ("gfx942", "gfx950")
+_MIN_CUDA_CAPABILITY = 89
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (codes [N, K] float8_e4m3fn, scales [N] float32), per output channel."""
+    scales = weight.float().abs().amax(dim=1).clamp(min=_MIN_SCALE) / FP8_MAX
+    codes = (weight.float() / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, scales
+
+
+def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [N, K] fp8, scales [N] -> the weight [N, K] in dtype."""
+    return codes.to(dtype) * scales[:, None].to(dtype)
+
+
+def fp8_math_supported(platform: Platform) -> bool:
+    """Whether the platform's GPU multiplies fp8 matrices (the CPU and older GPUs only store them)."""
+    if platform.kind == "rocm":
+        return platform.arch in _FP8_ROCM_ARCHS
+    if platform.kind == "cuda":
+        return int(platform.arch.removeprefix("sm_")) >= _MIN_CUDA_CAPABILITY
+    return False
+
+
+def to_fnuz(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3fn codes and scales -> e4m3fnuz ones for the same weights: the bits read as half the value,
+    so the scales double; e4m3fn's negative zero (0x80) is fnuz's NaN and becomes zero."""
+    bits = codes.view(torch.int8).clone()
+    bits[bits == -128] = 0
+    return bits.view(torch.float8_e4m3fnuz), scales * 2
+
+
+def fp8_scaled_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float times fp8 codes [N, K] (scales [N]) with torch._scaled_mm; [M, N] in x's dtype.
+
+    NOTE: the per-token and per-channel scales are applied to the fp32 output rather than passed to
+    _scaled_mm, whose row-wise scaling needs bf16 output and a build with its CUTLASS kernels; unit
+    per-tensor scales (`unit`, a float32 scalar 1) work on every fp8 device."""
+    fp8_max = torch.finfo(codes.dtype).max
+    x_scales = x.float().abs().amax(dim=1, keepdim=True).clamp(min=_MIN_SCALE) / fp8_max  # [M, 1]
+    x_codes = (x.float() / x_scales).clamp(-fp8_max, fp8_max).to(codes.dtype)
+    out = torch._scaled_mm(x_codes, codes.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+    return (out * x_scales * scales).to(x.dtype)
+
+
+def select_fp8_kernel(device: torch.device, out_features: int, in_features: int) -> str:
+    """The layer's kernel: "scaled_mm" where the device multiplies fp8 and the shape suits _scaled_mm
+    (both widths multiples of 16), else "dequant"."""
+    if device.type != "cuda" or out_features % 16 or in_features % 16:
+        return "dequant"
+    return "scaled_mm" if fp8_math_supported(current_platform()) else "dequant"
+
+
+def fp8_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An fp8 checkpoint's tensors with every `weight_scale` as a per-channel vector [rows of its weight]
+    and `input_scale` dropped. A per-tensor scale waits for its weight's row count, or the reverse."""
+    rows: dict[str, int] = {}  # layer -> rows of its weight, once seen
+    waiting: dict[str, torch.Tensor] = {}  # layer -> per-tensor scale whose weight is not seen yet
+    for name, tensor in weights:
+        layer, _, kind = name.rpartition(".")
+        if kind == "input_scale":
+            continue
+        if kind == "weight_scale" and tensor.numel() == 1:
+            if layer not in rows:
+                waiting[layer] = tensor
+                continue
+            tensor = tensor.reshape(1).float().expand(rows[layer])
+        elif kind == "weight_scale":
+            tensor = tensor.reshape(-1).float()
+        yield name, tensor
+        if kind == "weight" and tensor.dim() == 2:
+            rows[layer] = tensor.shape[0]
+            if layer in waiting:
+                yield f"{layer}.weight_scale", waiting.pop(layer).reshape(1).float().expand(rows[layer])
+    if waiting:
+        raise ValueError(f"fp8 checkpoint has weight_scale without weight: {sorted(waiting)[:3]}")
+
+
+class Fp8Method(LinearMethod):
+    """from_float: quantize a float checkpoint at load time; otherwise load fp8 codes and scales."""
+
+    def __init__(self, from_float: bool) -> None:
+        self.from_float = from_float
+
+    def create_weights(self, layer: Linear) -> None:
+        if self.from_float:
+            return
+        device = layer.param_device
+        drop_parameters(layer, "weight")
+        codes = torch.zeros(layer.out_features, layer.in_features, dtype=FP8_DTYPE, device=device)
+        layer.register_parameter("weight", torch.nn.Parameter(codes, requires_grad=False))
+        scales = torch.zeros(layer.out_features, dtype=torch.float32, device=device)
+        layer.register_parameter("weight_scale", torch.nn.Parameter(scales, requires_grad=False))
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if self.from_float:
+            codes, scales = quantize_fp8(layer.weight.data)
+        else:
+            codes, scales = layer.weight.data, layer.weight_scale.data.float()
+        drop_parameters(layer, *[n for n, _ in layer.named_parameters(recurse=False) if n != "bias"])
+        layer.quant_kernel = select_fp8_kernel(layer.param_device, layer.out_features, layer.in_features)
+        if layer.quant_kernel == "scaled_mm" and current_platform().arch in _FNUZ_ARCHS:
+            codes, scales = to_fnuz(codes, scales)
+        layer.register_buffer("w_fp8", codes.contiguous(), persistent=False)
+        layer.register_buffer("w_scales", scales.contiguous(), persistent=False)
+        if layer.quant_kernel == "scaled_mm":
+            unit = torch.ones((), dtype=torch.float32, device=layer.param_device)
+            layer.register_buffer("w_unit_scale", unit, persistent=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
+        if layer.quant_kernel == "scaled_mm":
+            out = fp8_scaled_mm(rows, layer.w_fp8, layer.w_scales, layer.w_unit_scale)
+        else:
+            out = F.linear(rows, dequantize_fp8(layer.w_fp8, layer.w_scales, rows.dtype))
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,139 @@
+"""`quantization="gguf"`: a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights stay quantized, and the model
+computes what the dequantized load computes, in less memory.
+
+A tiny llama file mixes the kept types with others (one merged layer holds a Q6_K shard, so it falls
+back to float), and the real default model (all Q4_1) is checked end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+from kvforge.llm import LLM
+from kvforge.loader.gguf import load_gguf
+from kvforge.quantization.gguf_quants import GGUFMethod
+from kvforge.sampling_params import SamplingParams
+from tests.loader.test_gguf import (
+    HEADS,
+    HF_NAMES,
+    HIDDEN,
+    KV_HEADS,
+    SHAPES,
+    TOKENS,
+    Stored,
+    llama_cpp_permute,
+    random_blocks,
+    write_tiny_gguf,
+)
+
+# q/k/v in three kept types (an 8-bit merged layer), gate_up with a Q6_K shard (float), the rest kept.
+PLAN = {"token_embd": Q.Q8_0, "output": Q.Q4_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0,
+        "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_0, "ffn_up": Q.Q6_K, "ffn_down": Q.Q8_0}  # fmt: skip
+ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory="16MiB")
+
+
+def plan_tensors(rng: np.random.Generator) -> dict[str, Stored]:
+    tensors: dict[str, Stored] = {}
+
+    def matrix(kind: str, gguf_name: str, hf_name: str) -> None:
+        qtype = PLAN[kind]
+        if qtype == Q.Q6_K:
+            tensors[hf_name] = Stored(gguf_name, qtype, random_blocks(rng, qtype, SHAPES[kind]), None)
+            return
+        rows = rng.uniform(-0.1, 0.1, SHAPES[kind]).astype(np.float32)
+        if kind in ("attn_q", "attn_k"):
+            rows = llama_cpp_permute(rows, HEADS if kind == "attn_q" else KV_HEADS)
+        tensors[hf_name] = Stored(gguf_name, qtype, quantize(rows, qtype), None)
+
+    for kind in ("token_embd", "output"):
+        matrix(kind, f"{kind}.weight", f"{HF_NAMES[kind]}.weight")
+    ones = np.ones(HIDDEN, dtype=np.float32)
+    tensors["model.norm.weight"] = Stored("output_norm.weight", Q.F32, ones, ones)
+    for layer in range(2):
+        for kind in [k for k in PLAN if k not in ("token_embd", "output")]:
+            matrix(kind, f"blk.{layer}.{kind}.weight", f"model.layers.{layer}.{HF_NAMES[kind]}.weight")
+        for kind in ("attn_norm", "ffn_norm"):
+            name = f"model.layers.{layer}.{HF_NAMES[kind]}.weight"
+            tensors[name] = Stored(f"blk.{layer}.{kind}.weight", Q.F32, ones, ones)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("kept") / "tiny-llama.gguf"
+    write_tiny_gguf(path, "llama", plan_tensors(np.random.default_rng(0)))
+    return path
+
+
+def test_kept_tensors_are_the_dequantized_ones(tiny_path: Path) -> None:
+    """Kept: the linear weights of kept types, rows in HF order (q/k un-permuted like the float load)."""
+    dense = load_gguf(str(tiny_path), torch.float32)
+    kept = load_gguf(str(tiny_path), torch.float32, keep_quantized=True)
+    kinds = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"}
+    assert sorted(kept.quantized) == sorted(n for n in dense.tensors if n.split(".")[-2] in kinds)
+    assert sorted(kept.tensors) == sorted(set(dense.tensors) - set(kept.quantized))
+    for name, weight in kept.quantized.items():
+        torch.testing.assert_close(weight.dequantize(), dense.tensors[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def tiny_llms(tiny_path: Path) -> tuple[LLM, LLM]:
+    return LLM(str(tiny_path), **ENGINE), LLM(str(tiny_path), quantization="gguf", **ENGINE)
+
+
+def test_layers_get_the_kept_bits(tiny_llms: tuple[LLM, LLM]) -> None:
+    layer = tiny_llms[1].engine.runner.model.layers[0]
+    methods = {
+        name: module.quant_method
+        for name, module in [("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                             ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)]
+    }  # fmt: skip
+    assert {k: m.bits for k, m in methods.items() if isinstance(m, GGUFMethod)} == {"qkv": 8, "o": 4, "down": 8}
+    assert methods["gate_up"] is None  # a Q6_K shard: the layer stays float
+
+
+def test_tiny_model_logits_and_tokens_match_the_dequantized_load(tiny_llms: tuple[LLM, LLM]) -> None:
+    dense, kept = tiny_llms
+    token_ids = np.random.default_rng(1).integers(0, len(TOKENS) - 2, 40).tolist()
+    dense_logits, kept_logits = dense.engine.score(token_ids), kept.engine.score(token_ids)
+    # NOTE: int4pack (the CPU kernel of the 4-bit o_proj) rounds activations to bfloat16.
+    assert (kept_logits - dense_logits).abs().max() <= 2e-2 * dense_logits.abs().max()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": token_ids[i : i + 6]} for i in range(0, 24, 6)]
+    same = [a.outputs[0].token_ids == b.outputs[0].token_ids
+            for a, b in zip(dense.generate(prompts, params), kept.generate(prompts, params))]  # fmt: skip
+    assert sum(same) >= 3
+
+
+def test_gguf_option_needs_a_gguf_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="quantization='gguf'.*is a folder"):
+        LLM(str(tmp_path), quantization="gguf", **ENGINE)
+
+
+def weight_bytes(llm: LLM) -> int:
+    model = llm.engine.runner.model
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
+    dense = LLM(**ENGINE)
+    kept = LLM(quantization="gguf", **ENGINE)
+    model = kept.engine.runner.model
+    assert all(isinstance(layer.mlp.down_proj.quant_method, GGUFMethod) for layer in model.layers)
+    # the linear layers go from 465 MiB of float32 to ~1.1 bytes per weight
+    assert weight_bytes(kept) < 0.45 * weight_bytes(dense)
+    text = "The lighthouse keeper climbed the stairs every evening to light the lamp before the ships came."
+    token_ids = dense.get_tokenizer().encode(text)
+    dense_logits, kept_logits = dense.engine.score(token_ids), kept.engine.score(token_ids)
+    assert (kept_logits - dense_logits).abs().max() <= 3e-2 * dense_logits.abs().max()
+    assert (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean() >= 0.95
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    answers = [llm.chat(question, params)[0].outputs[0] for llm in (dense, kept)]
+    assert answers[0].token_ids == answers[1].token_ids and "Paris" in answers[1].text

@@ -1,0 +1,111 @@
+"""GGUF Q8_0 / Q4_0 / Q4_1 blocks decoded into QuantizedWeights, against the `gguf` package's own
+dequantization, and a merged Linear running on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from kvforge.layers.linear import Linear
+from kvforge.quantization.gguf_quants import GGUFMethod, decode_blocks
+
+KEPT = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+
+
+def weights_with_odd_blocks(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    """Random weights plus blocks that stress the zero points: constant, all zero, all positive, tiny."""
+    weight = rng.normal(size=shape).astype(np.float32)
+    weight[0, :32] = 0.7  # constant: Q4_1 stores d = 0, m = 0.7
+    weight[1, 32:64] = 0.0
+    weight[2, :32] = rng.uniform(1.0, 1.1, 32)  # Q4_1 zero point far below the codes (-m / d ~ -150)
+    weight[3, 64:96] = rng.uniform(-1e-4, 1e-4, 32)
+    return weight
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_dequantize_equals_gguf(qtype: Q) -> None:
+    rng = np.random.default_rng(int(qtype))
+    data = quantize(weights_with_odd_blocks(rng, (48, 160)), qtype)
+    reference = dequantize(data, qtype)
+    weight = decode_blocks(data, qtype, (48, 160))
+    assert weight.codes.dtype == torch.uint8 and weight.codes.shape == (48, 160)
+    assert weight.group_size == 32 and weight.bits == (8 if qtype == Q.Q8_0 else 4)
+    assert int(weight.codes.max()) < 2**weight.bits
+    ours = weight.dequantize().numpy()
+    if qtype == Q.Q4_1:
+        # (q + m / d) * d against d * q + m: float32 rounding of the block's magnitude, no more
+        blocks = np.abs(reference).reshape(48, -1, 32).max(axis=-1, keepdims=True)
+        bound = np.broadcast_to(4 * 2.0**-24 * blocks, (48, 5, 32)).reshape(48, 160)
+        assert (np.abs(ours - reference) <= bound).all()
+        assert not torch.equal(weight.zeros, weight.zeros.round())  # float zero points
+    else:
+        np.testing.assert_array_equal(ours, reference)
+
+
+def test_q4_1_constant_block_with_zero_scale() -> None:
+    """Raw blocks with d = 0 and arbitrary nibbles: every weight is m."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (4, 2, GGML_QUANT_SIZES[Q.Q4_1][1]), dtype=np.uint8)
+    blocks[..., :2] = np.zeros((4, 2, 1), dtype=np.float16).view(np.uint8)
+    blocks[..., 2:4] = rng.uniform(-1, 1, (4, 2, 1)).astype(np.float16).view(np.uint8)
+    data = blocks.reshape(4, -1)
+    np.testing.assert_array_equal(decode_blocks(data, Q.Q4_1, (4, 64)).dequantize().numpy(), dequantize(data, Q.Q4_1))
+
+
+def test_decode_rejects_other_types_and_sizes() -> None:
+    data = quantize(np.ones((2, 64), dtype=np.float32), Q.Q8_0)
+    with pytest.raises(ValueError, match="Q6_K is not kept"):
+        decode_blocks(data, Q.Q6_K, (2, 64))
+    with pytest.raises(ValueError, match="do not hold a 2x96 matrix"):
+        decode_blocks(data, Q.Q8_0, (2, 96))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 24])
+@pytest.mark.parametrize("shard_types", [(Q.Q4_0, Q.Q4_1), (Q.Q4_1, Q.Q8_0)], ids=["4bit", "8bit"])
+def test_merged_layer_computes_with_the_gguf_weights(num_tokens: int, shard_types: tuple[Q, Q]) -> None:
+    rng = np.random.default_rng(num_tokens)
+    shards = [quantize(rng.normal(size=(64, 128)).astype(np.float32), q) for q in shard_types]
+    weights = [decode_blocks(data, q, (64, 128)) for data, q in zip(shards, shard_types)]
+    bits = max(w.bits for w in weights)
+    layer = Linear(128, [64, 64], bias=True)
+    layer.set_quant_method(GGUFMethod(bits))
+    bias = torch.randn(128)
+    for shard, weight in enumerate(weights):
+        for name in ("codes", "scales", "zeros"):
+            layer.load_shard(name, shard, getattr(weight, name))
+        layer.load_shard("bias", shard, bias[64 * shard : 64 * (shard + 1)])
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.bits == bits and not hasattr(layer, "codes") and not hasattr(layer, "weight")
+    reference = torch.from_numpy(np.concatenate([dequantize(d, q) for d, q in zip(shards, shard_types)]))
+    x = torch.randn(num_tokens, 128)
+    expected = x @ reference.t() + bias
+    # NOTE: the CPU's int4pack rounds activations and scales to bfloat16; the other kernels are exact
+    # up to float32 rounding.
+    tolerance = 2e-2 if layer.quant_kernel == "int4pack" else 1e-5
+    scale = (x.abs() @ reference.abs().t()).max()
+    assert (layer(x) - expected).abs().max() <= tolerance * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+def test_q4_1_layer_on_the_gpu_keeps_float_zero_points() -> None:
+    """bfloat16 scales, float32 zero points (a bf16 zero point ~150 codes off would be off by ~0.5)."""
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(64, 256)).astype(np.float32)
+    values[:, :32] += 5.0  # all-positive blocks: zero points far below the codes
+    data = quantize(values, Q.Q4_1)
+    layer = Linear(256, [64]).cuda().to(torch.bfloat16)
+    layer.set_quant_method(GGUFMethod(4))
+    weight = decode_blocks(data, Q.Q4_1, (64, 256))
+    for name in ("codes", "scales", "zeros"):
+        layer.load_shard(name, 0, getattr(weight, name))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.w_zeros.dtype == torch.float32
+    x = torch.randn(5, 256)
+    reference = torch.from_numpy(dequantize(data, Q.Q4_1))
+    out = layer(x.cuda().bfloat16()).float().cpu()
+    assert ((out - x @ reference.t()).abs() <= 2e-2 * (x.abs() @ reference.abs().t()) + 2e-2).all()

@@ -1,0 +1,108 @@
+"""The C++ weight-only kernels (csrc/quant_gemv.cpp) against x @ dequantize(W).T, alone and inside a Linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.kernels.cpu_extension import cpu_kernels
+from kvforge.kernels.quant_gemv_cpu import GEMV_MAX_TOKENS, layout_fits, pack_weight, quant_linear_cpu
+from kvforge.layers.linear import Linear
+from kvforge.quantization.linear_method import WeightOnlyMethod
+from kvforge.quantization.quantized_weight import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels cannot be built here")
+
+
+def _weight(num_rows: int, in_features: int, bits: int, group_size: int, zeros: str, seed: int) -> QuantizedWeight:
+    """Random codes; zeros "sym" (the middle code), "int" (per-group integers) or "float" (GGUF-style minimums)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_groups = in_features // group_size
+    codes = torch.randint(0, 2**bits, (num_rows, in_features), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(num_rows, num_groups, generator=gen) * 0.05 + 1e-3
+    if zeros == "sym":
+        zero_points = torch.full((num_rows, num_groups), 2.0 ** (bits - 1))
+    elif zeros == "int":
+        zero_points = torch.randint(0, 2**bits, (num_rows, num_groups), generator=gen).float()
+    else:
+        zero_points = (torch.rand(num_rows, num_groups, generator=gen) - 0.5) * 4 * 2**bits
+    return QuantizedWeight(codes, scales, zero_points, bits)
+
+
+def _tolerance(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """fp32 rounding of the kernel's sums: a few ulps of the sum of the magnitudes of the terms it adds,
+    code * scale * x and the group offsets zero * scale * x."""
+    group = weight.group_size
+    scales = weight.scales.repeat_interleave(group, dim=1)
+    zeros = weight.zeros.repeat_interleave(group, dim=1)
+    magnitude = x.abs().double() @ ((weight.codes.double() + zeros.abs().double()) * scales.double()).t()
+    return 5e-7 * magnitude + 1e-6
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(
+    "num_rows,in_features,group_size", [(37, 128, 32), (5, 128, 64), (67, 384, 128), (13, 256, 256)]
+)
+@pytest.mark.parametrize("zeros", ["sym", "int", "float"])
+def test_kernel_matches_the_dequantized_weight(
+    bits: int, num_rows: int, in_features: int, group_size: int, zeros: str
+) -> None:
+    weight = _weight(num_rows, in_features, bits, group_size, zeros, seed=num_rows + bits)
+    packed = pack_weight(weight.codes, weight.scales, weight.zeros, bits)
+    reference_weight = weight.dequantize().double()
+    for num_tokens in [*range(1, GEMV_MAX_TOKENS + 1), GEMV_MAX_TOKENS + 1, 40]:
+        x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(num_tokens))
+        out = quant_linear_cpu(x, *packed, bits)
+        assert out.shape == (num_tokens, num_rows) and out.dtype == torch.float32
+        error = (out.double() - x.double() @ reference_weight.t()).abs()
+        assert (error <= _tolerance(x, weight)).all(), (num_tokens, error.max().item())
+
+
+def test_bfloat16_activations_give_bfloat16_outputs() -> None:
+    weight = _weight(24, 128, 4, 64, "int", seed=1)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    out = quant_linear_cpu(x, *pack_weight(weight.codes, weight.scales, weight.zeros, 4), 4)
+    reference = x.double() @ weight.dequantize().double().t()
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.double(), reference, rtol=1e-2, atol=1e-2)
+
+
+def test_layouts_without_whole_blocks_are_refused() -> None:
+    assert layout_fits(4, 128, 32) and layout_fits(8, 96, 32)
+    assert not layout_fits(4, 96, 32)  # 4-bit blocks are 64 columns wide
+    assert not layout_fits(4, 128, 16) and not layout_fits(3, 128, 32)
+    weight = _weight(4, 96, 4, 32, "sym", seed=0)
+    with pytest.raises(ValueError, match="no CPU layout"):
+        pack_weight(weight.codes, weight.scales, weight.zeros, 4)
+
+
+class _GivenWeight(WeightOnlyMethod):
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight = weight
+
+    def to_quantized_weight(self, layer: Linear) -> QuantizedWeight:
+        return self.weight
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, 576), (8, 32), (4, 64), (4, 192)])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size: int, act_order: bool) -> None:
+    num_rows, in_features = 75, 576
+    weight = _weight(num_rows, in_features, bits, group_size, "int", seed=bits)
+    if act_order:
+        weight.perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(num_rows)
+    layer = Linear(in_features, [num_rows], bias=True)
+    layer.set_quant_method(_GivenWeight(weight))
+    layer.load_shard("bias", 0, bias)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.quant_kernel == "native" and not hasattr(layer, "weight")
+    reference_weight = weight.dequantize().double()  # input features in their original order
+    for num_tokens in (1, 7, 16, 33):
+        x = torch.randn(2, num_tokens, in_features)  # leading dims are kept
+        out = layer(x)
+        assert out.shape == (2, num_tokens, num_rows)
+        error = (out.double() - (x.double() @ reference_weight.t() + bias.double())).abs()
+        rows = x.reshape(-1, in_features)
+        kernel_rows = rows if weight.perm is None else rows[:, weight.perm]  # the order the codes are stored in
+        assert (error <= _tolerance(kernel_rows, weight).reshape(error.shape)).all()
