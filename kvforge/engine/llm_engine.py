@@ -181,7 +181,7 @@ class LLMEngine:
         the oldest is collected, so every stage has work; a step returns the oldest batch's outputs."""
         while len(self.in_flight) < self.executor.max_in_flight:
             busy = {s.request_id for out in self.in_flight for s in out.scheduled}
-            scheduler_output = self.scheduler.schedule(busy)
+            scheduler_output = self.scheduler.schedule(busy, self.executor.max_in_flight)
             if self.in_flight and not scheduler_output.scheduled and not scheduler_output.finished_request_ids:
                 break
             self.executor.submit(scheduler_output)
@@ -201,6 +201,9 @@ class LLMEngine:
             if group.finished:
                 del self.groups[group_id]
             outputs.append(self._make_output(group))
+        while self.in_flight and not self.groups:  # only finished or aborted work is left in flight
+            self.in_flight.popleft()
+            self.executor.collect()
         return outputs
 
     def _apply(self, out: ModelRunnerOutput) -> None:

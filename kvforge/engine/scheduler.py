@@ -118,9 +118,9 @@ class Scheduler:
         eos = [] if params.ignore_eos else list(request.eos_token_ids)
         return eos + params.stop_token_ids
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int, busy: set[str]) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, busy: set[str], max_seqs: int) -> int:
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(output.scheduled) < max_seqs:
             request = self.running[index]
             if request.request_id in busy:
                 index += 1
@@ -134,8 +134,9 @@ class Scheduler:
             index += 1
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, max_seqs: int) -> None:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(output.scheduled) < max_seqs):
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
@@ -152,16 +153,18 @@ class Scheduler:
             self._emit(output, request, num_new)
             budget -= num_new
 
-    def schedule(self, busy: set[str] | frozenset[str] = frozenset()) -> SchedulerOutput:
+    def schedule(self, busy: set[str] | frozenset[str] = frozenset(), num_micro_batches: int = 1) -> SchedulerOutput:
         """Build one step. Invariant: every scheduled request has blocks for all its new tokens.
 
-        busy: requests in a step still in flight (pipeline parallelism); they are neither scheduled
-        nor preempted until its result is back."""
+        Pipeline parallelism keeps num_micro_batches steps in flight: each takes an equal share of
+        the unfinished requests, and busy (the requests of steps in flight) are neither scheduled
+        nor preempted until their results are back."""
         output = SchedulerOutput(finished_request_ids=self.finished_ids)
         self.finished_ids = []
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens, set(busy))
+        max_seqs = max(1, -(-self.num_unfinished // num_micro_batches))
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, set(busy), max_seqs)
         if not output.preempted_request_ids:
-            self._schedule_waiting(output, budget)
+            self._schedule_waiting(output, budget, max_seqs)
         return output
 
     def update_after_step(self, output: SchedulerOutput) -> None:

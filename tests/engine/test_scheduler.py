@@ -78,3 +78,29 @@ def test_abort_frees_blocks_at_once_and_prefix_hits_are_counted():
     scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
     assert scheduler.kv.num_free_blocks == 63 and not scheduler.running
     assert scheduler.schedule().finished_request_ids == ["a", "b"]
+
+
+def test_micro_batches_split_the_requests_and_skip_those_in_flight():
+    """Pipeline parallelism: two steps in flight take disjoint halves; a busy request is not preempted."""
+    scheduler = _make(num_blocks=64, budget=64)
+    for i in range(4):
+        _add(scheduler, f"r{i}", 4, base=10 * i)
+    first = scheduler.schedule(num_micro_batches=2)
+    busy = {s.request_id for s in first.scheduled}
+    second = scheduler.schedule(busy, num_micro_batches=2)
+    assert busy == {"r0", "r1"} and {s.request_id for s in second.scheduled} == {"r2", "r3"}
+    assert not scheduler.schedule(busy | {"r2", "r3"}, num_micro_batches=2).scheduled
+
+
+def test_requests_in_flight_are_never_preempted():
+    scheduler = _make(num_blocks=3, block_size=4, budget=64)  # 2 usable blocks of 4 tokens
+    _add(scheduler, "old", 4)
+    _add(scheduler, "new", 4, base=50)
+    first = scheduler.schedule()
+    scheduler.update_after_step(first)
+    for request in scheduler.running:
+        request.append_output_token(7)
+    # "old" needs a second block for its next token; the newest, "new", is in flight, so "old" yields
+    out = scheduler.schedule({"new"})
+    assert out.preempted_request_ids == ["old"] and not out.scheduled
+    assert scheduler.requests["new"].status == RequestStatus.RUNNING

@@ -1,0 +1,70 @@
+"""The ways users start a parallel engine: `kvforge generate|serve --tensor-parallel-size 2`, and torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from kvforge import LLM, SamplingParams
+from kvforge.cli import main
+from tests.server.harness import free_port
+
+PROMPT = "Paris is the capital"
+ARGS = ["--raw", "--max-tokens", "8", "--ignore-eos", "--kv-cache-memory", "16MiB"]
+
+
+def _reference(folder: Path) -> str:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return LLM(str(folder), kv_cache_memory="16MiB").generate([PROMPT], params)[0].outputs[0].text
+
+
+def test_generate_command_with_tensor_parallel(tiny_llama_dir, capsys) -> None:
+    folder = tiny_llama_dir[0]
+    want = _reference(folder)
+    assert main(["generate", PROMPT, "--model", str(folder), *ARGS, "--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+
+
+def test_torchrun_starts_the_ranks(tiny_llama_dir, tmp_path) -> None:
+    """The multi-node path on one node: torchrun starts both ranks; rank 0 prints, rank 1 serves it."""
+    folder = tiny_llama_dir[0]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "kvforge.cli", "--log-level", "WARNING",
+               "generate", PROMPT, "--model", str(folder), *ARGS, "--pipeline-parallel-size", "2",
+               "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == _reference(folder) + "\n"
+
+
+def test_serve_command_with_tensor_parallel(tiny_llama_dir) -> None:
+    folder = tiny_llama_dir[0]
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvforge.cli", "serve", "--model", str(folder), "--port", str(port),
+         "--kv-cache-memory", "16MiB", "--tensor-parallel-size", "2", "--served-model-name", "tiny"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        completion = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == _reference(folder)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

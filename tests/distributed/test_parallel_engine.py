@@ -1,0 +1,80 @@
+"""Tensor and pipeline parallelism on the CPU (Gloo, one process per rank) against one process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from kvforge import LLM
+from tests.distributed.conftest import GREEDY, PROMPTS, SCORED_TOKENS
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
+def test_same_tokens_and_logits_as_one_process(parallel_model, tp: int, pp: int) -> None:
+    folder, want_tokens, want_logits = parallel_model
+    llm = LLM(str(folder), kv_cache_memory="16MiB", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        in_flight = []
+        submit = llm.engine.executor.submit
+        llm.engine.executor.submit = lambda out: (in_flight.append(len(llm.engine.in_flight) + 1), submit(out))
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        logits = llm.engine.score(SCORED_TOKENS)
+    finally:
+        llm.shutdown()
+    assert got == want_tokens
+    assert (logits - want_logits).abs().max().item() < 1e-4
+    assert max(in_flight) == pp  # with pipeline stages, that many steps run at once
+    assert not multiprocessing.active_children()
+
+
+def test_kv_heads_fewer_than_ranks_are_replicated(parallel_model) -> None:
+    folder, want_tokens, _ = parallel_model  # 2 KV heads over 4 ranks: each KV head on 2 ranks
+    llm = LLM(str(folder), kv_cache_memory="16MiB", tensor_parallel_size=4)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
+    finally:
+        llm.shutdown()
+    assert got == want_tokens[:2]
+
+
+def test_a_killed_worker_fails_the_engine_within_seconds(tiny_llama_dir) -> None:
+    llm = LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", tensor_parallel_size=2)
+    (worker,) = llm.engine.executor.processes
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate(PROMPTS, GREEDY)
+    assert time.monotonic() - start < 10
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPTS, GREEDY)
+    assert not multiprocessing.active_children()
+
+
+def test_a_split_that_does_not_fit_the_model_is_a_clear_error(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match="4 attention heads cannot be split over tensor_parallel_size=3"):
+        LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
+        LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(str(tiny_llama_dir[0]), tensor_parallel_size=0)
+    assert not multiprocessing.active_children()
+
+
+def test_quantized_layers_are_sharded_too(tmp_path) -> None:
+    """Group-wise 4-bit round-to-nearest (group 64) quantizes each rank's slice to the same codes as
+    the whole matrix, so the tokens match one process."""
+    from tests.tiny_models import save_model
+
+    save_model(tmp_path, "llama", hidden_size=128, intermediate_size=256)
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), kv_cache_memory="16MiB", quantization="w4a16")
+            .generate(PROMPTS, GREEDY)]
+    llm = LLM(str(tmp_path), kv_cache_memory="16MiB", quantization="w4a16", tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+    assert got == want
