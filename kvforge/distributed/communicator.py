@@ -3,7 +3,8 @@
 Callers pass the state they captured when they were built, so a single-device engine and a
 distributed one can live in the same process.
 
-    tp_all_reduce / tp_all_gather    tensor-parallel layers (row-parallel outputs, vocabulary shards)
+    tp_all_reduce                    tensor-parallel layers (row-parallel outputs, vocabulary shards)
+    tp_gather                        the LM head's logits, to the rank that samples
     send_tensor / recv_tensor        hidden states from one pipeline stage to the next
     send_object / recv_object        pickled commands and results between the driver and the ranks
 
@@ -36,14 +37,15 @@ def tp_all_reduce(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_all_gather(state: ParallelState, x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's x along the last dimension, in rank order."""
+def tp_gather(state: ParallelState, x: torch.Tensor) -> torch.Tensor | None:
+    """Every rank's x concatenated along the last dimension on tensor-parallel index 0; None elsewhere."""
     if state.tp_size == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
-    dist.all_gather(parts, x, group=state.tp_group)
-    return torch.cat(parts, dim=-1)
+    first = state.pp_rank * state.tp_size
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)] if state.tp_rank == 0 else None
+    dist.gather(x, parts, dst=first, group=state.tp_group)
+    return None if parts is None else torch.cat(parts, dim=-1)
 
 
 def _isend(tensor: torch.Tensor, dst: int, tag: int, group: dist.ProcessGroup | None) -> None:

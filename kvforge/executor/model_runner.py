@@ -123,6 +123,8 @@ class ModelRunner:
             s = by_id[request_id]
             num_rows = min(num_rows, len(s.prompt_token_ids) - 1 - first_pos)
             logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
+            if logits is None:  # a tensor-parallel peer of the sampling rank
+                continue
             targets = torch.tensor(s.prompt_token_ids[first_pos + 1 : first_pos + 1 + num_rows],
                                    device=logits.device)
             num_logprobs = [s.sampling_params.prompt_logprobs] * num_rows

@@ -3,7 +3,7 @@
 The vocabulary is padded to a multiple of tp; rank r holds rows [r * V_local, (r + 1) * V_local):
 
     embedding   each rank looks up the ids in its range (zeros elsewhere); an all-reduce sums them
-    LM head     each rank scores its rows; an all-gather concatenates the logits, padding dropped
+    LM head     each rank scores its rows; a gather concatenates the logits on the rank that samples
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.distributed.communicator import tp_all_gather, tp_all_reduce
+from kvforge.distributed.communicator import tp_all_reduce, tp_gather
 from kvforge.distributed.parallel_state import get_parallel_state
 
 
@@ -46,9 +46,10 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
         return tp_all_reduce(self.parallel, x.masked_fill(outside[:, None], 0.0))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """As the LM head: fp32 logits [num_tokens, vocab_size], gathered from every rank's rows."""
-        logits = F.linear(hidden, self.weight).float()  # [num_tokens, V_local]
-        return tp_all_gather(self.parallel, logits)[:, : self.vocab_size]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """As the LM head: fp32 logits [num_tokens, vocab_size], gathered from every rank's rows on
+        tensor-parallel index 0 (the rank that samples); None on the others."""
+        logits = tp_gather(self.parallel, F.linear(hidden, self.weight).float())  # [num_tokens, V_local] each
+        return None if logits is None else logits[:, : self.vocab_size]
 
 

@@ -213,8 +213,9 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the whole vocabulary, [num_tokens, vocab] (last stage only)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits over the whole vocabulary, [num_tokens, vocab], on the rank that samples (the
+        last stage's tensor-parallel index 0); None on its tensor-parallel peers."""
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

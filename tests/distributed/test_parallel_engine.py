@@ -10,12 +10,12 @@ import time
 import pytest
 
 from kvforge import LLM
-from tests.distributed.conftest import GREEDY, PROMPTS, SCORED_TOKENS
+from tests.distributed.conftest import GREEDY, PROMPTS, SCORED_TOKENS, logprob_values
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
 def test_same_tokens_and_logits_as_one_process(parallel_model, tp: int, pp: int) -> None:
-    folder, want_tokens, want_logits = parallel_model
+    folder, want_tokens, want_logits, want_logprobs = parallel_model
     llm = LLM(str(folder), kv_cache_memory="16MiB", tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
         in_flight = []
@@ -23,16 +23,18 @@ def test_same_tokens_and_logits_as_one_process(parallel_model, tp: int, pp: int)
         llm.engine.executor.submit = lambda out: (in_flight.append(len(llm.engine.in_flight) + 1), submit(out))
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         logits = llm.engine.score(SCORED_TOKENS)
+        logprobs = logprob_values(llm)
     finally:
         llm.shutdown()
     assert got == want_tokens
     assert (logits - want_logits).abs().max().item() < 1e-4
+    assert len(want_logprobs) > 6 and logprobs == pytest.approx(want_logprobs, abs=1e-4)
     assert max(in_flight) == pp  # with pipeline stages, that many steps run at once
     assert not multiprocessing.active_children()
 
 
 def test_kv_heads_fewer_than_ranks_are_replicated(parallel_model) -> None:
-    folder, want_tokens, _ = parallel_model  # 2 KV heads over 4 ranks: each KV head on 2 ranks
+    folder, want_tokens = parallel_model[:2]  # 2 KV heads over 4 ranks: each KV head on 2 ranks
     llm = LLM(str(folder), kv_cache_memory="16MiB", tensor_parallel_size=4)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
