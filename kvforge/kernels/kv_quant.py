@@ -72,7 +72,7 @@ def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
 @jit
 def quantize_rows(x, CODE_MAX: tl.constexpr, ROUND: tl.constexpr):
     """Triton quantize_kv of a [ROWS, D] tile (masked lanes 0): (codes as fp32 [ROWS, D], scales [ROWS]).
-    ROUND: int8 codes (round half up); otherwise fp8, rounded by the caller's cast."""
+    ROUND: int8 codes (round half up); otherwise fp8 values, already on the e4m3 grid (round_to_e4m3)."""
     x = x.to(tl.float32)
     absmax = tl.max(tl.abs(x), 1)
     inv_scale = tl.where(absmax > 0.0, CODE_MAX / tl.maximum(absmax, 1e-30), 0.0)

@@ -80,3 +80,24 @@ def test_quantized_layers_are_sharded_too(tmp_path) -> None:
     finally:
         llm.shutdown()
     assert got == want
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_mixture_of_experts_splits_the_experts(tmp_path, arch: str) -> None:
+    """Experts sliced by their intermediate size (shared experts as column/row-parallel MLPs) under TP;
+    DeepSeek's latent attention is pipeline-parallel only and says so for TP."""
+    from tests.models.test_moe_vs_transformers import build_moe_model
+    from tests.tiny_models import save_tokenizer
+
+    build_moe_model(arch, save_tokenizer(tmp_path)).save_pretrained(tmp_path)
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), kv_cache_memory="16MiB").generate(PROMPTS, GREEDY)]
+    if arch == "deepseek_v3":
+        with pytest.raises(ValueError, match="latent attention .* not tensor-parallel"):
+            LLM(str(tmp_path), kv_cache_memory="16MiB", tensor_parallel_size=2)
+    split = {"pipeline_parallel_size": 2} if arch == "deepseek_v3" else {"tensor_parallel_size": 2}
+    llm = LLM(str(tmp_path), kv_cache_memory="16MiB", **split)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+    assert got == want

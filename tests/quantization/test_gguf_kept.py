@@ -101,7 +101,8 @@ def test_tiny_model_logits_and_tokens_match_the_dequantized_load(tiny_llms: tupl
     dense, kept = tiny_llms
     token_ids = np.random.default_rng(1).integers(0, len(TOKENS) - 2, 40).tolist()
     dense_logits, kept_logits = dense.engine.score(token_ids), kept.engine.score(token_ids)
-    # NOTE: int4pack (the CPU kernel of the 4-bit o_proj) rounds activations to bfloat16.
+    # NOTE: where the C++ CPU kernels are not built, the 4-bit o_proj runs on int4pack, which rounds
+    # activations to bfloat16; hence a tolerance.
     assert (kept_logits - dense_logits).abs().max() <= 2e-2 * dense_logits.abs().max()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": token_ids[i : i + 6]} for i in range(0, 24, 6)]
@@ -131,7 +132,9 @@ def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
     text = "The lighthouse keeper climbed the stairs every evening to light the lamp before the ships came."
     token_ids = dense.get_tokenizer().encode(text)
     dense_logits, kept_logits = dense.engine.score(token_ids), kept.engine.score(token_ids)
-    assert (kept_logits - dense_logits).abs().max() <= 3e-2 * dense_logits.abs().max()
+    # the same weights: float32 rounding apart, unless int4pack rounds activations to bfloat16
+    bf16 = any(layer.mlp.down_proj.quant_kernel == "int4pack" for layer in model.layers)
+    assert (kept_logits - dense_logits).abs().max() <= (3e-2 if bf16 else 1e-4) * dense_logits.abs().max()
     assert (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean() >= 0.95
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_tokens=16, temperature=0.0)
