@@ -101,3 +101,23 @@ def test_mixture_of_experts_splits_the_experts(tmp_path, arch: str) -> None:
     finally:
         llm.shutdown()
     assert got == want
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantized_checkpoints_load_sharded(tmp_path, method: str) -> None:
+    """GPTQ and AWQ checkpoints written by `kvforge quantize` are cut into per-rank shards at load
+    (packed codes, scales, zero points and g_idx along their own axes) and give the tokens of one process."""
+    from kvforge.cli import main
+    from tests.tiny_models import save_model
+
+    save_model(tmp_path / "float", "llama", hidden_size=128, intermediate_size=256)
+    out = tmp_path / method
+    assert main(["quantize", "--model", str(tmp_path / "float"), "--method", method, "--bits", "4",
+                 "--group-size", "32", "--out", str(out), "--num-sequences", "2", "--sequence-length", "32"]) == 0
+    want = [o.outputs[0].token_ids for o in LLM(str(out), kv_cache_memory="16MiB").generate(PROMPTS, GREEDY)]
+    llm = LLM(str(out), kv_cache_memory="16MiB", tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+    assert got == want
