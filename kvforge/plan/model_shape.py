@@ -20,6 +20,9 @@ from torch import nn
 from kvforge.models.registry import resolve_model_class
 
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.(.+)")
+# NOTE: an MLP step holds gate|up (2 intermediates wide), the activated gate and its product with up (the
+# reference path materializes the activation; a fused kernel does not, so this errs on the high side).
+_MLP_COPIES = 4
 # NOTE: matrices every tensor-parallel rank holds whole: MLA's down-projections to the latent spaces
 # (as in other engines' tensor-parallel MLA) and the MoE gates, which are tiny.
 _REPLICATED = ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.", "mlp.gate.", "mlp.shared_expert_gate.")
@@ -59,7 +62,7 @@ class ModelShape:
     num_experts: int  # routed experts per MoE layer, 0 for a dense model
     top_k: int  # experts per token
     attn_act_width: int  # attention intermediates per token (q, k, v, out), all heads
-    mlp_act_width: int  # MLP/MoE intermediates per token, split over ranks
+    mlp_act_width: int  # MLP/MoE intermediates per token, split over ranks (_MLP_COPIES per intermediate)
     moe_act_width: int  # MoE per-token copies of the hidden state that do not split (top_k gathers)
     decode_attn_flops: int  # per query token, context token and layer, all heads
     prefill_attn_flops: int  # per (query, key) pair and layer, all heads
@@ -236,13 +239,14 @@ def _moe_sizes(model: nn.Module, hf_config: dict) -> dict[str, int]:
     top_k = hf_config.get("num_experts_per_tok", 0) if num_experts else 0
     hidden = hf_config["hidden_size"]
     if not num_experts:
-        return {"num_experts": 0, "top_k": 0, "mlp_act_width": 3 * hf_config["intermediate_size"],
+        return {"num_experts": 0, "top_k": 0, "mlp_act_width": _MLP_COPIES * hf_config["intermediate_size"],
                 "moe_act_width": 0}  # fmt: skip
     moe_inter = hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]
     shared = (hf_config.get("shared_expert_intermediate_size")
               or moe_inter * (hf_config.get("n_shared_experts") or 0))  # fmt: skip
-    dense = 3 * hf_config["intermediate_size"] if hf_config.get("first_k_dense_replace") else 0
-    return {"num_experts": num_experts, "top_k": top_k, "mlp_act_width": max(dense, 3 * (top_k * moe_inter + shared)),
+    dense = _MLP_COPIES * hf_config["intermediate_size"] if hf_config.get("first_k_dense_replace") else 0
+    routed = _MLP_COPIES * (top_k * moe_inter + shared)
+    return {"num_experts": num_experts, "top_k": top_k, "mlp_act_width": max(dense, routed),
             "moe_act_width": 2 * top_k * hidden}  # fmt: skip
 
 
