@@ -73,9 +73,8 @@ class GGUFCheckpoint:
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # HF weight name -> kept blocks
 
 
-def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GGUFCheckpoint:
-    """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer.
-    keep_quantized: linear-layer weights of a type in KEPT_TYPES go to `quantized` instead."""
+def read_gguf_header(path: str) -> tuple[gguf.GGUFReader, str, dict, Tokenizer]:
+    """(reader, architecture, config.json view, tokenizer) of a GGUF file, from its metadata alone."""
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
@@ -91,7 +90,13 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    config = _hf_config(path, arch, meta, shapes, tokenizer)
+    return reader, arch, _hf_config(path, arch, meta, shapes, tokenizer), tokenizer
+
+
+def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GGUFCheckpoint:
+    """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer.
+    keep_quantized: linear-layer weights of a type in KEPT_TYPES go to `quantized` instead."""
+    reader, arch, config, tokenizer = read_gguf_header(path)
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:

@@ -131,20 +131,9 @@ def read_model_config(model: str | None) -> tuple[str, dict]:
 
 def _gguf_config(path: Path) -> dict:
     """The config.json view of a GGUF file, from its metadata alone (no tensor is dequantized)."""
-    import gguf
+    from kvforge.loader.gguf import read_gguf_header
 
-    from kvforge.loader.gguf import _HF_ARCHITECTURES, _hf_config
-    from kvforge.tokenizer import Tokenizer
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-    meta = {key: f.contents() for key, f in reader.fields.items() if not key.startswith("tokenizer.")}
-    if meta.get("general.architecture") not in _HF_ARCHITECTURES:
-        raise ValueError(f"{path}: unsupported GGUF architecture {meta.get('general.architecture')!r}")
-    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    config = _hf_config(str(path), meta["general.architecture"], meta, shapes, Tokenizer.from_gguf(reader))
+    config = read_gguf_header(str(path))[2]
     # NOTE: the engine dequantizes GGUF weights; it runs them as plain floats.
     config["torch_dtype"] = "bfloat16"
     return config
