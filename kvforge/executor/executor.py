@@ -10,7 +10,6 @@ pp_size steps are in flight at once (disjoint requests), so every stage has work
 
 from __future__ import annotations
 
-import os
 from collections import deque
 
 import torch
@@ -66,9 +65,9 @@ class InProcessExecutor(Executor):
 
 def create_executor(config: EngineConfig) -> Executor:
     """In-process for one rank; otherwise this process becomes rank 0 of a distributed world (the
-    other ranks are started here, or by torchrun, which sets RANK and WORLD_SIZE)."""
-    world_size = config.parallel.world_size
-    if world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    other ranks are started here, or by torchrun, which sets RANK and WORLD_SIZE). Under torchrun
+    with a world of one, every process runs an engine of its own (data parallel)."""
+    if config.parallel.world_size == 1:
         return InProcessExecutor(config)
     from kvforge.executor.multiproc import DistributedExecutor
 
