@@ -57,6 +57,7 @@ def main() -> None:
             )
     runs = [
         ("float32", {}),
+        ("bfloat16", {"dtype": "bfloat16"}),
         ("W8A16 (RTN)", {"quantization": "w8a16"}),
         ("W4A16 RTN g64", {"quantization": "w4a16"}),
         ("W4A16 GPTQ g64 act-order", {"model": str(root / "gptq")}),
@@ -64,6 +65,8 @@ def main() -> None:
         ("W8A8 (dynamic per-token)", {"quantization": "w8a8"}),
         ("GGUF Q4_1 kept quantized", {"quantization": "gguf"}),
         ("FP8 e4m3 per channel", {"quantization": "fp8"}),
+        ("float32, int8 KV cache", {"kv_cache_dtype": "int8"}),
+        ("float32, fp8 KV cache", {"kv_cache_dtype": "fp8"}),
     ]
     token_ids = None
     print(
