@@ -35,7 +35,10 @@ def cpu_kernels() -> ModuleType | None:
         return load(
             name=f"kvforge_cpu_kernels_{digest}",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            # NOTE: -fopenmp, or at::parallel_for (inlined from torch's headers) runs on one thread. The
+            # module then needs libgomp.so.1, which resolves to the copy torch has already loaded.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except (OSError, RuntimeError, ImportError) as err:

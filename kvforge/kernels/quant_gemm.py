@@ -10,8 +10,8 @@ Weight layout (the "generic" layout every quantized checkpoint format is convert
 
     W[n, k] = (code[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]
 
-The CPU has faster paths than this layout allows (torch's prepacked int8/int4 GEMMs); see
-kvforge.quantization.cpu_gemm.
+The CPU has faster paths than this layout allows (C++ kernels on codes laid out for AVX2, torch's
+prepacked int8/int4 GEMMs); see kvforge.quantization.cpu_gemm.
 """
 
 from __future__ import annotations

@@ -24,11 +24,22 @@ Zero points may be fractional (GGUF's Q4_1 stores a float minimum): they only en
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from kvforge.kernels.cpu_extension import cpu_kernels
+
 GEMV_MAX_TOKENS = 16  # rows of x up to which the kernel beats dequantize + F.linear
 CODE_BLOCK = 32  # columns per decoded block (a packed 4-bit block holds two); group sizes are multiples
+
+
+@functools.cache
+def native_kernels_available() -> bool:
+    """The C++ extension is built and its kernels are the vectorized (AVX2) ones. Elsewhere (aarch64, old
+    x86) they compile to a portable fallback that is slower than a float GEMM."""
+    return cpu_kernels() is not None and torch.ops.kvforge_cpu.quant_gemv_vectorized()
 
 
 def layout_fits(bits: int, in_features: int, group_size: int) -> bool:

@@ -1,17 +1,34 @@
-"""The CPU's fastest quantized GEMMs: torch's prepacked int8 (`_weight_int8pack_mm`) and int4
-(`_weight_int4pack_mm_for_cpu`) kernels.
+"""The CPU's quantized GEMMs, and which one a weight-only layer gets (install_weight_only):
 
-Measured on a 2-core AVX2 EPYC (one thread, torch 2.13, SmolLM2-135M shapes), against fp32 F.linear:
+    native    the C++ kernels of csrc/quant_gemv.cpp (kvforge/kernels/quant_gemv_cpu.py): 4- and 8-bit codes
+              as stored, any zero points, fp32 activations and accumulation; above 16 rows, dequantize +
+              F.linear. Whenever the extension is built with AVX2 and groups are whole 32-column blocks.
+    int8pack  torch's `_weight_int8pack_mm`: symmetric per-row 8-bit codes (zero point 128)
+    int4pack  torch's `_weight_int4pack_mm_for_cpu`: 4-bit, rows a multiple of 16, groups 32 to 256
+    generic   anything else: kvforge.kernels.quant_gemm (dequantize + matmul)
 
-    shape (N x K)   M   fp32 F.linear   int8pack bf16   int4pack bf16   int8pack/int4pack fp32
-    576 x 576       1        44 us           38 us           55 us            317 / 663 us
-    1536 x 576      1        88 us           89 us          143 us           1272 / 1837 us
-    576 x 1536      64     1773 us         2647 us         2857 us          67509 / 113862 us
+The last three are the torch fallback, without the extension (no compiler, KVFORGE_NO_CPU_EXTENSION=1)
+or without AVX2 (there the extension compiles a portable fallback that is slower than a float GEMM).
 
-Both kernels are only fast with bfloat16 activations (their fp32 path is a slow fallback), so fp32
-inputs are rounded to bfloat16 on the way in. For int8 weights at larger batches, dequantizing to
-the activation dtype and calling F.linear is faster (and exact); int4 stays on int4pack, whose
-packed layout has no cheaper dequantization.
+Measured with `python benchmarks/quant_gemv_cpu.py [--threads 2]` on a 2-vCPU AVX2 EPYC, torch 2.13,
+fastest of 10 interleaved rounds (rough: the machine was shared). Per call with the weights in cache,
+one thread; and per pass over a model's worth of layers (30 x qkv 960x576, o 576x576, gate_up
+3072x576, down 576x1536), whose weights stream from memory as in decode:
+
+    shape (N x K)        M   fp32 F.linear   native int8   native int4   int8pack bf16   int4pack bf16
+    3072 x 576           1       188 us         145 us        111 us         165 us          260 us
+    3072 x 576           4       514 us         294 us        303 us         362 us          350 us
+    3072 x 576          16      1007 us        1111 us       1179 us        1369 us         1376 us
+    576 x 1536           1        82 us          74 us         63 us          85 us          135 us
+    30 layers, 1 thread  1      30.8 ms        17.4 ms        9.8 ms        20.8 ms         17.2 ms
+    30 layers, 1 thread  16     85.2 ms        74.1 ms       74.5 ms        92.1 ms         83.3 ms
+    30 layers, 2 threads 1      28.7 ms        10.2 ms        6.0 ms        12.3 ms          9.7 ms
+    30 layers, 2 threads 16     64.9 ms        41.2 ms       41.5 ms        55.5 ms         44.8 ms
+
+int8pack and int4pack are only fast with bfloat16 activations (their fp32 path is 7-60x slower than
+F.linear), so fp32 inputs are rounded to bfloat16 on the way in. For int8 weights at larger batches,
+dequantizing to the activation dtype and calling F.linear is faster (and exact); int4 stays on
+int4pack, whose packed layout has no cheaper dequantization.
 """
 
 from __future__ import annotations
@@ -19,8 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels.cpu_extension import cpu_kernels
-from kvforge.kernels.quant_gemv_cpu import layout_fits
+from kvforge.kernels.quant_gemv_cpu import layout_fits, native_kernels_available
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 INT8PACK_MAX_TOKENS = 16  # above this many rows, dequantize + F.linear beats int8pack
@@ -33,7 +49,7 @@ def _has_op(name: str) -> bool:
 
 def native_eligible(weight: QuantizedWeight) -> bool:
     """The C++ kernels take 4- and 8-bit codes with any zero points, in groups of whole 32-column blocks."""
-    return cpu_kernels() is not None and layout_fits(weight.bits, weight.codes.shape[1], weight.group_size)
+    return native_kernels_available() and layout_fits(weight.bits, weight.codes.shape[1], weight.group_size)
 
 
 def int8pack_eligible(weight: QuantizedWeight) -> bool:

@@ -6,12 +6,18 @@ import pytest
 import torch
 
 from kvforge.kernels.cpu_extension import cpu_kernels
-from kvforge.kernels.quant_gemv_cpu import GEMV_MAX_TOKENS, layout_fits, pack_weight, quant_linear_cpu
+from kvforge.kernels.quant_gemv_cpu import (
+    GEMV_MAX_TOKENS,
+    layout_fits,
+    native_kernels_available,
+    pack_weight,
+    quant_linear_cpu,
+)
 from kvforge.layers.linear import Linear
 from kvforge.quantization.linear_method import WeightOnlyMethod
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels cannot be built here")
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels cannot be built here")
 
 
 def _weight(num_rows: int, in_features: int, bits: int, group_size: int, zeros: str, seed: int) -> QuantizedWeight:
@@ -39,6 +45,7 @@ def _tolerance(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return 5e-7 * magnitude + 1e-6
 
 
+@needs_kernels
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(
     "num_rows,in_features,group_size", [(37, 128, 32), (5, 128, 64), (67, 384, 128), (13, 256, 256)]
@@ -58,6 +65,7 @@ def test_kernel_matches_the_dequantized_weight(
         assert (error <= _tolerance(x, weight)).all(), (num_tokens, error.max().item())
 
 
+@needs_kernels
 def test_bfloat16_activations_give_bfloat16_outputs() -> None:
     weight = _weight(24, 128, 4, 64, "int", seed=1)
     x = torch.randn(3, 128).to(torch.bfloat16)
@@ -84,6 +92,7 @@ class _GivenWeight(WeightOnlyMethod):
         return self.weight
 
 
+@pytest.mark.skipif(not native_kernels_available(), reason="layers pick the kernels only where they are vectorized")
 @pytest.mark.parametrize("bits,group_size", [(8, 576), (8, 32), (4, 64), (4, 192)])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size: int, act_order: bool) -> None:
