@@ -55,6 +55,14 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     params = sampling_params_from_args(args)
     llm = LLM(**engine_kwargs_from_args(args))
+    try:
+        _print_answers(llm, args, params)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _print_answers(llm, args: argparse.Namespace, params: SamplingParams) -> None:
     if args.chat_template:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
                            use_tqdm=len(args.prompts) > 1)
@@ -65,7 +73,6 @@ def _run_generate(args: argparse.Namespace) -> int:
             if len(args.prompts) > 1 or params.n > 1:
                 print(f"--- {prompt!r} [{completion.index}]")
             print(completion.text)
-    return 0
 
 
 def _run_chat(args: argparse.Namespace) -> int:
@@ -73,6 +80,13 @@ def _run_chat(args: argparse.Namespace) -> int:
 
     params = sampling_params_from_args(args)
     llm = LLM(**engine_kwargs_from_args(args))
+    try:
+        return _chat_loop(llm, args, params)
+    finally:
+        llm.shutdown()
+
+
+def _chat_loop(llm, args: argparse.Namespace, params: SamplingParams) -> int:
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     messages = args.message or []
     interactive = not messages

@@ -176,6 +176,7 @@ class AsyncEngine:
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
         await asyncio.sleep(0)  # let the thread's last callbacks run
+        self.engine.shutdown()  # the other ranks' processes, if any
 
     @property
     def is_alive(self) -> bool:

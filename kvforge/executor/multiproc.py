@@ -23,9 +23,11 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 
 import torch
+import torch.distributed as dist
 
 from kvforge.config import DeviceConfig, EngineConfig
 from kvforge.distributed.communicator import (
@@ -101,6 +103,9 @@ class DistributedExecutor(Executor):
         self.processes: list[multiprocessing.Process] = []
         self._results: deque[ModelRunnerOutput | None] = deque()
         self._closed = False
+        if dist.is_initialized():
+            self._closed = True
+            raise ValueError("this process already runs a distributed engine; shut it down first (LLM.shutdown())")
         init_method, local_world = self._launch(config)
         try:
             device = rank_device(config.device, 0)
@@ -114,7 +119,7 @@ class DistributedExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        atexit.register(self.shutdown)
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         logger.info("%d ranks ready: tensor parallel %d x pipeline parallel %d",
                     self.world_size, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
@@ -200,6 +205,9 @@ class DistributedExecutor(Executor):
     def score(self, output: SchedulerOutput) -> torch.Tensor:
         return self._guarded(self._score, output)
 
+    def __del__(self) -> None:
+        self.shutdown()
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -219,6 +227,11 @@ class DistributedExecutor(Executor):
                 process.join()
         forget_sends()
         leave_world()
+
+
+def _shutdown_at_exit(executor: weakref.ref[DistributedExecutor]) -> None:
+    if executor() is not None:
+        executor().shutdown()
 
 
 def _capture(fn) -> tuple[object, BaseException | None]:
