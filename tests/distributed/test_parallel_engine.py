@@ -13,6 +13,15 @@ from kvforge import LLM
 from tests.distributed.conftest import GREEDY, PROMPTS, SCORED_TOKENS, logprob_values
 
 
+def greedy_tokens(folder, **engine_kwargs) -> list[list[int]]:
+    """Greedy tokens of PROMPTS from an engine built with engine_kwargs, shut down afterwards."""
+    llm = LLM(str(folder), kv_cache_memory="16MiB", **engine_kwargs)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
 def test_same_tokens_and_logits_as_one_process(parallel_model, tp: int, pp: int) -> None:
     folder, want_tokens, want_logits, want_logprobs = parallel_model
@@ -35,12 +44,7 @@ def test_same_tokens_and_logits_as_one_process(parallel_model, tp: int, pp: int)
 
 def test_kv_heads_fewer_than_ranks_are_replicated(parallel_model) -> None:
     folder, want_tokens = parallel_model[:2]  # 2 KV heads over 4 ranks: each KV head on 2 ranks
-    llm = LLM(str(folder), kv_cache_memory="16MiB", tensor_parallel_size=4)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
-    finally:
-        llm.shutdown()
-    assert got == want_tokens[:2]
+    assert greedy_tokens(folder, tensor_parallel_size=4) == want_tokens
 
 
 def test_a_killed_worker_fails_the_engine_within_seconds(tiny_llama_dir) -> None:
@@ -72,14 +76,8 @@ def test_quantized_layers_are_sharded_too(tmp_path) -> None:
     from tests.tiny_models import save_model
 
     save_model(tmp_path, "llama", hidden_size=128, intermediate_size=256)
-    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), kv_cache_memory="16MiB", quantization="w4a16")
-            .generate(PROMPTS, GREEDY)]
-    llm = LLM(str(tmp_path), kv_cache_memory="16MiB", quantization="w4a16", tensor_parallel_size=2)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    finally:
-        llm.shutdown()
-    assert got == want
+    want = greedy_tokens(tmp_path, quantization="w4a16")
+    assert greedy_tokens(tmp_path, quantization="w4a16", tensor_parallel_size=2) == want
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
@@ -90,17 +88,12 @@ def test_mixture_of_experts_splits_the_experts(tmp_path, arch: str) -> None:
     from tests.tiny_models import save_tokenizer
 
     build_moe_model(arch, save_tokenizer(tmp_path)).save_pretrained(tmp_path)
-    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), kv_cache_memory="16MiB").generate(PROMPTS, GREEDY)]
+    want = greedy_tokens(tmp_path)
     if arch == "deepseek_v3":
         with pytest.raises(ValueError, match="latent attention .* not tensor-parallel"):
             LLM(str(tmp_path), kv_cache_memory="16MiB", tensor_parallel_size=2)
     split = {"pipeline_parallel_size": 2} if arch == "deepseek_v3" else {"tensor_parallel_size": 2}
-    llm = LLM(str(tmp_path), kv_cache_memory="16MiB", **split)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    finally:
-        llm.shutdown()
-    assert got == want
+    assert greedy_tokens(tmp_path, **split) == want
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
@@ -114,10 +107,4 @@ def test_quantized_checkpoints_load_sharded(tmp_path, method: str) -> None:
     out = tmp_path / method
     assert main(["quantize", "--model", str(tmp_path / "float"), "--method", method, "--bits", "4",
                  "--group-size", "32", "--out", str(out), "--num-sequences", "2", "--sequence-length", "32"]) == 0
-    want = [o.outputs[0].token_ids for o in LLM(str(out), kv_cache_memory="16MiB").generate(PROMPTS, GREEDY)]
-    llm = LLM(str(out), kv_cache_memory="16MiB", tensor_parallel_size=2)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    finally:
-        llm.shutdown()
-    assert got == want
+    assert greedy_tokens(out, tensor_parallel_size=2) == greedy_tokens(out)
