@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ParallelState:
-    """Rank coordinates plus the groups: `device_group` carries tensors on the run device (NCCL/RCCL
-    on GPUs, Gloo on the CPU); `cpu_group` carries pickled commands and results (always Gloo)."""
+    """Rank coordinates plus the groups: `tp_group` and `pp_group` carry tensors on the run device
+    (NCCL/RCCL on GPUs, Gloo on the CPU); `cpu_group` carries pickled commands and results (Gloo)."""
 
     rank: int = 0
     tp_size: int = 1

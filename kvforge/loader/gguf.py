@@ -9,8 +9,10 @@ Q8_0 / Q4_0 / Q4_1 weights of linear layers are decoded into QuantizedWeights in
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +70,7 @@ class GGUFCheckpoint:
     """What a GGUF file holds, in Hugging Face terms."""
 
     config: dict[str, Any]  # config.json vocabulary: architectures, hidden_size, ...
-    tensors: dict[str, torch.Tensor]  # HF parameter name -> dense tensor
+    tensors: Mapping[str, torch.Tensor]  # HF parameter name -> dense tensor (read on access)
     tokenizer: Tokenizer
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # HF weight name -> kept blocks
 
@@ -97,7 +99,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
     """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer.
     keep_quantized: linear-layer weights of a type in KEPT_TYPES go to `quantized` instead."""
     reader, arch, config, tokenizer = read_gguf_header(path)
-    tensors: dict[str, torch.Tensor] = {}
+    readers: dict[str, Callable[[], torch.Tensor]] = {}
     quantized: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
@@ -110,11 +112,32 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
         if keep_quantized and _is_kept(tensor):
             quantized[hf_name] = _decode_kept(path, tensor, heads)
             continue
-        weight = _dequantize(path, tensor)
-        if heads is not None:
-            weight = _undo_rope_permutation(path, tensor.name, weight, heads)
-        tensors[hf_name] = weight.to(dtype)
-    return GGUFCheckpoint(config, tensors, tokenizer, quantized)
+        readers[hf_name] = functools.partial(_dense_tensor, path, tensor, heads, dtype)
+    return GGUFCheckpoint(config, LazyTensors(readers), tokenizer, quantized)
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """HF name -> dense tensor, dequantized from the memory-mapped file each time it is read, so a
+    loader (one rank of a parallel engine, say) holds one float tensor of the checkpoint at a time."""
+
+    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self._readers = readers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._readers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+
+def _dense_tensor(path: str, tensor: gguf.ReaderTensor, heads: int | None, dtype: torch.dtype) -> torch.Tensor:
+    weight = _dequantize(path, tensor)
+    if heads is not None:
+        weight = _undo_rope_permutation(path, tensor.name, weight, heads)
+    return weight.to(dtype)
 
 
 def _hf_config(

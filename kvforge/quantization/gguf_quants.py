@@ -22,7 +22,7 @@ Q8_0 and Q4_0 dequantize to gguf's values bit for bit; Q4_1 to within float32 ro
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -129,7 +129,7 @@ def _layer_and_shard(model: nn.Module, name: str) -> tuple[str, int]:
 
 
 def keep_gguf_quantized(
-    model: nn.Module, dense: dict[str, torch.Tensor], kept: dict[str, QuantizedWeight]
+    model: nn.Module, dense: Mapping[str, torch.Tensor], kept: dict[str, QuantizedWeight]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Give a GGUFMethod to every quantizable Linear whose checkpoint weights are all in kept (HF weight
     name -> QuantizedWeight); returns the tensors to load: `codes`/`scales`/`zeros` for those layers,
@@ -153,7 +153,7 @@ def keep_gguf_quantized(
 
 
 def _checkpoint_tensors(
-    dense: dict[str, torch.Tensor], kept: dict[str, QuantizedWeight], kept_names: set[str]
+    dense: Mapping[str, torch.Tensor], kept: dict[str, QuantizedWeight], kept_names: set[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     yield from dense.items()
     for name, weight in kept.items():
