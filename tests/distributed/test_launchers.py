@@ -68,3 +68,43 @@ def test_serve_command_with_tensor_parallel(tiny_llama_dir) -> None:
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_server_streams_under_pipeline_parallel(tiny_llama_dir) -> None:
+    """Streams with micro-batches in flight; clients that hang up midway are aborted while their step
+    may still be in flight, the others get the greedy text, and every KV block is free afterwards."""
+    import asyncio
+
+    from tests.server.harness import API_KEY, MODEL_NAME, start_tiny_server, wait_idle
+
+    folder = tiny_llama_dir[0]
+    prompts = [f"{word} is the capital" for word in ("Paris", "Berlin", "Rome", "Madrid", "Oslo", "Lima")]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].text for o in LLM(str(folder), kv_cache_memory="64MiB").generate(prompts, params)]
+    server = start_tiny_server(folder, pipeline_parallel_size=2)
+
+    async def stream(prompt: str, hang_up: bool) -> str:
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+        chunks = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        text = ""
+        async for chunk in chunks:
+            text += chunk.choices[0].text
+            if hang_up and len(text) > 0:
+                await chunks.close()
+                break
+        await client.close()
+        return text
+
+    async def run_all() -> list[str]:
+        return await asyncio.gather(*(stream(p, hang_up=i % 3 == 2) for i, p in enumerate(prompts * 2)))
+
+    try:
+        got = asyncio.run(run_all())
+        wait_idle(server.http)
+    finally:
+        server.stop()
+        server.engine.engine.shutdown()
+    for i, text in enumerate(got):
+        if i % 3 != 2:
+            assert text == want[i % len(prompts)]
