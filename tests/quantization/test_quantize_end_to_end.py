@@ -61,6 +61,14 @@ def test_checkpoint_loads_with_the_in_memory_logits(
     assert (loaded.argmax(-1) == in_memory.argmax(-1)).float().mean() > 0.9
 
 
+def _perplexity_command(capsys: pytest.CaptureFixture, model: Path, text_file: Path, *extra: str) -> float:
+    """`kvforge eval perplexity` on text_file with small windows; the perplexity it prints."""
+    args = ["eval", "perplexity", "--model", str(model), "--text", str(text_file), "--max-length", "32",
+            "--stride", "16", "--kv-cache-memory", "8MiB", *extra]
+    assert main(args) == 0
+    return float(capsys.readouterr().out.split("perplexity ")[1].split()[0])
+
+
 def test_quantize_and_eval_commands_run(
     tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -95,48 +103,8 @@ def test_quantize_and_eval_commands_run(
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "gptq" and config["desc_act"] and config["group_size"] == 32
     assert (out / "tokenizer.json").is_file()
-    assert (
-        main(
-            [
-                "eval",
-                "perplexity",
-                "--model",
-                str(out),
-                "--text",
-                str(text_file),
-                "--max-length",
-                "32",
-                "--stride",
-                "16",
-                "--kv-cache-memory",
-                "8MiB",
-            ]
-        )
-        == 0
-    )
-    quantized = float(capsys.readouterr().out.split("perplexity ")[1].split()[0])
-    assert (
-        main(
-            [
-                "eval",
-                "perplexity",
-                "--model",
-                str(tiny_llama),
-                "--text",
-                str(text_file),
-                "--max-length",
-                "32",
-                "--stride",
-                "16",
-                "--kv-cache-memory",
-                "8MiB",
-                "--quantization",
-                "w4a16",
-            ]
-        )
-        == 0
-    )
-    online = float(capsys.readouterr().out.split("perplexity ")[1].split()[0])
+    quantized = _perplexity_command(capsys, out, text_file)
+    online = _perplexity_command(capsys, tiny_llama, text_file, "--quantization", "w4a16")
     assert 1 < quantized < 2 * 512 and 1 < online < 2 * 512  # a random model over a 512-token vocabulary
 
 
