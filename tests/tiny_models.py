@@ -67,3 +67,12 @@ def save_model(folder: Path, arch: str, **overrides):
     model = build_model(arch, vocab_size=vocab_size, **overrides)
     model.save_pretrained(folder)
     return model
+
+
+def assert_logits_match(llm, model, prompts: list[list[int]]) -> None:
+    """kvforge's fp32 logits at every position of each prompt within 1e-4 of the transformers model's."""
+    for prompt in prompts:
+        ours = llm.engine.score(prompt)
+        with torch.no_grad():
+            theirs = model(torch.tensor([prompt])).logits[0].float()
+        assert (ours - theirs).abs().max().item() < 1e-4

@@ -12,7 +12,7 @@ from kvforge import LLM, SamplingParams
 from kvforge.executor.kv_cache_memory import num_blocks_for_budget
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.models.registry import resolve_model_class
-from tests.tiny_models import save_tokenizer
+from tests.tiny_models import assert_logits_match, save_tokenizer
 
 NUM_NEW = 16
 PROMPT_LENS = [5, 17, 33, 1, 40, 12]
@@ -94,11 +94,7 @@ def _generate(llm: LLM, prompts: list[list[int]]):
 def test_logits_greedy_and_prefix_cache(tiny_moe):
     folder, model, prompts, expected = tiny_moe
     llm = LLM(str(folder), kv_cache_memory="16MiB")
-    for prompt in prompts[:3] + prompts[4:5]:
-        ours = llm.engine.score(prompt)
-        with torch.no_grad():
-            theirs = model(torch.tensor([prompt])).logits[0].float()
-        assert (ours - theirs).abs().max().item() < 1e-4
+    assert_logits_match(llm, model, prompts[:3] + prompts[4:5])
     assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
     again = _generate(llm, prompts)  # every prompt's full leading blocks are cached now
     assert [o.outputs[0].token_ids for o in again] == expected

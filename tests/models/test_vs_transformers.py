@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from tests.tiny_models import save_model
+from tests.tiny_models import assert_logits_match, save_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 NUM_NEW = 32
@@ -41,11 +41,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_logits_match(tiny):
     folder, model, prompts, _ = tiny
     llm = LLM(str(folder), kv_cache_memory="16MiB")
-    for prompt in prompts[:3] + prompts[4:5]:
-        ours = llm.engine.score(prompt)
-        with torch.no_grad():
-            theirs = model(torch.tensor([prompt])).logits[0].float()
-        assert (ours - theirs).abs().max().item() < 1e-4
+    assert_logits_match(llm, model, prompts[:3] + prompts[4:5])
 
 
 @pytest.mark.parametrize(
