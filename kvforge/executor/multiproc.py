@@ -40,6 +40,7 @@ from kvforge.distributed.communicator import (
 )
 from kvforge.distributed.parallel_state import building_with, init_parallel_state, leave_world
 from kvforge.engine.scheduler import SchedulerOutput
+from kvforge.executor.device import resolve_device
 from kvforge.executor.executor import Executor
 from kvforge.executor.model_runner import ModelRunnerOutput
 from kvforge.executor.worker import Worker, agree_num_blocks
@@ -50,14 +51,11 @@ _EXECUTE, _SCORE, _SHUTDOWN = "execute", "score", "shutdown"
 
 
 def rank_device(config: DeviceConfig, local_rank: int) -> torch.device:
-    """Rank r on a machine uses GPU r (CUDA or ROCm) when there are GPUs, else the CPU."""
+    """Rank r on a machine uses GPU r (CUDA or ROCm) when the device resolves to a GPU, else the CPU."""
     if config.device.startswith("cuda:"):
         raise ValueError(f"with several ranks give --device cuda (rank r uses cuda:<local rank>), not {config.device}")
-    if config.device == "cpu" or not torch.cuda.is_available():
-        if config.device == "cuda":
-            raise ValueError("device 'cuda' requested but no CUDA/ROCm GPU is available")
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank)
+    device = resolve_device(config)
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
 def _share_cpu_threads(device: torch.device, ranks_on_this_machine: int) -> None:

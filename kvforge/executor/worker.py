@@ -13,7 +13,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from kvforge.config import CacheConfig, EngineConfig
+from kvforge.config import EngineConfig
 from kvforge.distributed.parallel_state import ParallelState
 from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.kv_cache_memory import kv_cache_budget, num_blocks_for_budget
@@ -39,8 +39,9 @@ class Worker:
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         self.runner: ModelRunner | None = None
 
-    def num_blocks_that_fit(self, cache: CacheConfig) -> int:
+    def num_blocks_that_fit(self) -> int:
         """Blocks this rank's budget holds; across ranks the smallest count wins (see agree_num_blocks)."""
+        cache = self.config.cache
         budget = kv_cache_budget(cache.kv_cache_memory, self.device, cache.gpu_memory_utilization)
         return num_blocks_for_budget(budget, cache.block_size, self.bytes_per_token)
 
@@ -59,7 +60,7 @@ class Worker:
 
 def agree_num_blocks(worker: Worker, state: ParallelState) -> int:
     """Every rank must index the same block ids: take the smallest block count of all ranks."""
-    num_blocks = worker.num_blocks_that_fit(worker.config.cache)
+    num_blocks = worker.num_blocks_that_fit()
     if state.world_size == 1:
         return num_blocks
     count = torch.tensor([num_blocks], dtype=torch.int64)
