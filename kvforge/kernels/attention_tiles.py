@@ -10,11 +10,11 @@ hundred thousand blocks already puts block * stride past 2**31.
 
 from __future__ import annotations
 
-from kvforge.kernels.triton_compat import jit, tl
+from kvforge.kernels.triton_compat import constexpr, jit, tl
 
 LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x * scale) == exp2(x * scale * LOG2E)
 # NOTE: a finite floor instead of -inf keeps exp2(m_old - m_new) finite when a row saw no key yet.
-NEG_BIG = -1.0e38
+NEG_BIG = constexpr(-1.0e38)
 
 
 @jit

@@ -182,7 +182,7 @@ def mla_decode_triton(
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         LATENT=latent_dim, LATENT_P=latent_p, ROPE=row_dim - latent_dim,
         ROPE_P=max(next_power_of_2(row_dim - latent_dim), 16), BLOCK_H=HEADS_PER_PROGRAM,
-        PAGE_SIZE=latent_cache.shape[1], BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
+        PAGE_SIZE=latent_cache.shape[1], BLOCK_N=tiles.mla_block_n, NUM_SPLITS=num_splits,
         UPCAST=INTERPRETED and query.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

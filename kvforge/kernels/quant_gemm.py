@@ -42,9 +42,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 
 
-def dequantize_ref(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
-) -> torch.Tensor:
+def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor:
     """The float weight [N, K] (in scales' dtype) that the generic layout stands for."""
     codes = unpack_codes(qweight, bits)
     num_rows, num_groups = scales.shape
@@ -68,7 +66,11 @@ def _quant_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Grid (M blocks, N blocks). Each program walks K, dequantizing a [BLOCK_N, BLOCK_K] tile of
-    codes per step and accumulating its dot with the [BLOCK_M, BLOCK_K] tile of x in fp32."""
+    codes per step and accumulating its dot with the [BLOCK_M, BLOCK_K] tile of x in fp32.
+
+    BLOCK_K divides group_size (and so K): a K tile lies in one group, whose scales and zeros are one
+    [BLOCK_N] vector each. NOTE: gathering them per element instead costs a 64-bit pointer per weight
+    element and made every GPU build of this kernel spill registers."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
@@ -78,24 +80,18 @@ def _quant_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x = tl.load(
-            x_ptr + rows64[:, None] * stride_xm + ks[None, :],
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        if BITS == 4:
-            packed = tl.load(w_ptr + cols64[:, None] * stride_wn + (ks // 2)[None, :], mask=w_mask, other=0)
-            codes = (packed.to(tl.int32) >> ((ks % 2) * 4)[None, :]) & 0xF
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None], other=0.0)
+        if BITS == 4:  # byte j of the tile holds columns 2j (low nibble) and 2j + 1 (high nibble)
+            bytes_k = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(w_ptr + cols64[:, None] * stride_wn + bytes_k[None, :], mask=col_mask[:, None],
+                             other=0)  # fmt: skip
+            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
         else:
-            codes = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0).to(
-                tl.int32
-            )
-        group_offsets = cols64[:, None] * stride_sn + (ks // group_size)[None, :]
-        scale = tl.load(s_ptr + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
-        weight = (codes.to(tl.float32) - zero) * scale  # [BLOCK_N, BLOCK_K]
+            codes = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :], mask=col_mask[:, None], other=0)
+        group_offsets = cols64 * stride_sn + k0 // group_size
+        scale = tl.load(s_ptr + group_offsets, mask=col_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + group_offsets, mask=col_mask, other=0.0).to(tl.float32)
+        weight = (codes.to(tl.float32) - zero[:, None]) * scale[:, None]  # [BLOCK_N, BLOCK_K]
         if DOT_FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(weight))
         else:
@@ -125,9 +121,11 @@ def quant_gemm_triton(
     check_tensor("zeros", zeros, shape=tuple(scales.shape), dtypes=FLOAT_DTYPES)
     check_same_device(x=x, qweight=qweight, scales=scales, zeros=zeros)
     if zeros.stride() != scales.stride() or in_features % num_groups:
-        raise ValueError(
-            f"zeros must match scales' strides and K={in_features} split into {num_groups} groups"
-        )
+        raise ValueError(f"zeros must match scales' strides and K={in_features} split into {num_groups} groups")
+    group_size = in_features // num_groups
+    block_k = _block_k(gemm_tiles(num_tokens).block_k, group_size)
+    if block_k is None:  # groups of a size no tl.dot tile divides: dequantize, then one matmul
+        return quant_gemm_ref(x, qweight, scales, zeros, bits)
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or out_features == 0:
         return out
@@ -142,7 +140,7 @@ def quant_gemm_triton(
         num_tokens,
         out_features,
         in_features,
-        in_features // num_groups,
+        group_size,
         x.stride(0),
         qweight.stride(0),
         scales.stride(0),
@@ -151,8 +149,14 @@ def quant_gemm_triton(
         DOT_FP32=INTERPRETED or x.dtype == torch.float32,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
+        BLOCK_K=block_k,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     return out
+
+
+def _block_k(tile_k: int, group_size: int) -> int | None:
+    """The largest power of two <= tile_k that divides group_size, or None below tl.dot's minimum 16."""
+    block_k = min(tile_k, group_size & -group_size)
+    return block_k if block_k >= 16 else None

@@ -36,6 +36,12 @@ def jit(fn: F) -> F:
     return triton.jit(fn) if HAS_TRITON else fn
 
 
+def constexpr(value: float | int):
+    """A module-level constant that kernels may read: compiled kernels only see tl.constexpr globals
+    (the interpreter sees any global, so only compiling for a GPU catches a plain one)."""
+    return tl.constexpr(value) if HAS_TRITON else value
+
+
 def require_triton() -> None:
     if not HAS_TRITON:
         raise ValueError("this op's Triton kernel needs triton, which is not installed (pip install triton)")

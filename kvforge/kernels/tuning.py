@@ -29,9 +29,7 @@ class PrefillTiles:
     num_stages: int
 
     def __post_init__(self) -> None:
-        _check_power_of_2(
-            "PrefillTiles", block_m=self.block_m, block_n=self.block_n, num_warps=self.num_warps
-        )
+        _check_power_of_2("PrefillTiles", block_m=self.block_m, block_n=self.block_n, num_warps=self.num_warps)
         if self.block_m < 16 or self.block_n < 16:
             raise ValueError(f"PrefillTiles blocks must be >= 16 (tl.dot), got {self.block_m}x{self.block_n}")
 
@@ -47,6 +45,7 @@ class DecodeTiles:
     programs_per_unit: int
     max_splits: int
     reduce_num_warps: int = 4  # the kernel that merges the splits of one (sequence, head)
+    latent_block_n: int = 0  # keys per step of MLA decode, whose rows are 576 wide; 0: block_n
 
     def __post_init__(self) -> None:
         _check_power_of_2(
@@ -55,9 +54,16 @@ class DecodeTiles:
             num_warps=self.num_warps,
             max_splits=self.max_splits,
             reduce_num_warps=self.reduce_num_warps,
+            latent_block_n=self.latent_block_n or 16,
         )
-        if self.block_n < 16 or self.programs_per_unit < 1:
-            raise ValueError(f"DecodeTiles needs block_n >= 16 and programs_per_unit >= 1: {self}")
+        if self.block_n < 16 or self.programs_per_unit < 1 or 0 < self.latent_block_n < 16:
+            raise ValueError(
+                f"DecodeTiles needs block_n >= 16, latent_block_n 0 or >= 16, programs_per_unit >= 1: {self}"
+            )
+
+    @property
+    def mla_block_n(self) -> int:
+        return self.latent_block_n or self.block_n
 
     def num_splits(self, num_seqs: int, num_kv_heads: int, num_compute_units: int) -> int:
         """How many key-range splits keep every SM/CU busy for num_seqs x num_kv_heads decodes.
@@ -103,44 +109,61 @@ class ArchTuning:
         return self.prefill if padded_head_dim <= 128 else self.prefill_wide
 
 
-_NVIDIA_ROWS = RowTiles(elements_per_warp=256, max_warps=16, activation_block=1024)
-_AMD_ROWS = RowTiles(elements_per_warp=512, max_warps=16, activation_block=1024)  # 64-wide wavefronts
+_WARP32_ROWS = RowTiles(elements_per_warp=256, max_warps=16, activation_block=1024)
+_WAVE64_ROWS = RowTiles(elements_per_warp=512, max_warps=16, activation_block=1024)  # 64-wide wavefronts
 
 DEFAULT_TUNING = ArchTuning(
     prefill=PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=2),
     prefill_wide=PrefillTiles(block_m=32, block_n=32, num_warps=4, num_stages=1),
     decode=DecodeTiles(block_n=32, num_warps=4, num_stages=2, programs_per_unit=2, max_splits=16),
-    rows=_NVIDIA_ROWS,
+    rows=_WARP32_ROWS,
+)
+
+_HOPPER_TUNING = ArchTuning(
+    prefill=PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    prefill_wide=PrefillTiles(block_m=64, block_n=64, num_warps=8, num_stages=2),
+    decode=DecodeTiles(block_n=64, num_warps=4, num_stages=3, programs_per_unit=2, max_splits=32),
+    rows=_WARP32_ROWS,
 )
 
 ARCH_TUNING: dict[str, ArchTuning] = {
     # A100: 164 KiB shared memory per SM.
+    # NOTE: at block_n=64 (hd128) or 4 warps (hd256) the prefill kernel spills registers on sm_80
+    # (`kvforge compile-kernels --arch sm_80`); these tiles do not.
     "sm_80": ArchTuning(
-        prefill=PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=2),
-        prefill_wide=PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=2),
+        prefill=PrefillTiles(block_m=128, block_n=32, num_warps=8, num_stages=2),
+        prefill_wide=PrefillTiles(block_m=64, block_n=32, num_warps=8, num_stages=2),
         decode=DecodeTiles(block_n=64, num_warps=4, num_stages=2, programs_per_unit=2, max_splits=32),
-        rows=_NVIDIA_ROWS,
+        rows=_WARP32_ROWS,
     ),
-    # H100 / H200: 228 KiB shared memory per SM, deeper cp.async pipelines pay off.
-    "sm_90": ArchTuning(
-        prefill=PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=3),
-        prefill_wide=PrefillTiles(block_m=64, block_n=64, num_warps=8, num_stages=2),
-        decode=DecodeTiles(block_n=64, num_warps=4, num_stages=3, programs_per_unit=2, max_splits=32),
-        rows=_NVIDIA_ROWS,
-    ),
+    # H100 / H200 (and B200, sm_100): 228 KiB shared memory per SM, deeper pipelines pay off.
+    "sm_90": _HOPPER_TUNING,
+    "sm_100": _HOPPER_TUNING,
     # MI200 (CDNA2): 64 KiB LDS per CU, no async-copy pipelining: one stage.
     "gfx90a": ArchTuning(
         prefill=PrefillTiles(block_m=128, block_n=32, num_warps=4, num_stages=1),
         prefill_wide=PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=1),
         decode=DecodeTiles(block_n=64, num_warps=4, num_stages=1, programs_per_unit=2, max_splits=32),
-        rows=_AMD_ROWS,
+        rows=_WAVE64_ROWS,
     ),
-    # MI300X (CDNA3): 304 CUs, the stream pipeliner double-buffers with num_stages=2.
+    # MI300X (CDNA3): 304 CUs, the stream pipeliner double-buffers with num_stages=2. 64 latent rows of
+    # MLA (64 x 576 x 2 bytes, double-buffered) would need 72 KiB of LDS.
     "gfx942": ArchTuning(
         prefill=PrefillTiles(block_m=128, block_n=64, num_warps=4, num_stages=2),
         prefill_wide=PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=1),
-        decode=DecodeTiles(block_n=64, num_warps=4, num_stages=2, programs_per_unit=2, max_splits=32),
-        rows=_AMD_ROWS,
+        decode=DecodeTiles(
+            block_n=64, num_warps=4, num_stages=2, programs_per_unit=2, max_splits=32, latent_block_n=32
+        ),  # fmt: skip
+        rows=_WAVE64_ROWS,
+    ),
+    # Radeon RX 7900 (RDNA3): 32-wide waves hold a tile over half the lanes of a CDNA wavefront, so
+    # tiles are halved or warps doubled, and one stage; wider tiles spill registers. NOTE: MLA decode
+    # still spills here (a 16-head x 512 latent accumulator); DeepSeek is not a single-Radeon model.
+    "gfx1100": ArchTuning(
+        prefill=PrefillTiles(block_m=64, block_n=16, num_warps=8, num_stages=1),
+        prefill_wide=PrefillTiles(block_m=32, block_n=16, num_warps=8, num_stages=1),
+        decode=DecodeTiles(block_n=16, num_warps=4, num_stages=1, programs_per_unit=2, max_splits=16),
+        rows=_WARP32_ROWS,
     ),
 }
 
@@ -167,8 +190,9 @@ class GemmTiles:
     num_stages: int
 
     def __post_init__(self) -> None:
-        _check_power_of_2("GemmTiles", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
-                          num_warps=self.num_warps)
+        _check_power_of_2(
+            "GemmTiles", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k, num_warps=self.num_warps
+        )
         if min(self.block_m, self.block_n, self.block_k) < 16:
             raise ValueError(f"GemmTiles blocks must be >= 16 (tl.dot), got {self}")
 
@@ -178,7 +202,8 @@ class GemmTiles:
 _GEMM_TILES: dict[str, tuple[GemmTiles, GemmTiles]] = {
     "default": (GemmTiles(16, 64, 64, 4, 2), GemmTiles(64, 64, 32, 4, 2)),
     "sm_80": (GemmTiles(16, 64, 128, 4, 3), GemmTiles(64, 128, 32, 4, 3)),
-    "sm_90": (GemmTiles(16, 128, 128, 4, 4), GemmTiles(128, 128, 64, 8, 3)),
+    "sm_90": (_hopper_gemm := (GemmTiles(16, 128, 128, 4, 4), GemmTiles(128, 128, 64, 8, 3))),
+    "sm_100": _hopper_gemm,
     "gfx90a": (GemmTiles(16, 64, 128, 4, 1), GemmTiles(64, 64, 64, 4, 1)),
     "gfx942": (GemmTiles(16, 64, 128, 4, 2), GemmTiles(64, 128, 64, 8, 2)),
 }

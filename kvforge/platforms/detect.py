@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform as host
@@ -96,6 +97,24 @@ def detect_platform(device_index: int = 0) -> Platform:
 
 
 @functools.cache
-def current_platform() -> Platform:
-    """The platform of device 0, detected once per process."""
+def _detected_platform() -> Platform:
     return detect_platform(0)
+
+
+_pinned: list[Platform] = []
+
+
+def current_platform() -> Platform:
+    """The platform of device 0, detected once per process, or the innermost one pinned by pin_platform."""
+    return _pinned[-1] if _pinned else _detected_platform()
+
+
+@contextlib.contextmanager
+def pin_platform(platform: Platform):
+    """Within the block current_platform() is platform, so kernels take that device's tiles: this is how
+    kernels are compiled for a GPU that is not in this machine (kvforge.kernels.cross_compile)."""
+    _pinned.append(platform)
+    try:
+        yield platform
+    finally:
+        _pinned.pop()

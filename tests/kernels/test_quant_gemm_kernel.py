@@ -12,7 +12,7 @@ from kvforge.kernels.quant_gemm import pack_codes, quant_gemm_ref, quant_gemm_tr
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     "num_tokens,out_features,in_features,group_size",
-    [(1, 40, 64, 32), (3, 96, 128, 128), (17, 70, 96, 32), (33, 16, 256, 64)],
+    [(1, 40, 64, 32), (3, 96, 128, 128), (17, 70, 96, 32), (33, 16, 256, 64), (2, 40, 96, 48), (5, 33, 48, 24)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quant_gemm_matches_reference(
