@@ -67,22 +67,21 @@ class DeepseekV2ForCausalLM(MoELlamaForCausalLM):
             raise ValueError("multi-head latent attention (DeepSeek) is not tensor-parallel yet; "
                              "use pipeline_parallel_size to split it over devices")
         dims = mla_dims(hf_config, self.config)
-        attn = MultiHeadLatentAttention(dims, self._shared_rotary(hf_config, dims.qk_rope_head_dim))
+        attn = MultiHeadLatentAttention(dims, self.rotary)
         if layer_idx < (hf_config.get("first_k_dense_replace") or 0):
-            return LlamaDecoderLayer(self.config, self_attn=attn)
+            return LlamaDecoderLayer(self.config, self.rotary, self_attn=attn)
         moe_intermediate = hf_config["moe_intermediate_size"]
         shared = moe_intermediate * (hf_config.get("n_shared_experts") or 0)
         mlp = self.moe_block(self.routing(hf_config), moe_intermediate, shared)
-        return LlamaDecoderLayer(self.config, self_attn=attn, mlp=mlp)
+        return LlamaDecoderLayer(self.config, self.rotary, self_attn=attn, mlp=mlp)
 
-    def _shared_rotary(self, hf_config: dict, rope_dim: int) -> RotaryEmbedding:
-        """One rotary module (one cos/sin table) for every layer, built with the first."""
-        if "rotary" not in self._modules:
-            cfg = self.config
-            interleaved = hf_config.get("rope_interleave", True)  # V2 has no flag: always interleaved
-            self.rotary = RotaryEmbedding(rope_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling,
-                                          is_neox=not interleaved)  # fmt: skip
-        return self.rotary
+    def make_rotary(self, hf_config: dict) -> RotaryEmbedding:
+        """Over the qk_rope_head_dim slice of each head only, interleaved (GPT-J layout) unless the config
+        says otherwise."""
+        cfg = self.config
+        interleaved = hf_config.get("rope_interleave", True)  # V2 has no flag: always interleaved
+        return RotaryEmbedding(hf_config["qk_rope_head_dim"], cfg.max_position, cfg.rope_theta, cfg.rope_scaling,
+                               is_neox=not interleaved)  # fmt: skip
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:

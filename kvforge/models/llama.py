@@ -76,7 +76,7 @@ def local_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int, tuple[int,
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads: QKV column-parallel, the output projection row-parallel."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         num_heads, num_kv_heads, kv_pieces = local_heads(cfg.num_heads, cfg.num_kv_heads)
         self.q_size = num_heads * cfg.head_dim
@@ -90,7 +90,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, [cfg.hidden_size])
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary  # NOTE: the model's one module, shared by every layer: one cos/sin table
         self.attn = Attention(num_heads, num_kv_heads, cfg.head_dim)
 
     def forward(
@@ -124,10 +124,11 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP with residuals; other families pass their own attention or MLP (MoE)."""
 
     def __init__(
-        self, cfg: LlamaConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None
-    ) -> None:
+        self, cfg: LlamaConfig, rotary: RotaryEmbedding, self_attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = LlamaAttention(cfg) if self_attn is None else self_attn
+        self.self_attn = LlamaAttention(cfg, rotary) if self_attn is None else self_attn
         self.mlp = LlamaMLP(cfg) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -172,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         state = get_parallel_state()
         self.start_layer, self.end_layer = state.layer_range(cfg.num_layers)
+        self.rotary = self.make_rotary(hf_config)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if state.is_first_stage else None
         self.layers = nn.ModuleList(
             self.make_layer(hf_config, i) if self.start_layer <= i < self.end_layer else nn.Identity()
@@ -183,9 +185,14 @@ class LlamaForCausalLM(nn.Module):
             tied_here = cfg.tie_word_embeddings and self.embed_tokens is not None
             self.lm_head = self.embed_tokens if tied_here else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
 
+    def make_rotary(self, hf_config: dict) -> RotaryEmbedding:
+        """The rotary embedding every layer shares (self.config is set)."""
+        cfg = self.config
+        return RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+
     def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:
-        """Decoder layer layer_idx (self.config is set); MoE families override it."""
-        return LlamaDecoderLayer(self.config)
+        """Decoder layer layer_idx (self.config and self.rotary are set); MoE families override it."""
+        return LlamaDecoderLayer(self.config, self.rotary)
 
     @property
     def stage_layers(self) -> nn.ModuleList:

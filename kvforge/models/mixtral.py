@@ -53,4 +53,4 @@ class MixtralForCausalLM(MoELlamaForCausalLM):
     def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:
         routing = RoutingConfig(num_experts=hf_config["num_local_experts"],
                                 top_k=hf_config["num_experts_per_tok"], renormalize=True)  # fmt: skip
-        return LlamaDecoderLayer(self.config, mlp=self.moe_block(routing, self.config.intermediate_size))
+        return LlamaDecoderLayer(self.config, self.rotary, mlp=self.moe_block(routing, self.config.intermediate_size))

@@ -30,7 +30,7 @@ class Qwen2MoeForCausalLM(MoELlamaForCausalLM):
 
     def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(hf_config, layer_idx):
-            return LlamaDecoderLayer(self.config)
+            return LlamaDecoderLayer(self.config, self.rotary)
         routing = RoutingConfig(
             num_experts=num_experts(hf_config),
             top_k=hf_config["num_experts_per_tok"],
@@ -39,7 +39,7 @@ class Qwen2MoeForCausalLM(MoELlamaForCausalLM):
         shared = hf_config.get("shared_expert_intermediate_size") or 0
         moe_intermediate = hf_config["moe_intermediate_size"]
         block = self.moe_block(routing, moe_intermediate, shared, shared_expert_gate=bool(shared))
-        return LlamaDecoderLayer(self.config, mlp=block)
+        return LlamaDecoderLayer(self.config, self.rotary, mlp=block)
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):

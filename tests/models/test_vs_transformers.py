@@ -42,6 +42,9 @@ def test_logits_match(tiny):
     folder, model, prompts, _ = tiny
     llm = LLM(str(folder), kv_cache_memory="16MiB")
     assert_logits_match(llm, model, prompts[:3] + prompts[4:5])
+    # every layer reads the model's one cos/sin table (not a table per layer)
+    tables = [name for name, _ in llm.engine.runner.model.named_buffers() if name.endswith("cos_sin_cache")]
+    assert tables == ["rotary.cos_sin_cache"]
 
 
 @pytest.mark.parametrize(
