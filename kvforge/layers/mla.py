@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.kernels import ops
 from kvforge.kernels.paged_attention import gather_kv
 from kvforge.layers.attention import AttentionMetadata
-from kvforge.layers.linear import Linear
+from kvforge.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
 
@@ -60,22 +61,30 @@ class MLADims:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """Parameter names follow the checkpoints (q_a_proj, kv_a_proj_with_mqa, kv_b_proj, ...)."""
+    """Parameter names follow the checkpoints (q_a_proj, kv_a_proj_with_mqa, kv_b_proj, ...).
+
+    Under tensor parallelism each rank holds num_heads / tp heads: the up-projections (q_b_proj or q_proj,
+    kv_b_proj) are split by head and o_proj by its input; the down-projections to the latent spaces and
+    the latent cache are whole on every rank (every head reads the same latent)."""
 
     def __init__(self, dims: MLADims, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.dims = dims
         heads, bias = dims.num_heads, dims.attention_bias
+        tp_size = get_parallel_state().tp_size
+        if heads % tp_size:
+            raise ValueError(f"{heads} latent-attention heads cannot be split over {tp_size} tensor-parallel ranks")
+        self.num_heads = heads // tp_size  # this rank's
         if dims.q_lora_rank is None:
-            self.q_proj = Linear(dims.hidden_size, [heads * dims.qk_head_dim])
+            self.q_proj = ColumnParallelLinear(dims.hidden_size, [heads * dims.qk_head_dim])
         else:
             self.q_a_proj = Linear(dims.hidden_size, [dims.q_lora_rank], bias=bias)
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(dims.q_lora_rank, [heads * dims.qk_head_dim])
+            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, [heads * dims.qk_head_dim])
         self.kv_a_proj_with_mqa = Linear(dims.hidden_size, [dims.cache_dim], bias=bias)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(dims.kv_lora_rank, [heads * (dims.qk_nope_head_dim + dims.v_head_dim)])
-        self.o_proj = Linear(heads * dims.v_head_dim, [dims.hidden_size], bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, [heads * (dims.qk_nope_head_dim + dims.v_head_dim)])
+        self.o_proj = RowParallelLinear(heads * dims.v_head_dim, [dims.hidden_size], bias=bias)
         self.rotary = rotary  # NOTE: one module shared by all layers: one cos/sin table
 
     def forward(
@@ -89,7 +98,7 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(num_tokens, d.num_heads, d.qk_head_dim).split(
+        q_nope, q_rope = q.view(num_tokens, self.num_heads, d.qk_head_dim).split(
             [d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)  # fmt: skip
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope.unsqueeze(1))
@@ -110,7 +119,7 @@ class MultiHeadLatentAttention(nn.Module):
         decodes = [s for s, q_len in enumerate(q_lens) if q_len == 1]
         if len(decodes) == len(q_lens):
             return self._decode(q_nope, q_rope, latent_cache, metadata.block_tables, metadata.seq_lens)
-        out = q_nope.new_empty((q_nope.shape[0], self.dims.num_heads, self.dims.v_head_dim))
+        out = q_nope.new_empty((q_nope.shape[0], self.num_heads, self.dims.v_head_dim))
         if decodes:
             seqs = torch.tensor(decodes, device=q_nope.device)
             rows = metadata.query_start_loc[seqs]
@@ -127,7 +136,7 @@ class MultiHeadLatentAttention(nn.Module):
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [heads, nope, kv_lora_rank] and W_UV [heads, v, kv_lora_rank]: views of kv_b_proj."""
         d = self.dims
-        weight = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        weight = self.kv_b_proj.weight.view(self.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
         return weight[:, : d.qk_nope_head_dim], weight[:, d.qk_nope_head_dim :]
 
     def _decode(
@@ -151,9 +160,9 @@ class MultiHeadLatentAttention(nn.Module):
         Returns [q_len, heads, v_head_dim]."""
         d = self.dims
         rows = gather_kv(latent_cache, block_table, seq_len)[0]  # [seq_len, cache_dim]
-        kv = self.kv_b_proj(rows[:, : d.kv_lora_rank]).view(seq_len, d.num_heads, -1)
+        kv = self.kv_b_proj(rows[:, : d.kv_lora_rank]).view(seq_len, self.num_heads, -1)
         k_nope, value = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
-        k_rope = rows[:, None, d.kv_lora_rank :].expand(seq_len, d.num_heads, d.qk_rope_head_dim)
+        k_rope = rows[:, None, d.kv_lora_rank :].expand(seq_len, self.num_heads, d.qk_rope_head_dim)
         key = torch.cat((k_nope, k_rope), dim=-1)
         query = torch.cat((q_nope, q_rope), dim=-1)
         q_len = query.shape[0]

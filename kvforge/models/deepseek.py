@@ -14,7 +14,6 @@ import re
 import torch
 from torch import nn
 
-from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.mla import MLADims, MultiHeadLatentAttention
 from kvforge.layers.moe_router import RoutingConfig
@@ -63,9 +62,6 @@ class DeepseekV2ForCausalLM(MoELlamaForCausalLM):
         )
 
     def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:
-        if get_parallel_state().tp_size > 1:
-            raise ValueError("multi-head latent attention (DeepSeek) is not tensor-parallel yet; "
-                             "use pipeline_parallel_size to split it over devices")
         dims = mla_dims(hf_config, self.config)
         attn = MultiHeadLatentAttention(dims, self.rotary)
         if layer_idx < (hf_config.get("first_k_dense_replace") or 0):

@@ -12,8 +12,9 @@ from kvforge.quantization.fp8 import Fp8Method
 from kvforge.quantization.linear_method import LinearMethod, RTNMethod
 from kvforge.quantization.w8a8 import W8A8Method
 
-# Layers that stay in float: the LM head (GPTQ and AWQ leave it unquantized too).
-_FLOAT_LAYERS = ("lm_head",)
+# Layers that stay in float, by name: the LM head (GPTQ and AWQ leave it unquantized too) and MLA's
+# kv_b_proj, whose weight the absorbed decode multiplies with directly (as W_UK and W_UV).
+_FLOAT_LAYERS = ("lm_head", "kv_b_proj")
 
 
 def linear_method(config: QuantConfig, from_float: bool) -> LinearMethod:
@@ -35,7 +36,7 @@ def quantizable_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> dict[st
         name: module
         for name, module in model.named_modules()
         if isinstance(module, Linear)
-        and name not in _FLOAT_LAYERS
+        and name.rsplit(".", 1)[-1] not in _FLOAT_LAYERS
         and not any(part in name.split(".") for part in skip)
     }
 

@@ -13,11 +13,13 @@ from kvforge import LLM
 from tests.distributed.conftest import GREEDY, PROMPTS, SCORED_TOKENS, logprob_values
 
 
-def greedy_tokens(folder, **engine_kwargs) -> list[list[int]]:
-    """Greedy tokens of PROMPTS from an engine built with engine_kwargs, shut down afterwards."""
+def greedy_tokens(folder, *, score: bool = False, **engine_kwargs):
+    """Greedy tokens of PROMPTS from an engine built with engine_kwargs, shut down afterwards; with score,
+    also the logits of SCORED_TOKENS."""
     llm = LLM(str(folder), kv_cache_memory="16MiB", **engine_kwargs)
     try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        return (tokens, llm.engine.score(SCORED_TOKENS)) if score else tokens
     finally:
         llm.shutdown()
 
@@ -80,20 +82,22 @@ def test_quantized_layers_are_sharded_too(tmp_path) -> None:
     assert greedy_tokens(tmp_path, quantization="w4a16", tensor_parallel_size=2) == want
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
-def test_mixture_of_experts_splits_the_experts(tmp_path, arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "split"),
+    [("qwen2_moe", {"tensor_parallel_size": 2}), ("deepseek_v3", {"tensor_parallel_size": 2}),
+     ("deepseek_v3", {"pipeline_parallel_size": 2})],
+)  # fmt: skip
+def test_mixture_of_experts_splits_the_experts(tmp_path, arch: str, split: dict) -> None:
     """Experts sliced by their intermediate size (shared experts as column/row-parallel MLPs) under TP;
-    DeepSeek's latent attention is pipeline-parallel only and says so for TP."""
+    DeepSeek's latent attention split by heads (its latent cache whole on each rank), or by stages."""
     from tests.models.test_moe_vs_transformers import build_moe_model
     from tests.tiny_models import save_tokenizer
 
     build_moe_model(arch, save_tokenizer(tmp_path)).save_pretrained(tmp_path)
-    want = greedy_tokens(tmp_path)
-    if arch == "deepseek_v3":
-        with pytest.raises(ValueError, match="latent attention .* not tensor-parallel"):
-            LLM(str(tmp_path), kv_cache_memory="16MiB", tensor_parallel_size=2)
-    split = {"pipeline_parallel_size": 2} if arch == "deepseek_v3" else {"tensor_parallel_size": 2}
-    assert greedy_tokens(tmp_path, **split) == want
+    want_tokens, want_logits = greedy_tokens(tmp_path, score=True)
+    tokens, logits = greedy_tokens(tmp_path, score=True, **split)
+    assert tokens == want_tokens
+    assert (logits - want_logits).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

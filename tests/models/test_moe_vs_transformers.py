@@ -158,3 +158,18 @@ def test_deepseek_on_the_triton_kernels(tmp_path):
     finally:
         ops.set_backend(backend)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize("quantization", ["w8a16", "w8a8", "fp8"])
+def test_deepseek_quantized_at_load(tmp_path, quantization: str):
+    """Load-time quantization of DeepSeek: every linear but MLA's kv_b_proj (whose weight the absorbed
+    decode multiplies with) and the head; logits stay within 5% of the float model's largest."""
+    build_moe_model("deepseek_v3", save_tokenizer(tmp_path)).save_pretrained(tmp_path)
+    tokens = list(range(5, 45))
+    want = LLM(str(tmp_path), kv_cache_memory="4MiB").engine.score(tokens)
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", quantization=quantization)
+    methods = {name.rsplit(".", 1)[-1]: module.quant_method for name, module in llm.engine.runner.model.named_modules()
+               if hasattr(module, "quant_method")}  # fmt: skip
+    assert methods["kv_b_proj"] is None and methods["q_b_proj"] is not None and methods["o_proj"] is not None
+    got = llm.engine.score(tokens)
+    assert 0 < (got - want).abs().max().item() < 0.05 * want.abs().max().item()

@@ -47,8 +47,6 @@ def test_stage_bytes_match_the_rank_model(name, tp, pp, monkeypatch):
     shape, hf_config = _shape_and_config(name)
     if any(size % tp for size in shape.tp_divisors) or (shape.num_kv_heads % tp and tp % shape.num_kv_heads):
         pytest.skip(f"TP={tp} does not split {shape.name}")
-    if shape.num_kv_heads == 0 and tp > 1:
-        pytest.skip("the engine's latent attention (MLA) is not tensor-parallel yet")
     if not hasattr(parallel_state.ParallelState, "layer_range"):
         pytest.skip("the engine's models are not pipeline-parallel here")
     stages = build_stages(shape, tp, pp, Precision("bf16", "bf16"), 2048, 256)
