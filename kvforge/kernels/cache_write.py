@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kernels.kv_quant import CODE_DTYPES, CODE_MAX, check_triton_code_dtype, quantize_kv, quantize_rows
+from kvforge.kernels.kv_quant import (
+    CODE_DTYPES,
+    CODE_MAX,
+    FP8_UNIT,
+    check_triton_code_dtype,
+    quantize_kv,
+    quantize_rows,
+)
 from kvforge.kernels.triton_compat import jit, next_power_of_2, require_triton, tl
 from kvforge.kernels.tuning import kernel_tuning
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kv_scales, check_same_device, check_tensor
@@ -58,6 +65,7 @@ def _reshape_and_cache_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_sb, stride_ss,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, QUANTIZED: tl.constexpr, CODE_MAX: tl.constexpr, ROUND: tl.constexpr,
+    FP8_UNIT: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -73,8 +81,8 @@ def _reshape_and_cache_kernel(
     k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims
     v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
     if QUANTIZED:  # codes into the cache, one scale per head beside them (the scale tensors share strides)
-        k, k_scale = quantize_rows(k, CODE_MAX, ROUND)
-        v, v_scale = quantize_rows(v, CODE_MAX, ROUND)
+        k, k_scale = quantize_rows(k, CODE_MAX, ROUND, FP8_UNIT)
+        v, v_scale = quantize_rows(v, CODE_MAX, ROUND, FP8_UNIT)
         scale_offsets = block * stride_sb + offset * stride_ss + tl.arange(0, BLOCK_H)
         head_mask = tl.arange(0, BLOCK_H) < NUM_KV_HEADS
         tl.store(key_scale_ptr + scale_offsets, k_scale, mask=head_mask)
@@ -121,5 +129,6 @@ def reshape_and_cache_triton(
         key_scale.stride(0), key_scale.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
         PAGE_SIZE=key_cache.shape[1], QUANTIZED=quantized, CODE_MAX=CODE_MAX.get(key_cache.dtype, 1.0),
-        ROUND=key_cache.dtype == torch.int8, num_warps=kernel_tuning().rows.num_warps(block_h * block_d),
+        ROUND=key_cache.dtype == torch.int8, FP8_UNIT=FP8_UNIT.get(key_cache.dtype, 1.0),
+        num_warps=kernel_tuning().rows.num_warps(block_h * block_d),
     )  # fmt: skip

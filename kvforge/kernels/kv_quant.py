@@ -8,9 +8,11 @@ The cache write quantizes each head's row of head_dim values on its own, with a 
 
 int8 rounds half up (floor(y + 0.5)) and clamps to [-127, 127], so the Triton kernels round exactly like
 this reference; fp8 clamps to [-448, 448] and the cast rounds to nearest (e4m3fn has no infinity:
-past 448 a cast gives NaN). Codes and scales live in separate paged tensors:
+past 448 a cast gives NaN). On the AMD MI300 (gfx942), whose fp8 is the "fnuz" e4m3 (exponent bias 8, no
+negative zero), fp8 codes are float8_e4m3fnuz, clamped to [-240, 240]. Codes and scales live in separate
+paged tensors:
 
-    codes   [num_blocks, block_size, num_kv_heads, head_dim]   int8 or float8_e4m3fn
+    codes   [num_blocks, block_size, num_kv_heads, head_dim]   int8, float8_e4m3fn or float8_e4m3fnuz
     scales  [num_blocks, block_size, num_kv_heads]             float32
 """
 
@@ -19,36 +21,48 @@ from __future__ import annotations
 import torch
 
 from kvforge.kernels.triton_compat import jit, tl
-from kvforge.platforms import Platform
+from kvforge.platforms import Platform, current_platform
 
-# --kv-cache-dtype -> code dtype ("auto": the model dtype, no codes)
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-CODE_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # --kv-cache-dtype ("auto": the model dtype, no codes)
+CODE_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 CODE_DTYPES = tuple(CODE_MAX)
+# The value of the fp8 code whose bits read 1.0 as e4m3fn: fnuz's exponent bias is one larger.
+FP8_UNIT: dict[torch.dtype, float] = {torch.float8_e4m3fn: 1.0, torch.float8_e4m3fnuz: 0.5}
 SCALE_DTYPE = torch.float32
+_FNUZ_ARCHS = ("gfx942",)  # AMD CDNA3 multiplies and converts the fnuz variant of e4m3
 
 
-def kv_code_dtype(kv_cache_dtype: str) -> torch.dtype | None:
-    """The code dtype of a --kv-cache-dtype value; None for "auto" (the cache holds model-dtype values)."""
+def kv_code_dtype(kv_cache_dtype: str, platform: Platform | None = None) -> torch.dtype | None:
+    """The code dtype of a --kv-cache-dtype value on platform (default: the current one); None for "auto"
+    (the cache holds model-dtype values). fp8 is e4m3fn, or e4m3fnuz on gfx942."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return KV_CACHE_DTYPES[kv_cache_dtype]
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    if kv_cache_dtype == "fp8":
+        platform = platform if platform is not None else current_platform()
+        fnuz = platform.kind == "rocm" and platform.arch in _FNUZ_ARCHS
+        return torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
+    return None
 
 
 def check_triton_code_dtype(code_dtype: torch.dtype, platform: Platform) -> None:
-    """The Triton kernels read and write float8_e4m3fn natively on NVIDIA sm_89+ and AMD gfx950 (and in
-    the interpreter); elsewhere an fp8 cache is a ValueError that names the option. int8 runs everywhere."""
-    if code_dtype != torch.float8_e4m3fn or not platform.is_gpu:
+    """The Triton kernels read and write float8_e4m3fn natively on NVIDIA sm_89+ and AMD gfx950, and
+    float8_e4m3fnuz on AMD gfx942 (both in the interpreter); elsewhere an fp8 cache is a ValueError that
+    names the option. int8 runs everywhere."""
+    if not code_dtype.is_floating_point or not platform.is_gpu:
         return
     arch = platform.arch
-    if platform.kind == "cuda":
+    if code_dtype == torch.float8_e4m3fnuz:
+        supported = platform.kind == "rocm" and arch in _FNUZ_ARCHS
+    elif platform.kind == "cuda":
         supported = arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 89
     else:
         supported = arch == "gfx950" or arch.startswith("gfx12")
     if not supported:
         raise ValueError(
-            f"kv_cache_dtype='fp8' (float8 e4m3 codes) needs an NVIDIA sm_89+ or AMD gfx950 GPU for the Triton "
-            f"kernels; this one is {arch}: use --kv-cache-dtype int8"
+            f"kv_cache_dtype='fp8' ({code_dtype} codes) needs an NVIDIA sm_89+ or AMD gfx942/gfx950 GPU for the "
+            f"Triton kernels; this one is {arch}: use --kv-cache-dtype int8"
         )
 
 
@@ -70,9 +84,10 @@ def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
 
 
 @jit
-def quantize_rows(x, CODE_MAX: tl.constexpr, ROUND: tl.constexpr):
+def quantize_rows(x, CODE_MAX: tl.constexpr, ROUND: tl.constexpr, FP8_UNIT: tl.constexpr):
     """Triton quantize_kv of a [ROWS, D] tile (masked lanes 0): (codes as fp32 [ROWS, D], scales [ROWS]).
-    ROUND: int8 codes (round half up); otherwise fp8 values, already on the e4m3 grid (round_to_e4m3)."""
+    ROUND: int8 codes (round half up); otherwise fp8 values, already on the grid of the e4m3 variant whose
+    bit pattern of 1.0 is worth FP8_UNIT (round_to_e4m3)."""
     x = x.to(tl.float32)
     absmax = tl.max(tl.abs(x), 1)
     inv_scale = tl.where(absmax > 0.0, CODE_MAX / tl.maximum(absmax, 1e-30), 0.0)
@@ -80,7 +95,7 @@ def quantize_rows(x, CODE_MAX: tl.constexpr, ROUND: tl.constexpr):
     if ROUND:
         y = tl.floor(y + 0.5)
     else:
-        y = round_to_e4m3(y)
+        y = round_to_e4m3(y / FP8_UNIT) * FP8_UNIT
     return y, absmax / CODE_MAX
 
 

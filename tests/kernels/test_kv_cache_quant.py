@@ -10,13 +10,21 @@ import torch
 import kvforge.kernels.paged_attention_cpu as paged_attention_cpu_module
 from kvforge.kernels.cache_write import reshape_and_cache_ref, reshape_and_cache_triton
 from kvforge.kernels.cpu_extension import cpu_kernels
-from kvforge.kernels.kv_quant import CODE_MAX, check_triton_code_dtype, dequantize_kv, kv_code_dtype, quantize_kv
+from kvforge.kernels.kv_quant import (
+    CODE_MAX,
+    FP8_UNIT,
+    check_triton_code_dtype,
+    dequantize_kv,
+    kv_code_dtype,
+    quantize_kv,
+)
 from kvforge.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kvforge.kernels.paged_attention_cpu import paged_attention_cpu
 from kvforge.platforms import Platform, current_platform
 from tests.kernels.attention_batches import TOLERANCE, dequantized_reference, make_paged_batch, quantize_batch_cache
 
-CODE_DTYPES = [torch.int8, torch.float8_e4m3fn]
+CPU_CODE_DTYPES = [torch.int8, torch.float8_e4m3fn]  # what --kv-cache-dtype gives on the CPU
+CODE_DTYPES = [*CPU_CODE_DTYPES, torch.float8_e4m3fnuz]  # and fp8 on the MI300 (gfx942)
 FP8_RELATIVE_STEP = 2.0**-4  # half the spacing of e4m3's 3 mantissa bits, relative to the value
 
 
@@ -25,8 +33,9 @@ def _max_error(x: torch.Tensor, scales: torch.Tensor, code_dtype: torch.dtype) -
     scales = scales.float()[..., None]
     if code_dtype == torch.int8:
         bound = scales / 2
-    else:  # nearest e4m3 value: a relative half step, or half the subnormal spacing 2**-9 near zero
-        bound = torch.maximum(x.float().abs() * FP8_RELATIVE_STEP, scales * 2.0**-10)
+    else:  # nearest e4m3 value: a relative half step, or half the subnormal spacing near zero (2**-9 in
+        # e4m3fn code units, 2**-10 in fnuz's)
+        bound = torch.maximum(x.float().abs() * FP8_RELATIVE_STEP, scales * 2.0**-10 * FP8_UNIT[code_dtype])
     return bound * (1 + 1e-5) + 1e-7
 
 
@@ -45,18 +54,26 @@ def test_quantize_round_trip(code_dtype: torch.dtype) -> None:
     assert (error <= _max_error(x, scales, code_dtype)).all()
 
 
-@pytest.mark.parametrize(("kind", "arch", "supported"), [
-    ("cuda", "sm_90", True), ("cuda", "sm_89", True), ("cuda", "sm_80", False), ("rocm", "gfx942", False),
-    ("rocm", "gfx950", True), ("cpu", "x86_64", True),
+@pytest.mark.parametrize(("kind", "arch", "fp8"), [
+    ("cuda", "sm_90", torch.float8_e4m3fn), ("cuda", "sm_89", torch.float8_e4m3fn), ("cuda", "sm_80", None),
+    ("rocm", "gfx942", torch.float8_e4m3fnuz), ("rocm", "gfx950", torch.float8_e4m3fn), ("rocm", "gfx90a", None),
+    ("cpu", "x86_64", torch.float8_e4m3fn),
 ])  # fmt: skip
-def test_fp8_cache_needs_e4m3_on_the_gpu(kind: str, arch: str, supported: bool) -> None:
+def test_fp8_cache_needs_e4m3_on_the_gpu(kind: str, arch: str, fp8: torch.dtype | None) -> None:
+    """--kv-cache-dtype fp8 is the platform's own e4m3 (fnuz on the MI300), refused where it has none."""
     platform = Platform(kind, "a device", arch, 32, 1, 2**30, None)
     check_triton_code_dtype(torch.int8, platform)
-    if supported:
-        check_triton_code_dtype(torch.float8_e4m3fn, platform)
+    code_dtype = kv_code_dtype("fp8", platform)
+    assert code_dtype == (fp8 or torch.float8_e4m3fn)
+    if fp8 is not None:
+        check_triton_code_dtype(code_dtype, platform)
     else:
         with pytest.raises(ValueError, match="use --kv-cache-dtype int8"):
-            check_triton_code_dtype(torch.float8_e4m3fn, platform)
+            check_triton_code_dtype(code_dtype, platform)
+    if kind != "cpu":  # the other variant is refused on every GPU
+        other = torch.float8_e4m3fn if code_dtype == torch.float8_e4m3fnuz else torch.float8_e4m3fnuz
+        with pytest.raises(ValueError, match="use --kv-cache-dtype int8"):
+            check_triton_code_dtype(other, platform)
 
 
 def skip_without_fp8(code_dtype: torch.dtype, device: torch.device) -> None:
@@ -182,7 +199,7 @@ def test_triton_attention_rejects_bad_scales(device: torch.device) -> None:
 
 @pytest.mark.parametrize("native", [True, False], ids=["cpp-decode", "sdpa-decode"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("code_dtype", CODE_DTYPES)
+@pytest.mark.parametrize("code_dtype", CPU_CODE_DTYPES)
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_cpu_attention_over_quantized_cache(monkeypatch: pytest.MonkeyPatch, native: bool, dtype: torch.dtype,
