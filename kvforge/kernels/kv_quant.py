@@ -50,7 +50,7 @@ def check_triton_code_dtype(code_dtype: torch.dtype, platform: Platform) -> None
     """The Triton kernels read and write float8_e4m3fn natively on NVIDIA sm_89+ and AMD gfx950, and
     float8_e4m3fnuz on AMD gfx942 (both in the interpreter); elsewhere an fp8 cache is a ValueError that
     names the option. int8 runs everywhere."""
-    if not code_dtype.is_floating_point or not platform.is_gpu:
+    if code_dtype not in FP8_UNIT or not platform.is_gpu:  # int8 codes, or a cache in the model dtype
         return
     arch = platform.arch
     if code_dtype == torch.float8_e4m3fnuz:

@@ -62,7 +62,8 @@ def test_quantize_round_trip(code_dtype: torch.dtype) -> None:
 def test_fp8_cache_needs_e4m3_on_the_gpu(kind: str, arch: str, fp8: torch.dtype | None) -> None:
     """--kv-cache-dtype fp8 is the platform's own e4m3 (fnuz on the MI300), refused where it has none."""
     platform = Platform(kind, "a device", arch, 32, 1, 2**30, None)
-    check_triton_code_dtype(torch.int8, platform)
+    for unquantized in (torch.int8, torch.bfloat16, torch.float16, torch.float32):
+        check_triton_code_dtype(unquantized, platform)
     code_dtype = kv_code_dtype("fp8", platform)
     assert code_dtype == (fp8 or torch.float8_e4m3fn)
     if fp8 is not None:
