@@ -29,7 +29,6 @@ CODE_DTYPES = tuple(CODE_MAX)
 # The value of the fp8 code whose bits read 1.0 as e4m3fn: fnuz's exponent bias is one larger.
 FP8_UNIT: dict[torch.dtype, float] = {torch.float8_e4m3fn: 1.0, torch.float8_e4m3fnuz: 0.5}
 SCALE_DTYPE = torch.float32
-_FNUZ_ARCHS = ("gfx942",)  # AMD CDNA3 multiplies and converts the fnuz variant of e4m3
 
 
 def kv_code_dtype(kv_cache_dtype: str, platform: Platform | None = None) -> torch.dtype | None:
@@ -40,29 +39,20 @@ def kv_code_dtype(kv_cache_dtype: str, platform: Platform | None = None) -> torc
     if kv_cache_dtype == "int8":
         return torch.int8
     if kv_cache_dtype == "fp8":
-        platform = platform if platform is not None else current_platform()
-        fnuz = platform.kind == "rocm" and platform.arch in _FNUZ_ARCHS
-        return torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
+        return (platform if platform is not None else current_platform()).fp8_dtype
     return None
 
 
 def check_triton_code_dtype(code_dtype: torch.dtype, platform: Platform) -> None:
-    """The Triton kernels read and write float8_e4m3fn natively on NVIDIA sm_89+ and AMD gfx950, and
-    float8_e4m3fnuz on AMD gfx942 (both in the interpreter); elsewhere an fp8 cache is a ValueError that
-    names the option. int8 runs everywhere."""
+    """The Triton kernels read and write the GPU's own fp8 (Platform.fp8_dtype) where it is native, and
+    either variant in the interpreter; elsewhere an fp8 cache is a ValueError that names the option. int8
+    runs everywhere."""
     if code_dtype not in FP8_UNIT or not platform.is_gpu:  # int8 codes, or a cache in the model dtype
         return
-    arch = platform.arch
-    if code_dtype == torch.float8_e4m3fnuz:
-        supported = platform.kind == "rocm" and arch in _FNUZ_ARCHS
-    elif platform.kind == "cuda":
-        supported = arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 89
-    else:
-        supported = arch == "gfx950" or arch.startswith("gfx12")
-    if not supported:
+    if not (platform.has_native_fp8 and code_dtype == platform.fp8_dtype):
         raise ValueError(
             f"kv_cache_dtype='fp8' ({code_dtype} codes) needs an NVIDIA sm_89+ or AMD gfx942/gfx950 GPU for the "
-            f"Triton kernels; this one is {arch}: use --kv-cache-dtype int8"
+            f"Triton kernels; this one is {platform.arch}: use --kv-cache-dtype int8"
         )
 
 

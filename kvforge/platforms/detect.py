@@ -41,6 +41,21 @@ class Platform:
         return self.kind != "cpu"
 
     @property
+    def has_native_fp8(self) -> bool:
+        """Whether the GPU converts and multiplies float8 e4m3 (fp8_dtype) in hardware: NVIDIA sm_89+ and
+        AMD gfx942/gfx950 (MI300, MI350) and gfx12 (RDNA4). Elsewhere (the CPU too) fp8 is storage only."""
+        if self.kind == "cuda":
+            version = self.arch.removeprefix("sm_")
+            return version.isdigit() and int(version) >= 89
+        return self.kind == "rocm" and (self.arch in ("gfx942", "gfx950") or self.arch.startswith("gfx12"))
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """The device's float8 e4m3: the "fnuz" variant on the AMD MI300 (gfx942: exponent bias 8, no
+        negative zero, so the same bits stand for half the value), the OCP e4m3fn everywhere else."""
+        return torch.float8_e4m3fnuz if self.kind == "rocm" and self.arch == "gfx942" else torch.float8_e4m3fn
+
+    @property
     def device_type(self) -> str:
         """The torch device type: ROCm devices are addressed as "cuda" too."""
         return "cuda" if self.is_gpu else "cpu"

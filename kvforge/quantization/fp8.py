@@ -11,7 +11,7 @@ Two sources:
   own. Static activation scales (`input_scale`) are dropped: activations stay in float, or on fp8 GPUs
   are quantized per token as they come, which is at least as precise.
 
-The matmul, where the device has fp8 math (CUDA sm_89 and later, ROCm gfx942 and gfx950): activations
+The matmul, where the device has fp8 math (Platform.has_native_fp8: CUDA sm_89+, ROCm gfx942/gfx950/gfx12): activations
 are quantized to fp8 per token and torch._scaled_mm multiplies with fp32 accumulation,
 
     y[m, n] = (sum_k xq[m, k] * weight[n, k]) * x_scale[m] * weight_scale[n]
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvforge.platforms import Platform, current_platform
+from kvforge.platforms import current_platform
 from kvforge.quantization.linear_method import LinearMethod, drop_parameters
 
 if TYPE_CHECKING:
@@ -37,11 +37,6 @@ if TYPE_CHECKING:
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 _MIN_SCALE = 1e-12
-# AMD MI300 (gfx942) multiplies the "fnuz" variant of e4m3: no negative zero, exponent bias 8, so the
-# same bits stand for half the value; gfx950 and NVIDIA use the OCP e4m3fn of checkpoints.
-_FNUZ_ARCHS = ("gfx942",)
-_FP8_ROCM_ARCHS = ("gfx942", "gfx950")
-_MIN_CUDA_CAPABILITY = 89
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,15 +49,6 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes [N, K] fp8, scales [N] -> the weight [N, K] in dtype."""
     return codes.to(dtype) * scales[:, None].to(dtype)
-
-
-def fp8_math_supported(platform: Platform) -> bool:
-    """Whether the platform's GPU multiplies fp8 matrices (the CPU and older GPUs only store them)."""
-    if platform.kind == "rocm":
-        return platform.arch in _FP8_ROCM_ARCHS
-    if platform.kind == "cuda":
-        return int(platform.arch.removeprefix("sm_")) >= _MIN_CUDA_CAPABILITY
-    return False
 
 
 def to_fnuz(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +77,7 @@ def select_fp8_kernel(device: torch.device, out_features: int, in_features: int)
     (both widths multiples of 16), else "dequant"."""
     if device.type != "cuda" or out_features % 16 or in_features % 16:
         return "dequant"
-    return "scaled_mm" if fp8_math_supported(current_platform()) else "dequant"
+    return "scaled_mm" if current_platform().has_native_fp8 else "dequant"
 
 
 def fp8_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -142,7 +128,8 @@ class Fp8Method(LinearMethod):
             codes, scales = layer.weight.data, layer.weight_scale.data.float()
         drop_parameters(layer, *[n for n, _ in layer.named_parameters(recurse=False) if n != "bias"])
         layer.quant_kernel = select_fp8_kernel(layer.param_device, layer.out_features, layer.in_features)
-        if layer.quant_kernel == "scaled_mm" and current_platform().arch in _FNUZ_ARCHS:
+        # NOTE: the MI300 multiplies its own e4m3 variant (Platform.fp8_dtype), not the checkpoints' e4m3fn
+        if layer.quant_kernel == "scaled_mm" and current_platform().fp8_dtype == torch.float8_e4m3fnuz:
             codes, scales = to_fnuz(codes, scales)
         layer.register_buffer("w_fp8", codes.contiguous(), persistent=False)
         layer.register_buffer("w_scales", scales.contiguous(), persistent=False)

@@ -15,7 +15,6 @@ from kvforge.quantization.fp8 import (
     Fp8Method,
     dequantize_fp8,
     fp8_checkpoint_tensors,
-    fp8_math_supported,
     fp8_scaled_mm,
     quantize_fp8,
     to_fnuz,
@@ -114,10 +113,12 @@ def _platform(kind: str, arch: str) -> Platform:
     "kind,arch,supported",
     [("cuda", "sm_89", True), ("cuda", "sm_90", True), ("cuda", "sm_100", True), ("cuda", "sm_120", True),
      ("cuda", "sm_86", False), ("cuda", "sm_80", False), ("rocm", "gfx942", True), ("rocm", "gfx950", True),
-     ("rocm", "gfx90a", False), ("rocm", "gfx1100", False), ("cpu", "x86_64", False)],
+     ("rocm", "gfx90a", False), ("rocm", "gfx1100", False), ("rocm", "gfx1201", True), ("cpu", "x86_64", False)],
 )  # fmt: skip
 def test_fp8_math_only_where_the_device_has_it(kind: str, arch: str, supported: bool) -> None:
-    assert fp8_math_supported(_platform(kind, arch)) == supported
+    platform = _platform(kind, arch)
+    assert platform.has_native_fp8 == supported
+    assert platform.fp8_dtype == (torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn)
 
 
 def test_cpu_layers_store_fp8_and_dequantize() -> None:
@@ -166,7 +167,7 @@ def test_layer_on_the_gpu() -> None:
     layer.weight.data.copy_(weight)
     layer.set_quant_method(Fp8Method(from_float=True))
     layer.quant_method.process_weights_after_loading(layer)
-    supported = fp8_math_supported(current_platform())
+    supported = current_platform().has_native_fp8
     assert layer.quant_kernel == ("scaled_mm" if supported else "dequant")
     out = layer(x.cuda().bfloat16()).float().cpu()
     assert ((out - x @ weight.t()).abs() <= 2.2 * RELATIVE_STEP * (x.abs() @ weight.abs().t()) + 0.05).all()
