@@ -29,9 +29,9 @@ NO_FP8_KV = {"sm_80", "gfx90a", "gfx1100"}  # no fp8 e4m3 (fn, or fnuz on gfx942
 KNOWN_SPILLS = {("gfx1100", "mla decode 1 seqs"), ("gfx1100", "mla decode 64 seqs")}
 
 
-def _compile(archs: list[str], out: Path, *extra: str) -> subprocess.Popen:
+def _compile(archs: list[str], out: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvforge.cli", "compile-kernels", "--arch", *archs, "--json", str(out), *extra],
+        [sys.executable, "-m", "kvforge.cli", "compile-kernels", "--arch", *archs, "--json", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
