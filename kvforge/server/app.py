@@ -12,8 +12,10 @@ from starlette.responses import JSONResponse, Response
 from kvforge.engine.async_engine import AsyncEngine
 from kvforge.server import chat, completions
 from kvforge.server.errors import error_response, install_error_handlers
+from kvforge.server.lifecycle import ShutdownDeadline
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvforge.server.openapi import install_openapi
 from kvforge.server.protocol import ModelCard, ModelList
 from kvforge.server.serving import ServerState
 
@@ -22,17 +24,25 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """HTTP-side settings: the names clients address the model by, the API key and the body limit."""
+    """HTTP-side settings: the names clients address the model by, the API key, the body limit, and
+    the timeouts (seconds): reading a request body (408 after), an idle keep-alive connection, and
+    the requests still running when a shutdown begins."""
 
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_read_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
             raise ValueError(f"served model names must be non-empty, got {self.served_model_names!r}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        for name in ("body_read_timeout", "keep_alive_timeout", "shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -47,9 +57,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             await engine.shutdown()
 
     app = FastAPI(title="kvforge", lifespan=lifespan, docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(lambda: engine.stats)
-    state = ServerState(engine, metrics, config.served_model_names, engine.vocab_size)
+    metrics = ServerMetrics(lambda: engine.stats, engine.engine.config.scheduler.max_num_seqs, engine.max_queue)
+    state = ServerState(engine, metrics, config.served_model_names, engine.vocab_size,
+                        ShutdownDeadline(config.shutdown_timeout))
     app.state.server = state
+    app.state.server_config = config
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
@@ -70,7 +82,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     # The last middleware added runs first: the key is checked before any body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_read_timeout)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    install_openapi(app, authenticated=bool(config.api_key))
     return app

@@ -29,6 +29,7 @@ from kvforge.server.serving import (
     ServerState,
     max_tokens_in_context,
     new_request_id,
+    off_loop_if_large,
     sampling_params,
     sse,
     sse_response,
@@ -46,11 +47,12 @@ def _message_dict(message: ChatMessage) -> dict:
     return fields
 
 
-def _prompt_token_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+async def _prompt_token_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
     messages = [_message_dict(m) for m in body.messages]
+    num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                             tokenize=True)
+        return await off_loop_if_large(num_chars, tokenizer.apply_chat_template, messages,
+                                       add_generation_prompt=body.add_generation_prompt, tokenize=True)
     except (ValueError, TypeError, jinja2.TemplateError) as error:  # the template rejects the messages
         raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
 
@@ -73,7 +75,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http_request: Requ
     model = state.check_model(body.model)
     _check_fields(body)
     num_logprobs = _num_logprobs(body)
-    token_ids = _prompt_token_ids(state.engine.tokenizer, body)
+    token_ids = await _prompt_token_ids(state.engine.tokenizer, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(state, body, max_tokens_in_context(state, len(token_ids), requested),
                              logprobs=num_logprobs)

@@ -22,9 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="names clients address the model by (default: the --model value, or the "
                             "default model's file name)")
     group.add_argument("--max-queue", type=int, default=1024,
-                       help="most sequences waiting for a batch slot; beyond it requests get 503")
+                       help="most sequences waiting for a batch slot (beyond --max-num-seqs; a request's n "
+                            "samples count together); beyond it requests get 503 with Retry-After")
     group.add_argument("--max-request-size", default="16MiB",
                        help="largest request body, e.g. 16MiB (larger ones get 413)")
+    group.add_argument("--body-read-timeout", type=float, default=30.0,
+                       help="seconds to receive a request body; slower clients get 408 and are disconnected")
+    group.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds the requests in flight may still run; then streams end "
+                            "with an error event and other requests get 503")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -32,20 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvforge.engine.async_engine import AsyncEngine
     from kvforge.engine.llm_engine import LLMEngine
     from kvforge.server.app import ServerConfig, build_app
+    from kvforge.server.lifecycle import uvicorn_server
 
     if not 0 <= args.port < 2**16:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     max_body_bytes = parse_bytes(args.max_request_size)
+    timeouts = {"body_read_timeout": args.body_read_timeout, "keep_alive_timeout": args.keep_alive_timeout,
+                "shutdown_timeout": args.shutdown_timeout}
+    ServerConfig(served_model_names=("check",), **timeouts)  # bad values fail before the model loads
     engine = LLMEngine(build_engine_config(**engine_kwargs_from_args(args)))
     names = tuple(args.served_model_name or [args.model or Path(engine.model_name).stem])
-    config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=max_body_bytes)
+    config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=max_body_bytes,
+                          **timeouts)
     app = build_app(AsyncEngine(engine, max_queue=args.max_queue), config)
     print(f"kvforge: serving {', '.join(names)} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                access_log=args.access_log)
+    uvicorn_server(app, args.host, args.port, args.uvicorn_log_level, args.access_log).run()
     return 0

@@ -22,6 +22,7 @@ from kvforge.server.serving import (
     ServerState,
     max_tokens_in_context,
     new_request_id,
+    off_loop_if_large,
     sampling_params,
     sse,
     sse_response,
@@ -38,15 +39,17 @@ class _Prompt:
     token_ids: list[int]
 
 
-def _prompts(tokenizer: Tokenizer, prompt: str | list) -> list[_Prompt]:
+async def _prompts(tokenizer: Tokenizer, prompt: str | list) -> list[_Prompt]:
     if isinstance(prompt, str):
-        return [_Prompt(prompt, tokenizer.encode(prompt))]
-    if not prompt:
+        prompt = [prompt]
+    elif not prompt:
         raise APIError(400, "prompt must not be an empty list", param="prompt")
     if isinstance(prompt[0], int):
         return [_Prompt(None, list(prompt))]
     if isinstance(prompt[0], str):
-        return [_Prompt(text, tokenizer.encode(text)) for text in prompt]
+        num_chars = sum(len(text) for text in prompt)
+        token_ids = await off_loop_if_large(num_chars, lambda: [tokenizer.encode(text) for text in prompt])
+        return [_Prompt(text, ids) for text, ids in zip(prompt, token_ids, strict=True)]
     return [_Prompt(None, list(token_ids)) for token_ids in prompt]
 
 
@@ -62,7 +65,7 @@ async def create_completion(body: CompletionRequest, http_request: Request) -> R
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
     _check_unsupported(body)
-    prompts = _prompts(state.engine.tokenizer, body.prompt)
+    prompts = await _prompts(state.engine.tokenizer, body.prompt)
     extra = {"logprobs": body.logprobs}
     if body.echo and body.logprobs is not None:
         extra["prompt_logprobs"] = body.logprobs

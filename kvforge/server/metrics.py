@@ -19,14 +19,22 @@ _PER_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
 class _EngineCollector(Collector):
     """Reads the engine's latest stats snapshot at scrape time."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats], num_batch_slots: int, max_queue: int) -> None:
         self.get_stats = get_stats
+        self.num_batch_slots = num_batch_slots
+        self.max_queue = max_queue
 
     def collect(self) -> Iterator[Metric]:
         stats = self.get_stats()
+        num_queued = max(0, stats.num_running + stats.num_waiting - self.num_batch_slots)
         gauges = [
             ("kvforge:num_requests_running", "Sequences in the running batch.", stats.num_running),
-            ("kvforge:num_requests_waiting", "Sequences waiting for a batch slot.", stats.num_waiting),
+            ("kvforge:num_requests_waiting", "Sequences the scheduler has not started (or preempted).",
+             stats.num_waiting),
+            ("kvforge:admission_queue_depth", "Sequences beyond the batch slots: what --max-queue bounds.",
+             num_queued),
+            ("kvforge:admission_queue_limit", "The most sequences beyond the batch slots (--max-queue).",
+             self.max_queue),
             ("kvforge:kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).",
              stats.kv_cache_usage),
             ("kvforge:kv_cache_free_blocks", "Free KV cache blocks.", stats.num_free_blocks),
@@ -51,15 +59,18 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """All the server's metrics; `track` follows one engine request through its outputs."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats], num_batch_slots: int, max_queue: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(get_stats))
+        self.registry.register(_EngineCollector(get_stats, num_batch_slots, max_queue))
         self.prompt_tokens = Counter("kvforge:prompt_tokens", "Prompt tokens of admitted requests.",
                                      registry=self.registry)
         self.generation_tokens = Counter("kvforge:generation_tokens", "Generated tokens.",
                                          registry=self.registry)
         self.requests = Counter("kvforge:request_success", "Finished sequences (samples) by finish reason.",
                                 ["finished_reason"], registry=self.registry)
+        self.rejected = Counter("kvforge:request_rejected", "Requests refused at admission: queue_full (503, "
+                                "retry later) or never_fits (400, more sequences than slots + queue).",
+                                ["reason"], registry=self.registry)
         self.ttft = Histogram("kvforge:time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("kvforge:time_per_output_token_seconds",

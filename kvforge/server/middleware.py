@@ -1,7 +1,9 @@
-"""ASGI middleware run before any route: the API key check (401) and the body size limit (413)."""
+"""ASGI middleware run before any route: the API key check (401), the body size limit (413) and the
+body read timeout (408)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -13,34 +15,37 @@ _OPEN_PATHS = ("/health", "/metrics")
 
 
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every route but /health and /metrics."""
+    """Requires `Authorization: Bearer <key>` on every route but /health and /metrics (the scheme
+    name in any case, as RFC 7235 has it); a 401 says the scheme in `WWW-Authenticate`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
             message = "missing or invalid API key: send 'Authorization: Bearer <key>'"
-            await error_response(401, message)(scope, receive, send)
+            headers = {"WWW-Authenticate": 'Bearer realm="kvforge"'}
+            await error_response(401, message, headers=headers)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:
-    """Reads the request body up to max_bytes (413 beyond it), then replays it to the app.
+    """Reads the request body up to max_bytes (413 beyond it) within timeout seconds (408 after,
+    and the connection closes), then replays it to the app.
 
     After the replayed body, `receive` is the server's again, so the app still sees the client's
     `http.disconnect`."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -51,20 +56,31 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await too_large(scope, receive, send)
             return
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout)
+        except asyncio.TimeoutError:
+            message = f"the request body did not arrive within {self.timeout:g} s"
+            await error_response(408, message, headers={"Connection": "close"})(scope, receive, send)
+            return
+        if body is None:  # the client went away
+            return
+        if len(body) > self.max_bytes:
+            await too_large(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The whole body, or its first part beyond max_bytes; None if the client disconnects."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return
+                return None
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                await too_large(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+            if size > self.max_bytes or not message.get("more_body", False):
+                return b"".join(chunks)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # Most samples one request may ask for: each is a sequence in the batch.
 MAX_N = 128
@@ -13,6 +13,19 @@ MAX_LOGPROBS = 20
 # Integer bounds of the sampler's tensors and generators (int64 seeds, seed + sample index).
 MAX_SEED = 2**63 - 1 - MAX_N
 MAX_TOP_K = 2**31 - 1
+
+
+def _encodable(text: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"): no tokenizer can encode them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"the text is not valid Unicode: a lone surrogate at position {error.start}") from None
+    return text
+
+
+# Text that reaches the tokenizer or the stop-string matcher.
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
@@ -28,7 +41,7 @@ class SamplingRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)
@@ -53,7 +66,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     # str, list of str, token ids, or list of token-id lists
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -63,14 +76,14 @@ class CompletionRequest(SamplingRequest):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed on to the template
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
 
 class ResponseFormat(BaseModel):

@@ -5,22 +5,28 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from kvforge.engine.async_engine import AsyncEngine, RequestStream
+from kvforge.engine.async_engine import AsyncEngine, EngineOverloadedError, RequestStream
 from kvforge.outputs import CompletionOutput, RequestOutput
 from kvforge.sampling_params import SamplingParams
-from kvforge.server.errors import APIError, as_api_error, error_body
+from kvforge.server.errors import RETRY_AFTER_SECONDS, APIError, as_api_error, error_body
+from kvforge.server.lifecycle import ShutdownDeadline
 from kvforge.server.metrics import RequestTracker, ServerMetrics
 from kvforge.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 
 SSE_DONE = "data: [DONE]\n\n"
+# Inputs of this many characters or more are tokenized (or templated) in a worker thread, so the
+# event loop goes on serving other requests meanwhile; smaller ones are quicker than the hand-off.
+LARGE_INPUT_CHARS = 16384
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -31,6 +37,12 @@ class ServerState:
     metrics: ServerMetrics
     model_names: tuple[str, ...]  # the first one is the name /v1/models lists first
     vocab_size: int
+    shutdown_deadline: ShutdownDeadline
+
+    @property
+    def max_admitted_sequences(self) -> int:
+        """The most sequences one request may have: every batch slot plus the whole queue."""
+        return self.engine.engine.config.scheduler.max_num_seqs + self.engine.max_queue
 
     def check_model(self, name: str | None) -> str:
         """The served name a request asked for (None: the default); 404 for any other."""
@@ -44,6 +56,13 @@ class ServerState:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def off_loop_if_large(num_chars: int, fn: Callable[..., _T], *args: object, **kwargs: object) -> _T:
+    """fn(*args, **kwargs), in a worker thread when the input has LARGE_INPUT_CHARS or more."""
+    if num_chars < LARGE_INPUT_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 def sampling_params(state: ServerState, request: SamplingRequest, max_tokens: int,
@@ -78,13 +97,14 @@ def max_tokens_in_context(state: ServerState, num_prompt_tokens: int, requested:
     if requested is not None and requested < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
     room = max_model_len - num_prompt_tokens
-    if room < 1 or (requested is not None and requested > room):
-        asked = f"{num_prompt_tokens} in the prompt"
-        if requested is not None:
-            asked += f", {requested} to generate"
+    if room < 1:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+                            f"has {num_prompt_tokens} (at most {max_model_len - 1} leave room for one token "
+                            f"to generate); shorten the prompt", param="prompt")
+    if requested is not None and requested > room:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the request "
-                            f"needs more ({asked}); shorten the prompt or lower max_tokens",
-                       param="max_tokens")
+                            f"needs more ({num_prompt_tokens} in the prompt, {requested} to generate); "
+                            f"lower max_tokens to {room} or less, or shorten the prompt", param="max_tokens")
     return room if requested is None else requested
 
 
@@ -97,8 +117,18 @@ class RequestGroup:
         self.trackers: list[RequestTracker] = []
 
     async def start(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]) -> None:
-        """Queue every prompt at once; if any is refused, abort the others and raise its error."""
-        engine = self.state.engine
+        """Queue every prompt at once; if any is refused, abort the others and raise its error.
+
+        A request with more sequences (prompts x n) than could ever be admitted is a 400: retrying
+        cannot help it, unlike the 503 of a full queue."""
+        engine, metrics = self.state.engine, self.state.metrics
+        num_sequences = sum(params.n for _, params in prompts)
+        limit = self.state.max_admitted_sequences
+        if num_sequences > limit:
+            metrics.rejected.labels(reason="never_fits").inc()
+            raise APIError(400, f"the request has {num_sequences} sequences (prompts x n), but the server admits "
+                                f"at most {limit} at once ({limit - engine.max_queue} batch slots and a queue of "
+                                f"{engine.max_queue}); lower n or send fewer prompts per request", param="n")
         results = await asyncio.gather(
             *(engine.add_request(f"{request_id}-{i}", {"prompt_token_ids": token_ids}, params)
               for i, (token_ids, params) in enumerate(prompts)),
@@ -110,19 +140,26 @@ class RequestGroup:
             self.abort()
             if not isinstance(errors[0], Exception):
                 raise errors[0]
+            if isinstance(errors[0], EngineOverloadedError):
+                metrics.rejected.labels(reason="queue_full").inc()
             raise as_api_error(errors[0]) from errors[0]
-        self.trackers = [self.state.metrics.track(len(token_ids)) for token_ids, _ in prompts]
+        self.trackers = [metrics.track(len(token_ids)) for token_ids, _ in prompts]
 
     def abort(self) -> None:
         for stream in self.streams:
             stream.abort()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) as they come, until every request has finished."""
+        """(prompt index, cumulative output) as they come, until every request has finished; raises a
+        503 APIError if the server's shutdown deadline passes first."""
         pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
+        deadline = asyncio.ensure_future(self.state.shutdown_deadline.expired.wait())
         try:
             while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({*pending, deadline}, return_when=asyncio.FIRST_COMPLETED)
+                if deadline in done:
+                    raise APIError(503, "the server shut down before the request finished; retry it",
+                                   headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
                 for task in done:
                     index = pending.pop(task)
                     output = task.result()
@@ -131,7 +168,7 @@ class RequestGroup:
                         pending[asyncio.ensure_future(anext(self.streams[index]))] = index
                     yield index, output
         finally:
-            for task in pending:
+            for task in [*pending, deadline]:
                 task.cancel()
             self.abort()
 

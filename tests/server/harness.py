@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine_args import build_engine_config
 from kvforge.server.app import ServerConfig, build_app
+from kvforge.server.lifecycle import uvicorn_server
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -32,9 +32,8 @@ class ServerThread:
         self.engine = engine
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        app = build_app(engine, config)
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.app = build_app(engine, config)
+        self.server = uvicorn_server(self.app, "127.0.0.1", self.port, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         self.http = httpx.Client(base_url=self.base_url, timeout=60)  # one connection pool: fast
@@ -50,9 +49,11 @@ class ServerThread:
 
 
 def start_tiny_server(model_dir: Path, max_queue: int = 1024, api_key: str | None = API_KEY,
-                      **engine_kwargs: object) -> ServerThread:
-    engine = LLMEngine(build_engine_config(model=str(model_dir), kv_cache_memory="64MiB", **engine_kwargs))
-    config = ServerConfig((MODEL_NAME,), api_key=api_key)
+                      server_options: dict | None = None, **engine_kwargs: object) -> ServerThread:
+    """The tiny model served on a free port; server_options go to ServerConfig (timeouts, ...)."""
+    engine_kwargs.setdefault("kv_cache_memory", "64MiB")
+    engine = LLMEngine(build_engine_config(model=str(model_dir), **engine_kwargs))
+    config = ServerConfig((MODEL_NAME,), api_key=api_key, **(server_options or {}))
     return ServerThread(AsyncEngine(engine, max_queue=max_queue), config)
 
 

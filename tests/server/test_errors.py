@@ -55,7 +55,7 @@ def test_unknown_model_and_route_are_404(tiny_server: ServerThread) -> None:
     ("/v1/completions", {**COMPLETION, "n": 100000}, "n"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 600}, "max_tokens"),  # 1 + 600 > 512
-    ("/v1/completions", {**COMPLETION, "prompt": "fox " * 600}, "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "prompt": "fox " * 600}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, 999999]}, None),
