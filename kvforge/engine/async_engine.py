@@ -139,9 +139,10 @@ class RequestStream:
 class AsyncEngine:
     """Serves concurrent asyncio callers from one LLMEngine, stepped by a background thread.
 
-    `max_queue` bounds the sequences waiting for a batch slot: beyond it `add_request` raises
-    EngineOverloadedError. If the engine thread dies, every pending request fails with
-    EngineDeadError (chained to the cause) and so does every later one.
+    `max_queue` bounds the sequences waiting for a batch slot (those beyond the batch's max_num_seqs,
+    a request's n samples counted together): beyond it `add_request` raises EngineOverloadedError.
+    If the engine thread dies, every pending request fails with EngineDeadError (chained to the
+    cause) and so does every later one.
     """
 
     def __init__(self, engine: LLMEngine, max_queue: int = 1024) -> None:
@@ -282,10 +283,13 @@ class AsyncEngine:
                 self._call(self._resolve, command.ack, self._add(command))
 
     def _add(self, command: _Add) -> BaseException | None:
-        num_waiting = len(self.engine.scheduler.waiting)
-        if num_waiting >= self.max_queue:
-            return EngineOverloadedError(f"the server is overloaded: {num_waiting} sequences already wait "
-                                         f"(max queue {self.max_queue}); retry later")
+        # NOTE: a sequence waits for a batch slot when the batch's max_num_seqs slots are taken; all n
+        # samples of the request are counted at once (the sequences just added, not yet scheduled, too).
+        num_slots = self.engine.config.scheduler.max_num_seqs
+        num_queued = self.engine.scheduler.num_unfinished + command.params.n - num_slots
+        if num_queued > self.max_queue:
+            return EngineOverloadedError(f"the server is overloaded: {num_queued} sequences would wait for one "
+                                         f"of the {num_slots} batch slots (max queue {self.max_queue}); retry later")
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params)
         except ValueError as error:
