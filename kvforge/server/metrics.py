@@ -71,6 +71,8 @@ class ServerMetrics:
         self.rejected = Counter("kvforge:request_rejected", "Requests refused at admission: queue_full (503, "
                                 "retry later) or never_fits (400, more sequences than slots + queue).",
                                 ["reason"], registry=self.registry)
+        for reason in ("queue_full", "never_fits"):  # exposed (as 0) before the first rejection
+            self.rejected.labels(reason=reason)
         self.ttft = Histogram("kvforge:time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("kvforge:time_per_output_token_seconds",
