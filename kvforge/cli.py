@@ -21,6 +21,7 @@ _BENCHMARKS = {
 _SERVE_MODULE = "kvforge.server.cli"
 _QUANTIZE_MODULE = "kvforge.quantization.cli"
 _PLAN_MODULE = "kvforge.plan.cli"
+_PROFILE_MODULE = "kvforge.profiler.cli"
 _COMPILE_MODULE = "kvforge.kernels.cross_compile"
 _EVALS = {"perplexity": ("kvforge.eval.perplexity", "perplexity of a text, with a sliding window")}
 
@@ -143,6 +144,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     module_parsers[("plan", None)] = commands.add_parser(
         "plan", help="memory and speed of each tensor x pipeline split over N devices",
         description="Estimate memory per device and roofline speed for each TP x PP split, and pick one.")
+    module_parsers[("profile", None)] = commands.add_parser(
+        "profile", help="where each step's time goes (host, op classes, collectives), against the roofline",
+        description="Run a workload on the engine under torch.profiler; report per-step time by op class, "
+        "roofline verdicts, a Chrome trace and a plot.")
     module_parsers[("compile-kernels", None)] = commands.add_parser(
         "compile-kernels", help="compile every Triton kernel for the GPUs kvforge tunes for, without them",
         description="Compile every Triton kernel as the engine launches it, for GPU architectures that are "
@@ -164,6 +169,8 @@ def _module_of(argv: list[str]) -> tuple[tuple, str] | None:
         return ("quantize", None), _QUANTIZE_MODULE
     if words[:1] == ["plan"]:
         return ("plan", None), _PLAN_MODULE
+    if words[:1] == ["profile"]:
+        return ("profile", None), _PROFILE_MODULE
     if words[:1] == ["compile-kernels"]:
         return ("compile-kernels", None), _COMPILE_MODULE
     if words[:1] == ["eval"] and len(words) > 1 and words[1] in _EVALS:

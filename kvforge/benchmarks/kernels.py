@@ -121,12 +121,13 @@ def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters:
     return sum(start.elapsed_time(end) for start, end in events) / iters
 
 
-def measure_peaks(device: torch.device, dtype: torch.dtype, quick: bool) -> Peaks:
-    """Achieved peaks here: a square matmul and a device-to-device copy."""
-    n = 512 if quick else 8192
+def measure_peaks(device: torch.device, dtype: torch.dtype, quick: bool, matmul_n: int | None = None,
+                  copy_mib: int | None = None) -> Peaks:
+    """Achieved peaks here: a square matmul (n = matmul_n) and a device-to-device copy (copy_mib MiB)."""
+    n = matmul_n or (512 if quick else 8192)
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     matmul_ms = _time_ms(lambda: a @ b, device, warmup=2, iters=3 if quick else 20)
-    numel = (16 if quick else 1024) << 20
+    numel = (copy_mib or (16 if quick else 1024)) << 20
     src, dst = (
         torch.empty(numel, dtype=torch.uint8, device=device),
         torch.empty(numel, dtype=torch.uint8, device=device),

@@ -10,18 +10,14 @@ import time
 
 import torch
 
-from kvforge.benchmarks.workload import Workload, load_workload, random_workload
+from kvforge.benchmarks.workload import Workload, add_workload_arguments, workload_from_args
 from kvforge.engine_args import add_engine_arguments, engine_kwargs_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["kvforge", "hf"], default="kvforge",
                         help="hf: transformers' batched generate on the same workload, for comparison")
-    parser.add_argument("--workload", default=None, help="JSON workload file (w64 format); else random")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--workload-seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--hf-batch-size", type=int, default=0, help="hf: prompts per generate call (0: all)")
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
     add_engine_arguments(parser)
@@ -69,10 +65,7 @@ def _peak_memory_mib() -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.workload:
-        workload = load_workload(args.workload)
-    else:
-        workload = random_workload(args.num_prompts, tuple(args.input_len), args.output_len, args.workload_seed)
+    workload = workload_from_args(args)
     elapsed = (_run_hf if args.backend == "hf" else _run_kvforge)(args, workload)
     result = {
         "backend": args.backend,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,3 +45,18 @@ def load_workload(path: str) -> Workload:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"cannot read workload {path!r}: {err}") from err
     return Workload([list(map(int, p)) for p in prompts], [n_new] * len(prompts))
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, num_prompts: int = 64, output_len: int = 128) -> None:
+    """The workload flags of the offline benchmarks: a workload file, or seeded random prompts."""
+    parser.add_argument("--workload", default=None, help="JSON workload file (w64 format); else random")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, default=output_len)
+    parser.add_argument("--workload-seed", type=int, default=0)
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    if args.workload:
+        return load_workload(args.workload)
+    return random_workload(args.num_prompts, tuple(args.input_len), args.output_len, args.workload_seed)

@@ -1,0 +1,87 @@
+"""`kvforge profile`: run a workload on the engine under torch.profiler and say where each step's time
+goes, against the device's roofline.
+
+    kvforge profile --num-prompts 1 --output-len 64                 # single stream, the default model
+    kvforge profile --workload w64.json --concurrency 64 --out prof # 64 streams
+
+Writes into --out: profile.json (every step of every rank, the summaries), trace.json.gz (Chrome/Perfetto
+open it as is; ranks/trace.rank<r>.json.gz for the other ranks) and profile.png (the roofline and the per-step bars).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from kvforge.benchmarks.workload import add_workload_arguments, workload_from_args
+from kvforge.engine_args import add_engine_arguments, engine_kwargs_from_args
+from kvforge.profiler.ranges import Installed
+from kvforge.profiler.ranks import RANKS_DIR_ENV, profiling_ranks, read_rank
+from kvforge.profiler.report import Profile, format_table, write_json
+from kvforge.profiler.roofline import device_peaks
+from kvforge.profiler.session import profile_engine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser, num_prompts=8, output_len=32)
+    parser.add_argument("--concurrency", type=int, default=0, help="most requests in flight (0: all at once)")
+    parser.add_argument("--out", type=Path, default=Path("profile"), help="folder for the JSON, trace and PNG")
+    parser.add_argument("--no-trace", dest="trace", action="store_false", help="skip the Chrome trace files")
+    add_engine_arguments(parser)
+
+
+def _attribution(compiled: bool) -> str:
+    if compiled:
+        return ("kernel names (the step ran compiled: per-layer ranges are inside the graph; "
+                "the custom ops keep their names and the rest counts as fused)")
+    return "record_function ranges (eager)"
+
+
+def profile_workload(engine_kwargs: dict, workload, concurrency: int, out: Path, trace: bool = True) -> Profile:
+    """Build an engine, profile the workload on it (and on its other ranks), shut it down; the Profile."""
+    from kvforge import LLM
+
+    if concurrency < 0:
+        raise ValueError(f"--concurrency must be >= 0, got {concurrency}")
+    out.mkdir(parents=True, exist_ok=True)
+    installed = Installed()
+    ranks_dir = out / "ranks"
+    profiling_ranks(installed, ranks_dir)
+    try:
+        llm = LLM(**engine_kwargs)
+    finally:
+        installed.remove()
+        os.environ.pop(RANKS_DIR_ENV, None)
+    engine = llm.engine
+    try:
+        timeline = profile_engine(engine, workload, concurrency, out / "trace.json.gz" if trace else None)
+        dtype = engine.runner.dtype
+        peaks = device_peaks(engine.device, dtype)
+        world = getattr(engine.executor, "world_size", 1)
+    finally:
+        llm.shutdown()
+    ranks = {0: timeline.steps}
+    for rank in range(1, world):
+        ranks[rank] = read_rank(ranks_dir, rank, timeline.warmup_batches)
+    device = str(engine.device) if engine.device.type == "cpu" else torch.cuda.get_device_name(engine.device)
+    return Profile(Path(engine.model_name).name, device, str(dtype).removeprefix("torch."), peaks,
+                   _attribution(timeline.compiled), ranks)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge.profiler.plot import write_png
+
+    profile = profile_workload(engine_kwargs_from_args(args), workload_from_args(args), args.concurrency,
+                               args.out, args.trace)
+    print(format_table(profile))
+    write_json(profile, args.out / "profile.json")
+    wrote = ["profile.json"] + (["trace.json.gz"] if args.trace else [])
+    if write_png(profile, args.out / "profile.png"):
+        wrote.append("profile.png")
+    print(f"\nwrote {', '.join(str(args.out / name) for name in wrote)}")
+    sys.stdout.flush()
+    return 0

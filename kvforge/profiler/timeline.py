@@ -1,0 +1,110 @@
+"""One rank's profiler events as per-step times by op class.
+
+Each step range (kvforge:step) is cut into the self time of every event in it: the time an event
+spends outside its children. That self time counts for the class of the innermost range around it
+that names one; what no class claims is host.other outside the model and model.other inside. So the
+classes of a step add up to its wall time, and those inside kvforge:model ranges to its model time.
+
+    kvforge:step ───────────────────────────────────────────────────────────────
+      host.schedule   kvforge:batch ─────────────────────────────   host.detokenize
+                        host.prepare  kvforge:model ───────────  host.sample
+                                        norm  gemm.qkv  rotary  attention ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvforge.profiler.op_classes import BATCH, MODEL, PREFIX, STEP, class_of_event, is_compiled_event, resolve
+from kvforge.profiler.work import Work, add_work, batch_kind, batch_work, step_kind
+
+_STEP, _BATCH, _MODEL = PREFIX + STEP, PREFIX + BATCH, PREFIX + MODEL
+
+
+@dataclass(slots=True)
+class StepProfile:
+    """One step of one rank: wall, model and per-class seconds, and the work of its batches."""
+
+    rank: int
+    index: int  # the step's position in this rank's timeline
+    first_batch: int  # index of its first batch among every batch this rank ran while profiled
+    kind: str  # prefill, decode, mixed or empty
+    num_seqs: int
+    num_tokens: int
+    wall_s: float
+    model_s: float
+    seconds: dict[str, float]  # class -> seconds; adds up to wall_s
+    device_seconds: dict[str, float]  # class -> GPU kernel seconds launched from it (empty on the CPU)
+    work: dict[str, Work] = field(default_factory=dict)
+
+    @property
+    def host_s(self) -> float:
+        return self.wall_s - self.model_s
+
+
+def _duration_s(event) -> float:
+    return (event.time_range.end - event.time_range.start) * 1e-6
+
+
+def _kernel_s(event) -> float:
+    return sum(kernel.duration for kernel in getattr(event, "kernels", ())) * 1e-6
+
+
+def _split(step_event, kind: str) -> tuple[dict[str, float], dict[str, float], float, int]:
+    """(seconds per class, device seconds per class, model seconds, batches) of one step's subtree."""
+    seconds: dict[str, float] = {}
+    device: dict[str, float] = {}
+    model_s, num_batches = 0.0, 0
+    stack = [(step_event, None, False)]
+    while stack:
+        event, label, in_model = stack.pop()
+        name = event.name
+        if name == _MODEL and not in_model:
+            model_s += _duration_s(event)
+            in_model = True
+        elif name == _BATCH:
+            num_batches += 1
+        label = class_of_event(name) or label
+        children = event.cpu_children
+        own = _duration_s(event) - sum(_duration_s(child) for child in children)
+        cls = resolve(label, kind) if label else ("model.other" if in_model else "host.other")
+        seconds[cls] = seconds.get(cls, 0.0) + own
+        kernels = _kernel_s(event)
+        if kernels:
+            device[cls] = device.get(cls, 0.0) + kernels
+        stack.extend((child, label, in_model) for child in children)
+    return seconds, device, model_s, num_batches
+
+
+def _batches_in(step_event, batch_events: list) -> int:
+    start, end = step_event.time_range.start, step_event.time_range.end
+    return sum(1 for b in batch_events if b.thread == step_event.thread and start <= b.time_range.start < end)
+
+
+def step_profiles(events, batches: list, inventory, rank: int = 0) -> list[StepProfile]:
+    """Per-step profiles from a profiler's events (FunctionEvent list); batches[i] is the SchedulerOutput
+    of the i-th batch range in time order, inventory the rank's sizes (work.Inventory)."""
+    steps = sorted((e for e in events if e.name == _STEP), key=lambda e: e.time_range.start)
+    batch_events = sorted((e for e in events if e.name == _BATCH), key=lambda e: e.time_range.start)
+    profiles, next_batch = [], 0
+    for index, event in enumerate(steps):
+        count = _batches_in(event, batch_events)
+        outputs = batches[next_batch : next_batch + count]
+        kind = step_kind([batch_kind(o) for o in outputs])
+        seconds, device, model_s, _ = _split(event, kind)
+        work: dict[str, Work] = {}
+        for output in outputs:
+            add_work(work, batch_work(inventory, output))
+        profiles.append(StepProfile(
+            rank=rank, index=index, first_batch=next_batch, kind=kind,
+            num_seqs=sum(len(o.scheduled) for o in outputs),
+            num_tokens=sum(len(s.token_ids) for o in outputs for s in o.scheduled),
+            wall_s=_duration_s(event), model_s=model_s, seconds=seconds, device_seconds=device, work=work,
+        ))
+        next_batch += count
+    return profiles
+
+
+def saw_compiled_graph(events) -> bool:
+    """Whether the model ran as a compiled graph (its ops then appear by kernel name, not by range)."""
+    return any(is_compiled_event(e.name) for e in events)
