@@ -1,6 +1,7 @@
 """The distributed executor: the engine's process is rank 0; the other ranks run `run_worker`.
 
-On one machine the executor starts the other ranks itself (one process each). Across machines,
+On one machine the executor starts the other ranks itself: one fresh interpreter each, running
+`kvforge.executor.rank_process` (the user's script is never re-imported). Across machines,
 torchrun starts the same command on every node; rank 0 runs the engine and every other rank turns
 into a worker inside `LLM(...)` and exits when the engine shuts down:
 
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -43,6 +44,7 @@ from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.device import resolve_device
 from kvforge.executor.executor import Executor
 from kvforge.executor.model_runner import ModelRunnerOutput
+from kvforge.executor.rank_process import RankArgs, start_rank
 from kvforge.executor.worker import Worker, agree_num_blocks
 
 logger = logging.getLogger(__name__)
@@ -98,7 +100,7 @@ class DistributedExecutor(Executor):
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.max_in_flight = parallel.pipeline_parallel_size
-        self.processes: list[multiprocessing.Process] = []
+        self.processes: list[subprocess.Popen] = []
         self._results: deque[ModelRunnerOutput | None] = deque()
         self._closed = False
         if dist.is_initialized():
@@ -135,18 +137,14 @@ class DistributedExecutor(Executor):
                 sys.exit(0)
             return "env://", local_world
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        context = multiprocessing.get_context("spawn")
         for rank in range(1, self.world_size):
-            process = context.Process(target=run_worker, name=f"kvforge-rank{rank}", daemon=True,
-                                      args=(rank, config, init_method, rank, self.world_size))
-            process.start()
-            self.processes.append(process)
+            self.processes.append(start_rank(RankArgs(config, rank, init_method, rank, self.world_size)))
         return init_method, self.world_size
 
     # ---- failure handling -------------------------------------------------------------------
     def _dead_ranks(self) -> list[str]:
-        return [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
+        return [f"rank {rank} (pid {p.pid}) exited with code {p.returncode}"
+                for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
 
     def _while_ranks_alive(self, fn):
         """Run a blocking rendezvous in a thread; fail as soon as a local rank dies instead of waiting."""
@@ -210,7 +208,7 @@ class DistributedExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        alive = [rank for rank, p in enumerate(self.processes, start=1) if p.exitcode is None]
+        alive = [rank for rank, p in enumerate(self.processes, start=1) if p.poll() is None]
         try:
             if not self._dead_ranks() and hasattr(self, "state"):
                 self._broadcast(_SHUTDOWN, SchedulerOutput())
@@ -218,11 +216,14 @@ class DistributedExecutor(Executor):
         except RuntimeError:
             forget_sends()  # a rank is gone already; the others are stopped below
         for rank in alive:
-            self.processes[rank - 1].join(timeout=10)
+            try:
+                self.processes[rank - 1].wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         for process in self.processes:
-            if process.exitcode is None:
+            if process.poll() is None:
                 process.kill()
-                process.join()
+                process.wait()
         forget_sends()
         leave_world()
 

@@ -44,6 +44,31 @@ def test_torchrun_starts_the_ranks(tiny_llama_dir, tmp_path) -> None:
     assert done.stdout == _reference(folder) + "\n"
 
 
+# A user's script as many are written: no `if __name__ == "__main__":` guard. Ranks started by
+# re-importing __main__ (multiprocessing's spawn) would each build the engine again and die.
+NO_GUARD_SCRIPT = """
+import sys
+from kvforge import LLM, SamplingParams
+
+params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+for split in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+    llm = LLM(sys.argv[1], kv_cache_memory="16MiB", **split)
+    print(repr(llm.generate([sys.argv[2]], params)[0].outputs[0].text), flush=True)
+    llm.shutdown()
+"""
+
+
+def test_a_script_without_a_main_guard_runs_parallel(tiny_llama_dir, tmp_path) -> None:
+    folder = tiny_llama_dir[0]
+    script = tmp_path / "generate.py"
+    script.write_text(NO_GUARD_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run([sys.executable, str(script), str(folder), PROMPT], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [repr(_reference(folder))] * 3  # one process, TP=2, PP=2
+
+
 def test_serve_command_with_tensor_parallel(tiny_llama_dir) -> None:
     folder = tiny_llama_dir[0]
     port = free_port()
