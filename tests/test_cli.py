@@ -47,11 +47,3 @@ def test_bad_values_give_one_line_and_exit_code_2(tiny_llama_dir, tmp_path):
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kvforge: error:") and message in lines[0]
-
-
-def test_help_explains_every_flag():
-    result = _kvforge("generate", "--help")
-    assert result.returncode == 0
-    for flag in ("--model", "--kv-cache-memory", "--temperature", "--top-p", "--no-prefix-caching",
-                 "--max-num-batched-tokens", "--attention-backend", "--stop"):
-        assert flag in result.stdout

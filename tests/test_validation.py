@@ -42,8 +42,8 @@ def test_empty_and_too_long_prompts_rejected_without_losing_others(tiny_llm):
     with pytest.raises(ValueError, match="empty"):
         tiny_llm.generate(["fine prompt", ""])  # the first was accepted, then withdrawn
     assert not tiny_llm.engine.has_unfinished_requests()
-    pool = tiny_llm.engine.kv_cache_manager.pool
-    assert pool.num_free_blocks == pool.num_blocks - 1
+    cache = tiny_llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
     assert tiny_llm.generate(["fine prompt"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
 
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvforge.engine.llm_engine import LLMEngine, PromptType
+from kvforge.engine.stats import EngineStats
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -32,36 +33,6 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (it crashed or was shut down); no request can run."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine, published by the engine thread after every step."""
-
-    num_running: int  # sequences (a request with n samples counts n)
-    num_waiting: int
-    num_free_blocks: int
-    num_usable_blocks: int  # all blocks but the reserved null block
-    num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache
-    num_prefix_hit_tokens: int  # of which found there
-    num_preemptions: int
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineStats:
-        kv = engine.kv_cache_manager
-        return cls(
-            num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
-            num_free_blocks=kv.num_free_blocks,
-            num_usable_blocks=kv.pool.num_blocks - 1,
-            num_prefix_query_tokens=kv.pool.num_hit_queries,
-            num_prefix_hit_tokens=kv.pool.num_hit_blocks * kv.block_size,
-            num_preemptions=engine.scheduler.num_preemptions,
-        )
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
 
 @dataclass(slots=True)
@@ -154,7 +125,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.vocab_size = engine.vocab_size
         self.max_queue = max_queue
-        self.stats = EngineStats.of(engine)
+        self.stats: EngineStats = engine.stats()
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -260,7 +231,7 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     if outputs:
                         self._call(self._dispatch, outputs)
-                self.stats = EngineStats.of(self.engine)
+                self.stats = self.engine.stats()
         except BaseException as error:
             logger.exception("the engine loop died; failing every pending request")
             self._call(self._on_stopped, error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvforge.engine.block_pool import BlockPool, hash_block
 from kvforge.engine.request import Request
+from kvforge.engine.stats import CacheStats
 
 
 class KVCacheManager:
@@ -28,6 +29,12 @@ class KVCacheManager:
     @property
     def capacity_tokens(self) -> int:
         return (self.pool.num_blocks - 1) * self.block_size
+
+    def stats(self) -> CacheStats:
+        pool = self.pool
+        return CacheStats(num_free_blocks=pool.num_free_blocks, num_usable_blocks=pool.num_blocks - 1,
+                          block_size=self.block_size, num_prefix_query_tokens=pool.num_hit_queries,
+                          num_prefix_hit_tokens=pool.num_hit_blocks * self.block_size)
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from kvforge.config import EngineConfig
-from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from kvforge.engine.sample_group import SampleGroup, logprob_decoder
+from kvforge.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from kvforge.engine.stats import CacheStats, EngineStats
 from kvforge.executor.executor import create_executor
-from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
-from kvforge.layers.sampler import RawLogprobs
-from kvforge.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kvforge.executor.model_runner import ModelRunnerOutput
+from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -26,69 +25,69 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 
 
-@dataclass(slots=True, eq=False)
-class _Sample:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-
-
-@dataclass(slots=True, eq=False)
-class _Group:
-    """A user request: one prompt, n samples."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.status.finished for s in self.samples)
-
-
 class LLMEngine:
-    """Owns the tokenizer, scheduler, KV cache manager and model runner, and steps them together.
+    """Owns the tokenizer, scheduler, KV cache manager and executor, and steps them together.
 
     `add_request` queues a prompt; each `step` runs one batch and returns the outputs of the requests
-    that advanced; `abort_request` drops requests and frees their blocks at once.
+    that advanced; `abort_request` drops requests and frees their blocks at once. The scheduler applies
+    each step's tokens to its requests; the engine turns them into text, logprobs and outputs.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
         self.executor = create_executor(config)
-        worker = self.executor.worker
-        loaded = worker.loaded
-        self.device = worker.device
-        self.attention_backend = worker.attention_backend
-        self.tokenizer = loaded.tokenizer
-        self.model_name = loaded.name
-        self.hf_config = loaded.hf_config
-        model_cfg = loaded.model.config
-        self.vocab_size = model_cfg.vocab_size
-        bytes_per_token = worker.bytes_per_token
+        info = self.executor.model_info
+        self.device = info.device
+        self.attention_backend = info.attention_backend
+        self.tokenizer = info.tokenizer
+        self.model_name = info.name
+        self.hf_config = info.hf_config
+        self.vocab_size = info.vocab_size
         num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.in_flight: deque[SchedulerOutput] = deque()
-        self.max_model_len = min(config.model.max_model_len or model_cfg.max_position,
-                                 model_cfg.max_position, self.kv_cache_manager.capacity_tokens)
+        self.max_model_len = min(config.model.max_model_len or info.max_position, info.max_position,
+                                 self.kv_cache_manager.capacity_tokens)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, SampleGroup] = {}
         self._ids = itertools.count()
+        self._decode_logprobs = logprob_decoder(self.tokenizer)
+        self._log_cache(info.dtype, info.kv_bytes_per_token)
+
+    def _log_cache(self, dtype: torch.dtype, bytes_per_token: int) -> None:
         logger.info("attention backend: %s", self.attention_backend)
-        kv_dtype = config.cache.kv_cache_dtype
+        kv_dtype = self.config.cache.kv_cache_dtype
         if kv_dtype == "auto":
-            kv_dtype = str(loaded.dtype).removeprefix("torch.")
+            kv_dtype = str(dtype).removeprefix("torch.")
+        num_blocks, block_size = self.executor.num_blocks, self.config.cache.block_size
         logger.info("KV cache (%s, %d bytes/token): %d blocks of %d tokens = %d tokens (%.1f MiB per rank); "
                     "max model len %d", kv_dtype, bytes_per_token, num_blocks - 1, block_size,
                     self.kv_cache_manager.capacity_tokens, num_blocks * block_size * bytes_per_token / 2**20,
                     self.max_model_len)
 
     @property
-    def runner(self) -> ModelRunner:
-        """The model runner of this process's rank (the whole model on one device)."""
+    def runner(self):
+        """This process's model runner, for instrumentation that wraps its methods (the profiler)."""
         return self.executor.worker.runner
+
+    @property
+    def local_model(self) -> nn.Module:
+        """This process's share of the model (the whole model on one device), for tools and tests that
+        read its weights. Generation never needs it."""
+        return self.executor.local_model
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this process's KV cache tensors."""
+        return self.executor.kv_cache_bytes()
+
+    def cache_stats(self) -> CacheStats:
+        return self.kv_cache_manager.stats()
+
+    def stats(self) -> EngineStats:
+        """Queues and KV cache counters now (the server's metrics and the async engine read these)."""
+        return EngineStats.of(self.scheduler.stats(), self.kv_cache_manager.stats())
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes (if any). The engine cannot step afterwards."""
@@ -126,20 +125,11 @@ class LLMEngine:
         vocab_size = self.vocab_size
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab_size}: {params.stop_token_ids}")
-        samples = []
-        for index in range(params.n):
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
-                child_params = SamplingParams(**{**_fields(params), "n": 1, "seed": seed})
-            request = Request(f"{request_id}#{index}", token_ids, child_params, self.eos_token_ids,
-                              self.max_model_len)
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
-                                           params.include_stop_str_in_output)
-            samples.append(_Sample(request, detok))
-        self.groups[request_id] = _Group(request_id, text, token_ids, samples)
-        for sample in samples:
-            self.scheduler.add_request(sample.request)
+        group = SampleGroup.create(request_id, text, token_ids, params, self.tokenizer, self.eos_token_ids,
+                                   self.max_model_len)
+        self.groups[request_id] = group
+        for request in group.requests:
+            self.scheduler.add_request(request)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -147,7 +137,7 @@ class LLMEngine:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             group = self.groups.pop(request_id, None)
             if group is not None:
-                ids = [s.request.request_id for s in group.samples if not s.request.status.finished]
+                ids = [r.request_id for r in group.requests if not r.status.finished]
                 self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -190,86 +180,36 @@ class LLMEngine:
                 break
         scheduler_output = self.in_flight.popleft()
         runner_output = self.executor.collect()
-        self.scheduler.update_after_step(scheduler_output)
-        touched = {s.request_id.rsplit("#", 1)[0] for s in scheduler_output.scheduled}
-        self._apply(runner_output)
+        result = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = []
-        for group_id in touched:
-            group = self.groups.get(group_id)
-            if group is None:
-                continue
+        for group in self._record(result, runner_output):
             if group.finished:
-                del self.groups[group_id]
-            outputs.append(self._make_output(group))
+                del self.groups[group.request_id]
+            outputs.append(group.to_output())
         while self.in_flight and not self.groups:  # only finished or aborted work is left in flight
             self.in_flight.popleft()
             self.executor.collect()
         return outputs
 
-    def _apply(self, out: ModelRunnerOutput) -> None:
-        requests = self.scheduler.requests
-        for request_id, (start, chunk) in out.prompt_logprobs.items():
-            request = requests.get(request_id)
-            if request is not None and start == len(request.prompt_logprobs):  # not a recompute after preemption
-                request.prompt_logprobs.extend(self._logprob_dicts(chunk))
-        finished: dict[RequestStatus, list[str]] = {}
-        for request_id, token_id in out.sampled_token_ids.items():
-            request = requests.get(request_id)
-            if request is None:  # aborted while its step was in flight
+    def _record(self, result: StepResult, out: ModelRunnerOutput) -> list[SampleGroup]:
+        """Detokenize and keep the logprobs of what the step appended; finish samples whose text now
+        holds a stop string. Returns the groups that advanced, in batch order."""
+        advanced: dict[str, SampleGroup] = {}
+        for request in result.advanced:
+            group = self.groups.get(request.group_id)
+            if group is None:
                 continue
-            request.append_output_token(token_id)
-            if request.logprobs is not None:
-                request.logprobs.extend(self._logprob_dicts([out.logprobs[request_id]]))
-            status = request.check_stop_token()
-            stop_string = self._detokenizer(request_id).add_token(token_id)
-            if stop_string is not None and status is None:
-                request.stop_reason, status = stop_string, RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                finished.setdefault(status, []).append(request_id)
-        for status, request_ids in finished.items():
-            self.scheduler.finish_requests(request_ids, status)
-
-    def _detokenizer(self, request_id: str) -> IncrementalDetokenizer:
-        group_id, index = request_id.rsplit("#", 1)
-        return self.groups[group_id].samples[int(index)].detokenizer
-
-    def _logprob_dicts(self, entries: list[RawLogprobs]) -> list[PositionLogprobs]:
-        decode = self.tokenizer.decode
-        return [
-            {token_id: Logprob(logprob, rank, decode([token_id], skip_special_tokens=False))
-             for token_id, logprob, rank in position}
-            for position in entries
-        ]
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        completions = []
-        for index, sample in enumerate(group.samples):
-            request = sample.request
-            finished = request.status.finished
-            completions.append(CompletionOutput(
-                index=index,
-                text=sample.detokenizer.visible_text(finished),
-                token_ids=list(request.output_token_ids),
-                logprobs=request.logprobs,
-                finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason,
-            ))
-        first = group.samples[0].request
-        metrics = {"arrival_time": first.arrival_time}
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
-        metrics["now"] = time.monotonic()
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=group.finished,
-            prompt_logprobs=first.prompt_logprobs,
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=metrics,
-        )
-
-
-def _fields(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
+            advanced[group.request_id] = group
+            sample, request_id = group.samples[request.sample_index], request.request_id
+            if request_id in out.prompt_logprobs:
+                start, chunk = out.prompt_logprobs[request_id]
+                sample.add_prompt_logprobs(start, chunk, self._decode_logprobs)
+            new_token_ids = result.new_token_ids.get(request_id)
+            if not new_token_ids:
+                continue
+            if sample.logprobs is not None:
+                sample.logprobs.extend(self._decode_logprobs([out.logprobs[request_id]]))
+            stop_string = sample.add_tokens(new_token_ids)
+            if stop_string is not None and not request.status.finished:
+                self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, stop_string)
+        return list(advanced.values())

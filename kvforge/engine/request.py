@@ -6,7 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvforge.outputs import PositionLogprobs
 from kvforge.sampling_params import SamplingParams
 
 
@@ -30,6 +29,11 @@ class Request:
     The one progress rule: `num_computed_tokens` catches up to `num_tokens`. A prefill, a prefill
     chunk, a prefix-cache hit, a decode and a recompute after preemption all just advance it; when
     it reaches `num_tokens`, the step samples the next token.
+
+    A user request with n samples is n Requests of one group: `group_id` names the user request and
+    `sample_index` the sample in it (the request id is only a unique key, never parsed). The
+    scheduler owns the request's state; only `Scheduler.update_from_output` and its finishing code
+    change it after it is added.
     """
 
     request_id: str
@@ -37,6 +41,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     max_total_tokens: int = 1 << 62
+    group_id: str | None = None  # None: a request of its own (group of one)
+    sample_index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -45,16 +51,10 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.logprobs is not None:
-            self.logprobs = []
-        if self.sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]
 
     @property
     def num_tokens(self) -> int:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvforge.config import SchedulerConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.stats import SchedulerStats
 from kvforge.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # plain data; the runner's module imports torch, the scheduler does not
+    from kvforge.executor.model_runner import ModelRunnerOutput
 
 
 @dataclass(slots=True)
@@ -39,6 +45,19 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.scheduled)
 
 
+@dataclass(slots=True)
+class StepResult:
+    """What one step changed, for the engine to turn into outputs.
+
+    advanced: the requests computed in the step (in batch order), including those that finished in
+    it; new_token_ids: the tokens each of them appended (several when speculating, none for a prefill
+    chunk); finished: the requests that stopped on a stop token or a length limit (blocks freed)."""
+
+    advanced: list[Request] = field(default_factory=list)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+
+
 class Scheduler:
     """Picks each step's work: running requests first (decodes and unfinished prefills, oldest
     first), then waiting requests in arrival order while the token budget and blocks last.
@@ -60,12 +79,19 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              num_preemptions=self.num_preemptions)
+
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Remove requests (finished or aborted) and free their blocks at once."""
+    def finish_requests(self, request_ids: Sequence[str], status: RequestStatus,
+                        stop_reason: int | str | None = None) -> None:
+        """Remove requests (finished or aborted) and free their blocks at once.
+
+        stop_reason: the stop string (or token) that finished them, when the caller found it."""
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)
             if request is None:
@@ -75,6 +101,8 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
+            if stop_reason is not None:
+                request.stop_reason = stop_reason
             self.kv.free(request)
             self.finished_ids.append(request_id)
 
@@ -167,9 +195,39 @@ class Scheduler:
             self._schedule_waiting(output, budget, max_seqs)
         return output
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        """Advance the progress of every request that was computed in this step."""
-        for scheduled in output.scheduled:
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> StepResult:
+        """Apply a step's result: the one place that changes requests after a step.
+
+        Every computed request advances by the tokens it was scheduled; each sampling request appends
+        its sampled tokens one at a time, up to the first that hits a stop token or a length limit
+        (tokens past it are dropped); finished requests are removed and their blocks freed. Requests
+        aborted while the step was in flight are skipped."""
+        result = StepResult()
+        finished: dict[RequestStatus, list[str]] = {}
+        for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
-            if request is not None:
-                request.num_computed_tokens += len(scheduled.token_ids)
+            if request is None:  # aborted while its step was in flight
+                continue
+            request.num_computed_tokens += len(scheduled.token_ids)
+            result.advanced.append(request)
+            token_ids = runner_output.sampled_token_ids.get(request.request_id)
+            if not token_ids:
+                continue
+            accepted, status = self._append_tokens(request, token_ids)
+            result.new_token_ids[request.request_id] = accepted
+            if status is not None:
+                finished.setdefault(status, []).append(request.request_id)
+                result.finished.append(request)
+        for status, request_ids in finished.items():
+            self.finish_requests(request_ids, status)
+        return result
+
+    @staticmethod
+    def _append_tokens(request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens until one finishes the request; the appended tokens and the finish status."""
+        for count, token_id in enumerate(token_ids, start=1):
+            request.append_output_token(token_id)
+            status = request.check_stop_token()
+            if status is not None:
+                return token_ids[:count], status
+        return list(token_ids), None

@@ -18,6 +18,7 @@ from kvforge.config import EngineConfig
 from kvforge.distributed.parallel_state import ParallelState
 from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.device import resolve_device
+from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunnerOutput
 from kvforge.executor.worker import Worker, agree_num_blocks
 
@@ -28,6 +29,20 @@ class Executor:
     worker: Worker
     num_blocks: int
     max_in_flight: int = 1  # steps that may be submitted before the oldest is collected
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The loaded model as the engine needs to know it (from this process's worker)."""
+        return self.worker.model_info
+
+    @property
+    def local_model(self) -> torch.nn.Module:
+        """This process's share of the model (rank 0's), for tools and tests that read its weights."""
+        return self.worker.model
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this process's KV cache tensors."""
+        return self.worker.kv_cache_bytes()
 
     def submit(self, output: SchedulerOutput) -> None:
         raise NotImplementedError

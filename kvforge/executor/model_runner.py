@@ -18,9 +18,10 @@ from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Plain data back to the engine: one sampled token per finished-prefill/decode request."""
+    """Plain data back to the engine: the tokens each finished-prefill/decode request appends this step
+    (one today; the accepted ones of k when speculating), applied by Scheduler.update_from_output."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
     # request id -> (index of the first prompt token predicted, logprobs of the tokens predicted)
     prompt_logprobs: dict[str, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
@@ -175,7 +176,7 @@ class ModelRunner:
                 return result
             token_ids, logprobs = self.sampler(logits, self._sampling_batch(batch.sample_requests))
             for i, s in enumerate(batch.sample_requests):
-                result.sampled_token_ids[s.request_id] = token_ids[i]
+                result.sampled_token_ids[s.request_id] = [token_ids[i]]
                 if logprobs is not None and logprobs[i] is not None:
                     result.logprobs[s.request_id] = logprobs[i]
         return result

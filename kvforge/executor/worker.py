@@ -17,6 +17,7 @@ from kvforge.config import EngineConfig
 from kvforge.distributed.parallel_state import ParallelState
 from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.kv_cache_memory import kv_cache_budget, num_blocks_for_budget
+from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
 from kvforge.kernels import ops
 from kvforge.loader.model_loader import LoadedModel, load_model
@@ -38,6 +39,22 @@ class Worker:
         self.kv_cache_spec = self.loaded.model.kv_cache_spec.with_kv_cache_dtype(config.cache.kv_cache_dtype)
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         self.runner: ModelRunner | None = None
+
+    @property
+    def model_info(self) -> ModelInfo:
+        loaded, config = self.loaded, self.loaded.model.config
+        return ModelInfo(loaded.name, loaded.hf_config, loaded.tokenizer, loaded.dtype, config.vocab_size,
+                         config.max_position, self.bytes_per_token, self.device, self.attention_backend)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's share of the model, for tools and tests that read its weights."""
+        return self.loaded.model
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's allocated KV cache tensors (0 before init_cache)."""
+        caches = self.runner.kv_caches if self.runner is not None else []
+        return sum(t.numel() * t.element_size() for layer in caches for t in layer)
 
     def num_blocks_that_fit(self) -> int:
         """Blocks this rank's budget holds; across ranks the smallest count wins (see agree_num_blocks)."""

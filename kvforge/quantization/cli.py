@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     )
     engine = llm.engine
     results = quantize_engine_model(engine, options, text)
-    model = engine.runner.model
+    model = engine.local_model
     tensors = checkpoint_tensors(model, results, config)
     source = Path(engine.model_name)
     write_checkpoint(

@@ -71,7 +71,7 @@ def quantize_engine_model(
 
     AWQ also rewrites float weights of the model in place (norms, the up half of gate_up)."""
     options.config()  # validates bits and group size for the method
-    model = engine.runner.model
+    model = engine.local_model
     layers = quantizable_linears(model)
     stats = {}
     if options.method != "rtn":
@@ -114,7 +114,7 @@ def _smoothquant(weight: torch.Tensor, act_abs_max: torch.Tensor) -> Int8Weight:
 
 def fake_quantize(engine: LLMEngine, results: dict[str, QuantizedWeight | Int8Weight]) -> None:
     """Replace each float weight by its dequantized value: the in-memory twin of the quantized model."""
-    layers = quantizable_linears(engine.runner.model)
+    layers = quantizable_linears(engine.local_model)
     with torch.no_grad():
         for name, result in results.items():
             layers[name].weight.copy_(result.dequantize())

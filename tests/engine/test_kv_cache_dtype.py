@@ -71,8 +71,8 @@ def test_latent_attention_models_reject_a_quantized_cache() -> None:
 def test_int8_cache_fits_more_tokens_in_the_same_budget(tiny_llm: LLM, int8_llm: LLM) -> None:
     """The tiny Llama (head_dim 16, fp32): 2 x 2 layers x 2 heads x 16 x 4 bytes = 512 bytes a token in
     float32, 2 x 2 x 2 x (16 + 4) = 160 as int8 codes and scales, in the same 16 MiB."""
-    float_tokens = tiny_llm.engine.kv_cache_manager.capacity_tokens
-    int8_tokens = int8_llm.engine.kv_cache_manager.capacity_tokens
+    float_tokens = tiny_llm.engine.cache_stats().capacity_tokens
+    int8_tokens = int8_llm.engine.cache_stats().capacity_tokens
     assert int8_tokens / float_tokens == pytest.approx(512 / 160, rel=0.01)
 
 

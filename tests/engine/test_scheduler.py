@@ -5,7 +5,8 @@ from __future__ import annotations
 from kvforge.config import SchedulerConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.scheduler import Scheduler, SchedulerOutput
+from kvforge.executor.model_runner import ModelRunnerOutput
 from kvforge.sampling_params import SamplingParams
 
 
@@ -20,18 +21,15 @@ def _add(scheduler: Scheduler, request_id: str, prompt_len: int, max_tokens: int
     return request
 
 
+def _sampled(output: SchedulerOutput, *token_ids: int) -> ModelRunnerOutput:
+    """What a fake model returns: the same tokens for every request that samples in the step."""
+    return ModelRunnerOutput({s.request_id: list(token_ids) for s in output.scheduled if s.needs_sample})
+
+
 def _step(scheduler: Scheduler, token: int = 7) -> dict[str, int]:
     """One step with a fake model that always samples `token`; returns tokens scheduled per request."""
     output = scheduler.schedule()
-    scheduler.update_after_step(output)
-    finished = []
-    for scheduled in output.scheduled:
-        request = scheduler.requests[scheduled.request_id]
-        if scheduled.needs_sample:
-            request.append_output_token(token)
-            if request.check_stop_token() is not None:
-                finished.append(request.request_id)
-    scheduler.finish_requests(finished, RequestStatus.FINISHED_LENGTH)
+    scheduler.update_from_output(output, _sampled(output, token))
     return {s.request_id: len(s.token_ids) for s in output.scheduled}
 
 
@@ -97,10 +95,35 @@ def test_requests_in_flight_are_never_preempted():
     _add(scheduler, "old", 4)
     _add(scheduler, "new", 4, base=50)
     first = scheduler.schedule()
-    scheduler.update_after_step(first)
-    for request in scheduler.running:
-        request.append_output_token(7)
+    scheduler.update_from_output(first, _sampled(first, 7))
     # "old" needs a second block for its next token; the newest, "new", is in flight, so "old" yields
     out = scheduler.schedule({"new"})
     assert out.preempted_request_ids == ["old"] and not out.scheduled
     assert scheduler.requests["new"].status == RequestStatus.RUNNING
+
+
+def test_update_appends_tokens_up_to_a_stop_token_and_frees_the_finished():
+    """k tokens for one request in one step (as when speculating): those after a stop token are dropped."""
+    scheduler = _make(block_size=4)
+    a = _add(scheduler, "a", 5, max_tokens=10)
+    a.sampling_params.stop_token_ids.append(9)
+    b = _add(scheduler, "b", 5, max_tokens=10, base=50)
+    output = scheduler.schedule()
+    result = scheduler.update_from_output(output, ModelRunnerOutput({"a": [3, 9, 4], "b": [3, 4]}))
+    assert result.new_token_ids == {"a": [3, 9], "b": [3, 4]}
+    assert [r.request_id for r in result.finished] == ["a"] and [r.request_id for r in result.advanced] == ["a", "b"]
+    assert a.output_token_ids == [3, 9] and a.finish_reason == "stop" and a.stop_reason == 9
+    assert b.output_token_ids == [3, 4] and b.num_computed_tokens == 5 and b.status == RequestStatus.RUNNING
+    assert scheduler.kv.num_free_blocks == 63 - 2  # a's two blocks are back; b holds two
+    assert scheduler.schedule().finished_request_ids == ["a"]
+
+
+def test_update_finishes_at_max_tokens_and_skips_requests_aborted_in_flight():
+    scheduler = _make()
+    a = _add(scheduler, "a", 3, max_tokens=2)
+    _add(scheduler, "b", 3, base=50)
+    output = scheduler.schedule()
+    scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # while the step ran
+    result = scheduler.update_from_output(output, ModelRunnerOutput({"a": [5, 6, 7], "b": [5]}))
+    assert result.new_token_ids == {"a": [5, 6]} and a.finish_reason == "length"
+    assert not scheduler.num_unfinished and scheduler.kv.num_free_blocks == 63

@@ -99,8 +99,8 @@ def test_logits_greedy_and_prefix_cache(tiny_moe):
     again = _generate(llm, prompts)  # every prompt's full leading blocks are cached now
     assert [o.outputs[0].token_ids for o in again] == expected
     assert again[4].num_cached_tokens == 32 and again[0].num_cached_tokens == 0
-    pool = llm.engine.kv_cache_manager.pool
-    assert pool.num_free_blocks == pool.num_blocks - 1
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
 
 
 def test_greedy_under_chunked_prefill(tiny_moe):
@@ -168,7 +168,7 @@ def test_deepseek_quantized_at_load(tmp_path, quantization: str):
     tokens = list(range(5, 45))
     want = LLM(str(tmp_path), kv_cache_memory="4MiB").engine.score(tokens)
     llm = LLM(str(tmp_path), kv_cache_memory="4MiB", quantization=quantization)
-    methods = {name.rsplit(".", 1)[-1]: module.quant_method for name, module in llm.engine.runner.model.named_modules()
+    methods = {name.rsplit(".", 1)[-1]: module.quant_method for name, module in llm.engine.local_model.named_modules()
                if hasattr(module, "quant_method")}  # fmt: skip
     assert methods["kv_b_proj"] is None and methods["q_b_proj"] is not None and methods["o_proj"] is not None
     got = llm.engine.score(tokens)

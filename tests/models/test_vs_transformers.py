@@ -43,7 +43,7 @@ def test_logits_match(tiny):
     llm = LLM(str(folder), kv_cache_memory="16MiB")
     assert_logits_match(llm, model, prompts[:3] + prompts[4:5])
     # every layer reads the model's one cos/sin table (not a table per layer)
-    tables = [name for name, _ in llm.engine.runner.model.named_buffers() if name.endswith("cos_sin_cache")]
+    tables = [name for name, _ in llm.engine.local_model.named_buffers() if name.endswith("cos_sin_cache")]
     assert tables == ["rotary.cos_sin_cache"]
 
 
@@ -61,8 +61,8 @@ def test_greedy_batch_matches(tiny, engine_kwargs):
     folder, _, prompts, expected = tiny
     llm = LLM(str(folder), kv_cache_memory="16MiB", **engine_kwargs)
     assert _generate(llm, prompts) == expected
-    pool = llm.engine.kv_cache_manager.pool
-    assert pool.num_free_blocks == pool.num_blocks - 1
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
 
 
 def test_prefix_cache_hits_and_same_output(tiny):
@@ -84,6 +84,6 @@ def test_preemption_keeps_output(tiny):
     block_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4 * 16
     llm = LLM(str(folder), kv_cache_memory=block_bytes * 12)  # 11 usable blocks: 176 tokens for 431
     assert _generate(llm, prompts) == expected
-    assert llm.engine.scheduler.num_preemptions > 0
-    pool = llm.engine.kv_cache_manager.pool
-    assert pool.num_free_blocks == pool.num_blocks - 1
+    assert llm.engine.stats().num_preemptions > 0
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks

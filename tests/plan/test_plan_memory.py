@@ -79,11 +79,11 @@ def measure_cpu_engine() -> None:
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # VmHWM restarts from the current resident size
     outputs = llm.generate(_prompts(), _params())
-    runner = llm.engine.runner
+    model = llm.engine.local_model
     print(json.dumps({
         "peak_growth": _resident_bytes("VmHWM") - baseline,
-        "model_bytes": _tensor_bytes(runner.model.parameters()) + _tensor_bytes(runner.model.buffers()),
-        "kv_bytes": _tensor_bytes(t for layer in runner.kv_caches for t in layer),
+        "model_bytes": _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers()),
+        "kv_bytes": llm.engine.kv_cache_bytes(),
         "output_lengths": [len(o.outputs[0].token_ids) for o in outputs],
     }))  # fmt: skip
 

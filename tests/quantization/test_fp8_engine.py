@@ -67,7 +67,7 @@ def greedy(llm: LLM, prompts: list[dict]) -> list[list[int]]:
 
 def test_online_fp8_tokens_and_perplexity_follow_float(runs: dict[str, LLM]) -> None:
     reference, quantized = runs["float"], runs["fp8"]
-    layer = quantized.engine.runner.model.layers[0].self_attn.qkv_proj
+    layer = quantized.engine.local_model.layers[0].self_attn.qkv_proj
     assert layer.w_fp8.dtype == torch.float8_e4m3fn and layer.quant_kernel == "dequant"
     token_ids = reference.get_tokenizer().encode(TEXT)
     prompts = [{"prompt_token_ids": token_ids[i : i + 8]} for i in range(0, 64, 8)]
@@ -85,7 +85,7 @@ def test_fp8_checkpoint_loads(
 ) -> None:
     folder = write_fp8_checkpoint(tmp_path, float_dir[1], per_channel)
     loaded = LLM(str(folder), **ENGINE)
-    layer = loaded.engine.runner.model.layers[0].self_attn.qkv_proj
+    layer = loaded.engine.local_model.layers[0].self_attn.qkv_proj
     assert layer.w_fp8.dtype == torch.float8_e4m3fn and not hasattr(layer, "input_scale")
     token_ids = loaded.get_tokenizer().encode(TEXT)[:48]
     logits = loaded.engine.score(token_ids)

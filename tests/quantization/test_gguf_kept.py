@@ -87,7 +87,7 @@ def tiny_llms(tiny_path: Path) -> tuple[LLM, LLM]:
 
 
 def test_layers_get_the_kept_bits(tiny_llms: tuple[LLM, LLM]) -> None:
-    layer = tiny_llms[1].engine.runner.model.layers[0]
+    layer = tiny_llms[1].engine.local_model.layers[0]
     methods = {
         name: module.quant_method
         for name, module in [("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
@@ -117,7 +117,7 @@ def test_gguf_option_needs_a_gguf_file(tmp_path: Path) -> None:
 
 
 def weight_bytes(llm: LLM) -> int:
-    model = llm.engine.runner.model
+    model = llm.engine.local_model
     tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -125,7 +125,7 @@ def weight_bytes(llm: LLM) -> int:
 def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
     dense = LLM(**ENGINE)
     kept = LLM(quantization="gguf", **ENGINE)
-    model = kept.engine.runner.model
+    model = kept.engine.local_model
     assert all(isinstance(layer.mlp.down_proj.quant_method, GGUFMethod) for layer in model.layers)
     # the linear layers go from 465 MiB of float32 to ~1.1 bytes per weight
     assert weight_bytes(kept) < 0.45 * weight_bytes(dense)

@@ -1,0 +1,66 @@
+"""Snapshots of the engine's counters: what the scheduler and the KV cache report to their users.
+
+Metrics, the server and tests read these frozen snapshots instead of reaching into the scheduler's
+queues or the block pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Sequences in each queue (a request with n samples counts n) and preemptions so far."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """The KV cache's blocks and prefix-cache counters."""
+
+    num_free_blocks: int
+    num_usable_blocks: int  # all blocks but the reserved null block
+    block_size: int
+    num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int  # of which found there
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_usable_blocks * self.block_size
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine: its queues and its KV cache (see LLMEngine.stats)."""
+
+    num_running: int  # sequences (a request with n samples counts n)
+    num_waiting: int
+    num_free_blocks: int
+    num_usable_blocks: int  # all blocks but the reserved null block
+    num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int  # of which found there
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, scheduler: SchedulerStats, cache: CacheStats) -> EngineStats:
+        return cls(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_free_blocks=cache.num_free_blocks,
+            num_usable_blocks=cache.num_usable_blocks,
+            num_prefix_query_tokens=cache.num_prefix_query_tokens,
+            num_prefix_hit_tokens=cache.num_prefix_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
