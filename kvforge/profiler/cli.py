@@ -34,11 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def _attribution(compiled: bool) -> str:
-    if compiled:
-        return ("kernel names (the step ran compiled: per-layer ranges are inside the graph; "
-                "the custom ops keep their names and the rest counts as fused)")
-    return "record_function ranges (eager)"
+def attribution(steps: list) -> str:
+    """How the op times of these steps were attributed, in words for the report."""
+    text = "record_function ranges (eager)"
+    num_compiled = sum(1 for s in steps if s.compiled)
+    if num_compiled:
+        text += (f"; {num_compiled} steps ran compiled (torch.compile drops the ranges inside its graph): "
+                 "there the custom ops keep their names, the matmuls count together as gemm.compiled and "
+                 "Inductor's fused code as fused; --enforce-eager gives every step per-layer ranges")
+    num_compiling = sum(1 for s in steps if s.compiling)
+    if num_compiling:
+        text += f"; {num_compiling} steps compiled a graph and are left out of the summaries"
+    return text
 
 
 def profile_workload(engine_kwargs: dict, workload, concurrency: int, out: Path, trace: bool = True) -> Profile:
@@ -69,7 +76,7 @@ def profile_workload(engine_kwargs: dict, workload, concurrency: int, out: Path,
         ranks[rank] = read_rank(ranks_dir, rank, timeline.warmup_batches)
     device = str(engine.device) if engine.device.type == "cpu" else torch.cuda.get_device_name(engine.device)
     return Profile(Path(engine.model_name).name, device, str(dtype).removeprefix("torch."), peaks,
-                   _attribution(timeline.compiled), ranks)
+                   attribution(timeline.steps), ranks)
 
 
 def run(args: argparse.Namespace) -> int:

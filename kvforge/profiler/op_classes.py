@@ -1,9 +1,9 @@
 """The op classes a step's time is split into, and how a profiler event's name maps to one.
 
 A range the profiler places is named `kvforge:<class>` (see ranges.py). Events without one of ours
-take the class of the innermost enclosing range; when the step is compiled (no ranges inside the
-graph), the custom ops' own names (`kvforge::paged_attention`, ...) and the compiled graph's kernels
-still name a class.
+take the class of the innermost enclosing range. Inside a compiled graph (a decode step under
+torch.compile) there are no ranges: the custom ops' own names (`kvforge::paged_attention`, ...) still
+name their class, the matmuls are gemm.compiled and everything else Inductor fused is "fused".
 """
 
 from __future__ import annotations
@@ -15,44 +15,53 @@ MODEL = "model"  # the model's forward and its LM head: everything inside is mod
 
 HOST_CLASSES = ("host.schedule", "host.prepare", "host.sample", "host.detokenize", "host.update", "host.outputs",
                 "host.other")
-MODEL_CLASSES = ("embedding", "gemm.qkv", "gemm.o", "gemm.mlp", "gemm.lm_head", "attention.prefill",
-                 "attention.decode", "cache_write", "norm", "rotary", "activation", "moe.routing", "moe.experts",
-                 "fused", "model.other")
+MODEL_CLASSES = ("embedding", "gemm.qkv", "gemm.o", "gemm.mlp", "gemm.lm_head", "gemm.compiled",
+                 "attention.prefill", "attention.decode", "cache_write", "norm", "rotary", "activation",
+                 "moe.routing", "moe.experts", "fused", "model.other")
 PARALLEL_CLASSES = ("communication", "pipeline_wait")
 ALL_CLASSES = HOST_CLASSES + MODEL_CLASSES + PARALLEL_CLASSES
 GEMM_CLASSES = ("gemm.qkv", "gemm.o", "gemm.mlp", "gemm.lm_head")
 # NOTE: "attention" is a range name only; a step's kind decides which of the two classes it counts as.
 ATTENTION = "attention"
 
-# Profiler event names of the custom ops (and the compiled graph) -> class, for a compiled step.
-_OP_NAMES = {
-    "kvforge::rms_norm": "norm",
-    "kvforge::fused_add_rms_norm": "norm",
-    "kvforge::rotary_embedding": "rotary",
-    "kvforge::silu_and_mul": "activation",
-    "kvforge::reshape_and_cache": "cache_write",
-    "kvforge::paged_attention": ATTENTION,
-    "kvforge::mla_decode": ATTENTION,
-    "kvforge::fused_moe": "moe.experts",
-}
-_FUSED_MARKERS = ("Torch-Compiled Region", "CompiledFunction", "cpp_fused", "triton_", "inductor")
+# Inside a compiled graph our ranges are gone (dynamo drops them): the opaque custom ops keep their names,
+# the matmuls Inductor calls out to are GEMMs of no known layer, and the rest is its fused code.
+_COMPILED_REGION = ("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph")
+_COMPILING = ("(dynamo_timed)", "entire_frame_compile")
+_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::_weight_int", "mkldnn::", "mkl::")
+_CUSTOM_OP_WORDS = (("attention", ATTENTION), ("decode", ATTENTION), ("cache", "cache_write"), ("moe", "moe.experts"),
+                    ("gemm", "gemm.compiled"), ("gemv", "gemm.compiled"), ("norm", "fused"), ("rotary", "fused"))
+# Compiled-step classes that stand for several eager ones (their work is counted together).
+COMPILED_WORK = {"gemm.qkv": "gemm.compiled", "gemm.o": "gemm.compiled", "gemm.mlp": "gemm.compiled",
+                 "gemm.lm_head": "gemm.compiled", "norm": "fused", "rotary": "fused", "activation": "fused",
+                 "embedding": "fused"}
 
 
 def class_of_event(name: str) -> str | None:
-    """The class an event names by itself, or None when it takes its enclosing range's."""
+    """The class one of our ranges names, or None when the event takes its enclosing range's."""
     if name.startswith(PREFIX) and not name.startswith(PREFIX + ":"):
         label = name[len(PREFIX):]
         return None if label in (STEP, BATCH, MODEL) else label
-    found = _OP_NAMES.get(name)
-    if found is not None:
-        return found
-    if any(marker in name for marker in _FUSED_MARKERS):
-        return "fused"
     return None
 
 
-def is_compiled_event(name: str) -> bool:
-    return any(marker in name for marker in _FUSED_MARKERS)
+def class_in_compiled(name: str) -> str:
+    """The class of an event inside a compiled graph."""
+    if name.startswith("kvforge") and "::" in name:
+        op = name.split("::", 1)[1]
+        return next((label for word, label in _CUSTOM_OP_WORDS if word in op), "fused")
+    if name.startswith(_GEMM_OPS):
+        return "gemm.compiled"
+    return "fused"
+
+
+def opens_compiled_region(name: str) -> bool:
+    return name.startswith(_COMPILED_REGION)
+
+
+def is_compiling(name: str) -> bool:
+    """An event of torch.compile compiling a graph (a step holding one measures the compiler, not the model)."""
+    return any(marker in name for marker in _COMPILING)
 
 
 def resolve(label: str, step_kind: str) -> str:

@@ -5,7 +5,7 @@ engine (or one worker's runner) in place, as instance attributes, and `Installed
 them again, so an engine that is not profiled runs exactly the code it would run without this file.
 
     engine      scheduler.schedule / update_from_output, _record (detokenize, stop strings)
-    runner      execute (one batch), _prepare (batch building), the sampler
+    runner      execute (one batch), _prepare (batch building), the sampler, the compiled decode step
     model       forward and compute_logits (model time), and per module: the linear layers by name
                 (qkv / o / mlp), attention, norms, rotary, embedding, MoE router and experts
     ops         silu_and_mul and reshape_and_cache (no module of their own), in the layers' op tables
@@ -163,6 +163,10 @@ def install_runner(installed: Installed, runner, batch_is_step: bool = False) ->
 
     installed.patch(runner, "execute", execute_batch)
     _wrap_methods(installed, runner, _RUNNER_METHODS)
+    graphs = getattr(runner, "decode_graphs", None)
+    if graphs is not None:  # compiled decode steps: forward and LM head in one graph, model time all of it;
+        # its input copies and guard checks around the graph count with Inductor's code as fused
+        installed.patch(graphs, "run", ranged(graphs.run, MODEL, "fused"))
     install_model(installed, runner.model)
 
 

@@ -8,6 +8,7 @@ the engine shuts down; the driver reads them back and merges them by batch.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import asdict
@@ -23,7 +24,7 @@ RANKS_DIR_ENV = "KVFORGE_PROFILE_RANKS"
 
 
 def run_profiled_worker(rank: int, config, init_method: str, local_rank: int, local_world: int) -> None:
-    """multiproc.run_worker, with this rank's runner profiled from its first batch to shutdown."""
+    """multiproc.run_worker, with this rank's runner profiled from its first batch until it leaves the world."""
     from kvforge.executor import multiproc
     from kvforge.profiler.session import activities
 
@@ -40,12 +41,19 @@ def run_profiled_worker(rank: int, config, init_method: str, local_rank: int, lo
             state["profiler"] = profile(activities=activities(self.device))
             state["profiler"].start()
 
-    multiproc.Worker = ProfiledWorker  # NOTE: this process is a profiled rank and nothing else
-    try:
-        multiproc.run_worker(rank, config, init_method, local_rank, local_world)
-    finally:
+    leave_world = multiproc.leave_world
+
+    def write_then_leave() -> None:
+        # NOTE: before the process group goes: a profiler that saw Gloo collectives crashes the exit after it
         if "profiler" in state:
-            _write_rank(folder, rank, state["profiler"], installed, state["runner"])
+            _write_rank(folder, rank, state.pop("profiler"), installed, state["runner"])
+            gc.collect()
+        leave_world()
+
+    # NOTE: this process is a profiled rank and nothing else, so its executor module may be rewired
+    multiproc.Worker = ProfiledWorker
+    multiproc.leave_world = write_then_leave
+    multiproc.run_worker(rank, config, init_method, local_rank, local_world)
 
 
 def _write_rank(folder: Path, rank: int, prof: profile, installed: Installed, runner) -> None:

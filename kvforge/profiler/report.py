@@ -28,8 +28,9 @@ class Profile:
 
     def __post_init__(self) -> None:
         for rank, steps in self.ranks.items():
-            self.summaries[rank] = {kind: summarize(kind, [s for s in steps if s.kind == kind], self.peaks)
-                                    for kind in KINDS if any(s.kind == kind for s in steps)}
+            measured = [s for s in steps if not s.compiling]
+            self.summaries[rank] = {kind: summarize(kind, [s for s in measured if s.kind == kind], self.peaks)
+                                    for kind in KINDS if any(s.kind == kind for s in measured)}
 
 
 def coverage(steps: list[StepProfile]) -> tuple[float, float]:

@@ -7,6 +7,7 @@ engine up before the profiler starts.
 
 from __future__ import annotations
 
+import gc
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvforge.benchmarks.workload import Workload
 from kvforge.profiler.op_classes import STEP
 from kvforge.profiler.ranges import Installed, install, span
-from kvforge.profiler.timeline import StepProfile, saw_compiled_graph, step_profiles
+from kvforge.profiler.timeline import StepProfile, step_profiles
 from kvforge.profiler.work import build_inventory
 from kvforge.sampling_params import SamplingParams
 
@@ -28,7 +29,6 @@ class RankTimeline:
 
     steps: list[StepProfile]
     warmup_batches: int
-    compiled: bool  # the model ran as a compiled graph: its op breakdown is by kernel names
 
 
 def activities(device: torch.device) -> list[ProfilerActivity]:
@@ -74,6 +74,10 @@ def profile_engine(engine, workload: Workload, concurrency: int, trace_path: Pat
         runner = engine.runner
         inventory = build_inventory(runner.model, runner.kv_caches, runner.dtype)
         steps = step_profiles(events, installed.batches[warmup_batches:], inventory, rank=0)
-        return RankTimeline(steps, warmup_batches, saw_compiled_graph(events))
+        # NOTE: a profiler that saw Gloo collectives must be gone before the process group is destroyed
+        # (engine.shutdown()), or the process crashes on exit (torch 2.13)
+        del prof, events
+        gc.collect()
+        return RankTimeline(steps, warmup_batches)
     finally:
         installed.remove()

@@ -15,7 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvforge.profiler.op_classes import BATCH, MODEL, PREFIX, STEP, class_of_event, is_compiled_event, resolve
+from kvforge.profiler.op_classes import (
+    BATCH,
+    COMPILED_WORK,
+    MODEL,
+    PREFIX,
+    STEP,
+    class_in_compiled,
+    class_of_event,
+    is_compiling,
+    opens_compiled_region,
+    resolve,
+)
 from kvforge.profiler.work import Work, add_work, batch_kind, batch_work, step_kind
 
 _STEP, _BATCH, _MODEL = PREFIX + STEP, PREFIX + BATCH, PREFIX + MODEL
@@ -36,6 +47,8 @@ class StepProfile:
     seconds: dict[str, float]  # class -> seconds; adds up to wall_s
     device_seconds: dict[str, float]  # class -> GPU kernel seconds launched from it (empty on the CPU)
     work: dict[str, Work] = field(default_factory=dict)
+    compiled: bool = False  # the model ran as a compiled graph (op classes by kernel name)
+    compiling: bool = False  # torch.compile compiled a graph during the step: left out of the summaries
 
     @property
     def host_s(self) -> float:
@@ -50,30 +63,48 @@ def _kernel_s(event) -> float:
     return sum(kernel.duration for kernel in getattr(event, "kernels", ())) * 1e-6
 
 
-def _split(step_event, kind: str) -> tuple[dict[str, float], dict[str, float], float, int]:
-    """(seconds per class, device seconds per class, model seconds, batches) of one step's subtree."""
-    seconds: dict[str, float] = {}
-    device: dict[str, float] = {}
-    model_s, num_batches = 0.0, 0
-    stack = [(step_event, None, False)]
+@dataclass(slots=True)
+class _Split:
+    seconds: dict[str, float] = field(default_factory=dict)
+    device: dict[str, float] = field(default_factory=dict)
+    model_s: float = 0.0
+    compiled: bool = False
+    compiling: bool = False
+
+    def add(self, cls: str, own_s: float, kernel_s: float) -> None:
+        self.seconds[cls] = self.seconds.get(cls, 0.0) + own_s
+        if kernel_s:
+            self.device[cls] = self.device.get(cls, 0.0) + kernel_s
+
+
+def _split(step_event, kind: str) -> _Split:
+    """The self time of every event of one step's subtree, by class."""
+    split = _Split()
+    stack = [(step_event, None, False, False)]
     while stack:
-        event, label, in_model = stack.pop()
+        event, label, in_model, in_graph = stack.pop()
         name = event.name
         if name == _MODEL and not in_model:
-            model_s += _duration_s(event)
+            split.model_s += _duration_s(event)
             in_model = True
-        elif name == _BATCH:
-            num_batches += 1
-        label = class_of_event(name) or label
+        if opens_compiled_region(name):
+            in_graph = split.compiled = True
+        split.compiling = split.compiling or is_compiling(name)
+        label = class_in_compiled(name) if in_graph else class_of_event(name) or label
         children = event.cpu_children
         own = _duration_s(event) - sum(_duration_s(child) for child in children)
         cls = resolve(label, kind) if label else ("model.other" if in_model else "host.other")
-        seconds[cls] = seconds.get(cls, 0.0) + own
-        kernels = _kernel_s(event)
-        if kernels:
-            device[cls] = device.get(cls, 0.0) + kernels
-        stack.extend((child, label, in_model) for child in children)
-    return seconds, device, model_s, num_batches
+        split.add(cls, own, _kernel_s(event))
+        stack.extend((child, label, in_model, in_graph) for child in children)
+    return split
+
+
+def _fold_compiled(work: dict[str, Work]) -> dict[str, Work]:
+    """The work of a compiled step by the classes it can be measured in (GEMMs together, the fused rest)."""
+    folded: dict[str, Work] = {}
+    for label, item in work.items():
+        add_work(folded, {COMPILED_WORK.get(label, label): item})
+    return folded
 
 
 def _batches_in(step_event, batch_events: list) -> int:
@@ -91,7 +122,7 @@ def step_profiles(events, batches: list, inventory, rank: int = 0) -> list[StepP
         count = _batches_in(event, batch_events)
         outputs = batches[next_batch : next_batch + count]
         kind = step_kind([batch_kind(o) for o in outputs])
-        seconds, device, model_s, _ = _split(event, kind)
+        split = _split(event, kind)
         work: dict[str, Work] = {}
         for output in outputs:
             add_work(work, batch_work(inventory, output))
@@ -99,12 +130,9 @@ def step_profiles(events, batches: list, inventory, rank: int = 0) -> list[StepP
             rank=rank, index=index, first_batch=next_batch, kind=kind,
             num_seqs=sum(len(o.scheduled) for o in outputs),
             num_tokens=sum(len(s.token_ids) for o in outputs for s in o.scheduled),
-            wall_s=_duration_s(event), model_s=model_s, seconds=seconds, device_seconds=device, work=work,
+            wall_s=_duration_s(event), model_s=split.model_s, seconds=split.seconds, device_seconds=split.device,
+            work=_fold_compiled(work) if split.compiled else work, compiled=split.compiled,
+            compiling=split.compiling,
         ))
         next_batch += count
     return profiles
-
-
-def saw_compiled_graph(events) -> bool:
-    """Whether the model ran as a compiled graph (its ops then appear by kernel name, not by range)."""
-    return any(is_compiled_event(e.name) for e in events)
