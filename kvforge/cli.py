@@ -22,7 +22,7 @@ _SERVE_MODULE = "kvforge.server.cli"
 _QUANTIZE_MODULE = "kvforge.quantization.cli"
 _PLAN_MODULE = "kvforge.plan.cli"
 _PROFILE_MODULE = "kvforge.profiler.cli"
-_COMPILE_MODULE = "kvforge.kernels.cross_compile"
+_COMPILE_MODULE = "kvforge.tools.cross_compile"
 _EVALS = {"perplexity": ("kvforge.eval.perplexity", "perplexity of a text, with a sliding window")}
 
 

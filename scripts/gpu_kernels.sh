@@ -17,7 +17,7 @@ PY
 
 status=0
 KVFORGE_TEST_DEVICE=cuda timeout 300 python -m pytest tests/kernels tests/platforms tests/quantization/test_fp8.py \
-    tests/quantization/test_gguf_quants.py -m "gpu or not gpu" -q --ignore tests/kernels/test_cross_compile.py \
+    tests/quantization/test_gguf_quants.py -m "gpu or not gpu" -q --ignore tests/tools/test_cross_compile.py \
     -p no:cacheprovider --durations=10 --junitxml="$out/kernel_tests.xml" 2>&1 | tee "$out/kernel_tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

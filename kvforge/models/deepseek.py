@@ -16,10 +16,10 @@ from torch import nn
 
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.mla import MLADims, MultiHeadLatentAttention
+from kvforge.layers.moe_model import MoEModelMixin
 from kvforge.layers.moe_router import RoutingConfig
 from kvforge.layers.rotary import RotaryEmbedding, yarn_mscale
-from kvforge.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
-from kvforge.models.mixtral import MoELlamaForCausalLM
+from kvforge.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -44,9 +44,10 @@ def mla_dims(hf_config: dict, cfg: LlamaConfig) -> MLADims:
     )
 
 
-class DeepseekV2ForCausalLM(MoELlamaForCausalLM):
+class DeepseekV2ForCausalLM(MoEModelMixin, LlamaForCausalLM):
     # q/k/v are not merged here (MLA); the dense and shared MLPs' gate and up are
     merged_params = {k: v for k, v in LlamaForCausalLM.merged_params.items() if v[0] == ".gate_up_proj."}
+    dense_mlp_class = LlamaMLP
 
     @staticmethod
     def routing(hf_config: dict) -> RoutingConfig:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvforge.layers.moe_model import MoEModelMixin
 from kvforge.layers.moe_router import RoutingConfig
-from kvforge.models.llama import LlamaDecoderLayer
-from kvforge.models.mixtral import MoELlamaForCausalLM
+from kvforge.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 
 def num_experts(hf_config: dict) -> int:
@@ -24,8 +24,9 @@ def is_sparse_layer(hf_config: dict, layer_idx: int) -> bool:
     )
 
 
-class Qwen2MoeForCausalLM(MoELlamaForCausalLM):
+class Qwen2MoeForCausalLM(MoEModelMixin, LlamaForCausalLM):
     qkv_bias = True
+    dense_mlp_class = LlamaMLP
     checkpoint_renames = {".shared_expert.": ".shared_experts."}
 
     def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:

@@ -127,7 +127,7 @@ def current_platform() -> Platform:
 @contextlib.contextmanager
 def pin_platform(platform: Platform):
     """Within the block current_platform() is platform, so kernels take that device's tiles: this is how
-    kernels are compiled for a GPU that is not in this machine (kvforge.kernels.cross_compile)."""
+    kernels are compiled for a GPU that is not in this machine (kvforge.tools.cross_compile)."""
     _pinned.append(platform)
     try:
         yield platform

@@ -10,7 +10,7 @@
 The last three are the torch fallback, without the extension (no compiler, KVFORGE_NO_CPU_EXTENSION=1)
 or without AVX2 (there the extension compiles a portable fallback that is slower than a float GEMM).
 
-Measured with `python benchmarks/quant_gemv_cpu.py [--threads 2]` on a 2-vCPU AVX2 EPYC, torch 2.13,
+Measured with `python -m kvforge.benchmarks.quant_gemv_cpu [--threads 2]` on a 2-vCPU AVX2 EPYC, torch 2.13,
 fastest of 10 interleaved rounds (rough: the machine was shared). Per call with the weights in cache,
 one thread; and per pass over a model's worth of layers (30 x qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536), whose weights stream from memory as in decode:

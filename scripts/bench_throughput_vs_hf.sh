@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kvforge against transformers on the anchor workload (64 prompts of 32-256 tokens, 128 new tokens
 # each, greedy, EOS ignored), float32, in one run; then single-request latency for both.
-# Usage: bash benchmarks/throughput_vs_hf.sh [WORKLOAD_JSON] [OUT_DIR]
+# Usage: bash scripts/bench_throughput_vs_hf.sh [WORKLOAD_JSON] [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate

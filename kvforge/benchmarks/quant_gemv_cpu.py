@@ -1,7 +1,7 @@
 """The CPU's weight-only matmuls at decode sizes: fp32 F.linear against the C++ kernels (csrc/quant_gemv.cpp)
 and torch's prepacked int8pack / int4pack, on the default model's layer shapes (SmolLM2-135M).
 
-    python benchmarks/quant_gemv_cpu.py [--threads 1] [--tokens 1,4,16] [--rounds 10]
+    python -m kvforge.benchmarks.quant_gemv_cpu [--threads 1] [--tokens 1,4,16] [--rounds 10]
 
 Two tables: each shape alone, its weights warm in cache; and a whole model's worth of layers (30 x qkv, o,
 gate_up, down) one after the other, whose weights stream from memory as they do in decode. Variants take

@@ -1,6 +1,6 @@
 """Quantization on the CPU: perplexity, weight memory and decode speed of the default model per format.
 
-python benchmarks/quantization_cpu.py --checkpoints DIR   (writes DIR/gptq and DIR/awq first)
+python -m kvforge.benchmarks.quantization_cpu --checkpoints DIR   (writes DIR/gptq and DIR/awq first)
 """
 
 from __future__ import annotations
@@ -34,29 +34,17 @@ def decode_tokens_per_s(llm: LLM, batch: int, max_tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoints", required=True)
-    args = parser.parse_args()
-    root = Path(args.checkpoints)
+def _write_checkpoints(root: Path) -> None:
+    """4-bit GPTQ (act-order) and AWQ checkpoints of the default model, unless already there."""
     for method in ("gptq", "awq"):
         if not (root / method / "config.json").is_file():
             extra = ["--act-order"] if method == "gptq" else []
-            kvforge_main(
-                [
-                    "quantize",
-                    "--method",
-                    method,
-                    "--bits",
-                    "4",
-                    "--group-size",
-                    "64",
-                    "--out",
-                    str(root / method),
-                    *extra,
-                ]
-            )
-    runs = [
+            kvforge_main(["quantize", "--method", method, "--bits", "4", "--group-size", "64",
+                          "--out", str(root / method), *extra])
+
+
+def _runs(root: Path) -> list[tuple[str, dict]]:
+    return [
         ("float32", {}),
         ("bfloat16", {"dtype": "bfloat16"}),
         ("W8A16 (RTN)", {"quantization": "w8a16"}),
@@ -69,6 +57,13 @@ def main() -> None:
         ("float32, int8 KV cache", {"kv_cache_dtype": "int8"}),
         ("float32, fp8 KV cache", {"kv_cache_dtype": "fp8"}),
     ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoints", required=True)
+    root = Path(parser.parse_args().checkpoints)
+    _write_checkpoints(root)
     cpu_kernels()  # NOTE: compile or load the C++ kernels first, so the first row does not pay for it
     token_ids = None
     print(
@@ -76,7 +71,7 @@ def main() -> None:
         "| decode tok/s, 1 stream | decode tok/s, 16 streams |"
     )
     print("|---|---|---|---|---|---|")
-    for name, kwargs in runs:
+    for name, kwargs in _runs(root):
         llm = LLM(kv_cache_memory="256MiB", **kwargs)
         token_ids = token_ids or llm.get_tokenizer().encode(default_evaluation_text())
         result = perplexity(llm.engine, token_ids, max_length=512, stride=256)

@@ -3,8 +3,8 @@
 # same run, on the same workload (default: w64 = 64 requests of 32-256 prompt tokens, 128 new tokens
 # each with EOS ignored, 16 in flight), the default model (SmolLM2-135M-Instruct Q4_1 GGUF).
 #
-#   benchmarks/serve_vs_llamacpp.sh                 # results under $OUT (default /tmp/kvforge-serve-bench)
-#   WORKLOAD=... CONCURRENCY=8 THREADS=2 benchmarks/serve_vs_llamacpp.sh
+#   scripts/bench_serve_vs_llamacpp.sh                 # results under $OUT (default /tmp/kvforge-serve-bench)
+#   WORKLOAD=... CONCURRENCY=8 THREADS=2 scripts/bench_serve_vs_llamacpp.sh
 #
 # llama-cpp-python's server takes text prompts only, so both servers get the workload's token ids
 # decoded to text (re-tokenized, the same way by both); kvforge also runs the token-id prompts as given.

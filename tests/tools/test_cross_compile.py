@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvforge.kernels.cross_compile import TARGETS, cases
+from kvforge.tools.cross_compile import TARGETS, cases
 
 pytest.importorskip("triton")
 
@@ -87,7 +87,8 @@ def test_a_tile_too_big_for_the_device_is_reported(tmp_path: Path) -> None:
     table's latent_block_n=32 avoids."""
     script = (
         "import dataclasses, sys\n"
-        "from kvforge.kernels import tuning, cross_compile as cc\n"
+        "from kvforge.kernels import tuning\n"
+        "from kvforge.tools import cross_compile as cc\n"
         "t = tuning.ARCH_TUNING['gfx942']\n"
         "decode = dataclasses.replace(t.decode, latent_block_n=64)\n"
         "tuning.ARCH_TUNING['gfx942'] = dataclasses.replace(t, decode=decode)\n"

@@ -16,6 +16,11 @@ from kvforge.sampling_params import SamplingParams
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_model_dir(tiny_llama_dir: tuple[Path, object]) -> Path:
+    return tiny_llama_dir[0]
+
+
 def _engine(model_dir: Path, max_queue: int = 1024, **engine_kwargs: object) -> AsyncEngine:
     config = build_engine_config(model=str(model_dir), kv_cache_memory="16MiB", **engine_kwargs)
     return AsyncEngine(LLMEngine(config), max_queue=max_queue)
