@@ -118,6 +118,32 @@ class DeviceConfig:
         check_options(self)
 
 
+# Decode batch sizes compiled by default: powers of two up to 64. Larger decode batches run eagerly, where a
+# step's matmuls dwarf the per-op overhead that compilation removes (measured: benchmarks/RESULTS.md).
+COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True, slots=True)
+class CompilationConfig:
+    """How decode steps run: compiled once per batch bucket (torch.compile; the batch padded up to the
+    smallest bucket that holds it) or eagerly. Prefill and mixed steps, decode batches above the largest
+    bucket and a bucket's first compile_after steps run eagerly."""
+
+    enforce_eager: bool = option(False, "run every step eagerly: no torch.compile of the decode step")
+    compile_buckets: tuple[int, ...] = option(
+        COMPILE_BUCKETS, "decode batch sizes to compile, e.g. 1 2 4 8 (each when it has run --compile-after "
+                         "steps eagerly)")
+    compile_after: int = option(
+        16, "decode steps of a bucket that run eagerly before it is compiled (0: on its first step): a short "
+            "generation does not wait seconds for a compile", minimum=0)
+
+    def __post_init__(self) -> None:
+        buckets = self.compile_buckets
+        increasing = list(buckets) == sorted(set(buckets))
+        if not buckets or not increasing or any(not isinstance(b, int) or b < 1 for b in buckets):
+            raise ValueError(f"compile_buckets must be increasing positive integers, got {buckets!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The whole engine's configuration: one sub-config per component, each handed only its own.
@@ -130,5 +156,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
     seed: int = option(0, "seed of torch's global generator (per-request seeds are a sampling parameter)",
                        cli=False)

@@ -8,9 +8,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvforge.config import CompilationConfig
 from kvforge.distributed.communicator import recv_tensor, send_tensor
 from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvforge.executor.decode_graphs import DecodeGraphs
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
@@ -46,7 +48,7 @@ class ModelRunner:
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-        kv_cache_spec: KVCacheSpec | None = None,
+        kv_cache_spec: KVCacheSpec | None = None, compilation: CompilationConfig | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -57,6 +59,12 @@ class ModelRunner:
         self.kv_caches = (kv_cache_spec or model.kv_cache_spec).allocate(num_blocks, block_size, dtype, device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # decode steps of up to the largest bucket run compiled (compilation None: every step eagerly)
+        self.decode_graphs = None
+        if compilation is not None:
+            max_blocks_per_seq = min(num_blocks, -(-model.config.max_position // block_size))
+            self.decode_graphs = DecodeGraphs(model, self.kv_caches, compilation.compile_buckets,
+                                              compilation.compile_after, max_blocks_per_seq, device)
 
     def _prepare(self, output: SchedulerOutput) -> _Batch:
         scheduled = output.scheduled
@@ -90,6 +98,7 @@ class ModelRunner:
             query_start_loc=to_device(query_start_loc),
             seq_lens=to_device(seq_lens),
             block_tables=to_device(block_tables),
+            decode_only=len(scheduled) == int(query_start_loc[-1]),
         )
         return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
                       prompt_rows)
@@ -132,9 +141,8 @@ class ModelRunner:
             result[request_id] = (first_pos + 1, compute_logprobs(logits, targets, num_logprobs))
         return result
 
-    def _forward(self, output: SchedulerOutput) -> tuple[_Batch, torch.Tensor | None]:
+    def _forward(self, batch: _Batch) -> torch.Tensor | None:
         """The final hidden states [num_tokens, hidden] on the last pipeline stage, None before it."""
-        batch = self._prepare(output)
         state = self.parallel
         intermediate = None
         if not state.is_first_stage:
@@ -143,15 +151,21 @@ class ModelRunner:
             intermediate = tuple(recv_tensor(state, shape, self.dtype, self.device, src) for _ in range(2))
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, intermediate)
         if state.is_last_stage:
-            return batch, hidden
+            return hidden
         for tensor in hidden:  # (hidden, residual) to the next stage
             send_tensor(state, tensor, state.stage_rank(state.pp_rank + 1))
-        return batch, None
+        return None
+
+    def _runs_compiled(self, batch: _Batch) -> bool:
+        """A decode-only step that a compiled bucket holds, with nothing asked of its hidden states."""
+        graphs = self.decode_graphs
+        return (graphs is not None and batch.metadata.decode_only and not batch.prompt_rows
+                and graphs.bucket_for(batch.input_ids.shape[0]) is not None)
 
     @torch.inference_mode()
     def logits_of_all_tokens(self, output: SchedulerOutput) -> torch.Tensor | None:
         """fp32 logits at every scheduled token: [num_tokens, vocab]. Nothing is sampled."""
-        hidden = self._forward(output)[1]
+        hidden = self._forward(self._prepare(output))
         return None if hidden is None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -163,20 +177,29 @@ class ModelRunner:
         result = ModelRunnerOutput() if samples else None
         if not output.scheduled:
             return result
-        batch, hidden = self._forward(output)
-        if hidden is None:
-            return result
-        if batch.prompt_rows:
-            prompt_logprobs = self._prompt_logprobs(hidden, batch, output.scheduled)
-            if samples:
-                result.prompt_logprobs = prompt_logprobs
-        if batch.sample_rows:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])  # collective under tensor parallel
-            if not samples:
+        batch = self._prepare(output)
+        logits = None
+        if self._runs_compiled(batch):
+            logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata)
+        if logits is not None:
+            if len(batch.sample_rows) < logits.shape[0]:
+                logits = logits[batch.sample_rows]
+        else:
+            hidden = self._forward(batch)
+            if hidden is None:
                 return result
-            token_ids, logprobs = self.sampler(logits, self._sampling_batch(batch.sample_requests))
-            for i, s in enumerate(batch.sample_requests):
-                result.sampled_token_ids[s.request_id] = [token_ids[i]]
-                if logprobs is not None and logprobs[i] is not None:
-                    result.logprobs[s.request_id] = logprobs[i]
+            if batch.prompt_rows:
+                prompt_logprobs = self._prompt_logprobs(hidden, batch, output.scheduled)
+                if samples:
+                    result.prompt_logprobs = prompt_logprobs
+            if not batch.sample_rows:
+                return result
+            logits = self.model.compute_logits(hidden[batch.sample_rows])  # collective under tensor parallel
+        if not samples or not batch.sample_rows:
+            return result
+        token_ids, logprobs = self.sampler(logits, self._sampling_batch(batch.sample_requests))
+        for i, s in enumerate(batch.sample_requests):
+            result.sampled_token_ids[s.request_id] = [token_ids[i]]
+            if logprobs is not None and logprobs[i] is not None:
+                result.logprobs[s.request_id] = logprobs[i]
         return result

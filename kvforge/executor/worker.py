@@ -13,13 +13,13 @@ import logging
 import torch
 import torch.distributed as dist
 
-from kvforge.config import EngineConfig
-from kvforge.distributed.parallel_state import ParallelState
+from kvforge.config import CompilationConfig, EngineConfig
+from kvforge.distributed.parallel_state import ParallelState, get_parallel_state
 from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.kv_cache_memory import kv_cache_budget, num_blocks_for_budget
 from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
-from kvforge.kernels import ops
+from kvforge.kernels.ops import building_with_ops, op_table
 from kvforge.loader.model_loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,10 @@ class Worker:
         backend = config.device.attention_backend
         if backend == "auto" and device.type == "cpu":
             backend = "torch"  # a GPU machine told to run on its CPU
-        self.attention_backend = ops.set_backend(None if backend == "auto" else backend)
-        self.loaded: LoadedModel = load_model(config.model, device)
+        self.ops = op_table(None if backend == "auto" else backend)
+        self.attention_backend = self.ops.backend
+        with building_with_ops(self.ops):
+            self.loaded: LoadedModel = load_model(config.model, device)
         self.kv_cache_spec = self.loaded.model.kv_cache_spec.with_kv_cache_dtype(config.cache.kv_cache_dtype)
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         self.runner: ModelRunner | None = None
@@ -64,7 +66,20 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size,
-                                  self.loaded.dtype, self.device, self.kv_cache_spec)
+                                  self.loaded.dtype, self.device, self.kv_cache_spec, self._compilation())
+
+    def _compilation(self) -> CompilationConfig | None:
+        """How decode steps compile, or None (every step eager) when asked, under tensor or pipeline
+        parallelism (collectives run eagerly), or when the ops do not trace (the CPU without its C++ kernels)."""
+        compilation = self.config.compilation
+        if compilation.enforce_eager:
+            return None
+        reason = ("tensor/pipeline parallelism" if get_parallel_state().world_size > 1
+                  else None if self.ops.traces else "ops that do not trace (no C++ CPU kernels)")
+        if reason is not None:
+            logger.info("decode steps run eagerly: %s", reason)
+            return None
+        return compilation
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run this rank's part of a step; the sampling rank returns the sampled tokens, others None."""

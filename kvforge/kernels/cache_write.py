@@ -48,6 +48,28 @@ def reshape_and_cache_ref(
         _write_slots(scale, slots, scales)
 
 
+def reshape_and_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> None:
+    """reshape_and_cache_ref through the C++ row copy (needs cpu_kernels()): no host sync, so it traces into
+    a compiled step; negative slots (padding tokens) are skipped by the kernel."""
+    slots = slot_mapping.long()
+    if key_scale is None or value_scale is None:
+        rows = ((key, key_cache), (value, value_cache))
+    else:
+        (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(x, key_cache.dtype) for x in (key, value))
+        rows = ((key_codes, key_cache), (key_scales, key_scale),
+                (value_codes, value_cache), (value_scales, value_scale))
+    for new, cache in rows:
+        torch.ops.kvforge_cpu.cache_write(new.to(cache.dtype).contiguous(), cache, slots)
+
+
 def _write_slots(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
     if cache.dtype in CODE_DTYPES and cache.is_floating_point():  # NOTE: no index_copy_ for fp8 on the CPU
         cache, new = cache.view(torch.uint8), new.view(torch.uint8)

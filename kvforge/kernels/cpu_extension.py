@@ -1,8 +1,15 @@
 """The C++ CPU kernels (csrc/), compiled once per machine on first use and cached by torch.
 
 Without a C++ compiler or ninja, `cpu_kernels()` returns None and the caller keeps its pure-torch
-path; the reason is logged once. paged_decode.cpp binds its functions on the returned module;
-quant_gemv.cpp registers torch ops (`torch.ops.kvforge_cpu.*`), available once the module is loaded.
+path; the reason is logged once. The sources register torch ops (`torch.ops.kvforge_cpu.*`), available
+once the module is loaded, each with the fake implementation below, so torch.compile traces them as opaque
+nodes:
+
+    quant_gemv(x [M, K], qweight, scales, offsets, bits) -> [M, N] fp32        (quant_gemv_cpu.py)
+    quant_dequantize(qweight, scales, offsets, bits) -> [N, K] fp32
+    paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        -> [S, H, D]                                                             (paged_attention_cpu.py)
+    cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (cache_write.py)
 """
 
 from __future__ import annotations
@@ -28,11 +35,11 @@ def cpu_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        logger.info("loading the CPU kernels (the first use on a machine compiles them, ~1 min)")
+        logger.debug("loading the CPU kernels (the first use on a machine compiles them, ~1 min)")
         # NOTE: a digest of the sources in the name: two checkouts with different kernels never share (and
         # rebuild over each other) one build folder, nor load each other's module.
         digest = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES)).hexdigest()[:12]
-        return load(
+        module = load(
             name=f"kvforge_cpu_kernels_{digest}",
             sources=[str(s) for s in _SOURCES],
             # NOTE: -fopenmp, or at::parallel_for (inlined from torch's headers) runs on one thread. The
@@ -43,4 +50,30 @@ def cpu_kernels() -> ModuleType | None:
         )
     except (OSError, RuntimeError, ImportError) as err:
         logger.warning("CPU kernels unavailable (%s); using the torch attention and quantized-matmul paths", err)
+        return None
+    _register_fakes()
+    return module
+
+
+def _register_fakes() -> None:
+    """Shapes and dtypes of the ops' results, for tracing. Called once, after the library is loaded."""
+    import torch
+
+    def rows_of(qweight: torch.Tensor, bits: int) -> tuple[int, int]:
+        return qweight.shape[0], qweight.shape[1] * 8 // bits
+
+    @torch.library.register_fake("kvforge_cpu::quant_gemv")
+    def _(x, qweight, scales, offsets, bits):
+        return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("kvforge_cpu::quant_dequantize")
+    def _(qweight, scales, offsets, bits):
+        return scales.new_empty(rows_of(qweight, bits), dtype=torch.float32)
+
+    @torch.library.register_fake("kvforge_cpu::paged_decode")
+    def _(query, key_cache, value_cache, block_tables, seq_lens, scale, key_scale=None, value_scale=None):
+        return torch.empty_like(query)
+
+    @torch.library.register_fake("kvforge_cpu::cache_write")
+    def _(rows, cache, slot_mapping):
         return None

@@ -65,6 +65,8 @@ def fused_moe_cpu(
     NOTE: measured on a 2-core CPU (benchmarks/RESULTS.md, "MoE (CPU)"): on par with one matmul pair per
     expert over the sorted pairs (which needs a host sync), 1.0-1.35x faster than the per-expert loop,
     and 3-20x faster than gathering each pair's expert weights for a bmm."""
+    if torch.compiler.is_compiling():  # NOTE: grouped_mm's fake implementation takes bfloat16 only
+        return _gathered_moe(hidden, w13, w2, topk_weights, topk_ids)
     if not _grouped_mm_fits(hidden, w2):
         return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
@@ -81,6 +83,17 @@ def fused_moe_cpu(
     # NOTE: rows past the last group are left unwritten by grouped_mm: masked, not multiplied by zero.
     down = down.masked_fill(~valid[order, None], 0.0) * topk_weights.reshape(-1)[order, None].to(down.dtype)
     return torch.zeros_like(hidden).index_add_(0, tokens, down)
+
+
+def _gathered_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe_ref with each pair's expert weights gathered: no data-dependent shapes, so a compiled decode
+    step (a few tokens, whose pairs read these weights anyway) traces it."""
+    ids = topk_ids.long().clamp(min=0)
+    weights = topk_weights.float() * (topk_ids >= 0)  # [T, k]; pairs of other ranks' experts count 0
+    gate_up = torch.einsum("th,tkih->tki", hidden.float(), w13[ids].float())  # [T, k, 2 * inter]
+    down = torch.einsum("tki,tkhi->tkh", silu_and_mul_ref(gate_up), w2[ids].float())  # [T, k, hidden]
+    return (down * weights[..., None]).sum(dim=1).to(hidden.dtype)
 
 
 @jit

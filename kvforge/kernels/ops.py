@@ -1,29 +1,38 @@
-"""The ops the model calls: `from kvforge.kernels import ops; ops.rms_norm(...)`.
+"""The ops the model calls, one table of implementations per engine: `self.ops.rms_norm(...)`.
 
-Each name resolves to one implementation, picked once per process from the platform (Triton on CUDA
-and ROCm, the torch reference on the CPU) and switchable with `set_backend("torch" | "triton")`.
+An `OpTable` holds one implementation of every op. `op_table(backend)` builds the table of a backend:
+Triton on CUDA and ROCm, the torch references on the CPU (with the C++ CPU kernels where they are built).
+A worker builds its model `building_with_ops(table)`, and every layer captures `current_ops()` when it is
+constructed, the way layers capture the parallel state (distributed/parallel_state.building_with): two engines
+with different backends live side by side in one process, and nothing rebinds an op later. To wrap an
+engine's ops (e.g. to time them), replace a layer's `ops` with `dataclasses.replace(table, name=wrapped)`.
 
 The Triton launchers are registered as `torch.library` custom ops (`torch.ops.kvforge.*`) with fake
-implementations, so torch.compile traces them as opaque nodes and CUDA graphs capture them. The
-torch backend binds the references directly: they are plain torch code that compile traces through,
-and a custom op in front of them only adds dispatch time on the CPU hot path (measured: 25-100 us per
-call on a 2-core CPU, against 50-130 us for the rms_norm reference itself).
+implementations, so torch.compile traces them as opaque nodes and CUDA graphs capture them; so are the C++
+CPU kernels (`torch.ops.kvforge_cpu.*`, kernels/cpu_extension.py). The torch backend binds the references
+directly: they are plain torch code that compile traces through, and a Python custom op in front of them
+only adds dispatch time on the CPU hot path (measured: 25-100 us per call on a 2-core CPU, against 50-130
+us for the rms_norm reference itself).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kvforge.kernels.cache_write import reshape_and_cache_ref, reshape_and_cache_triton
+from kvforge.kernels.cache_write import reshape_and_cache_cpu, reshape_and_cache_ref, reshape_and_cache_triton
+from kvforge.kernels.cpu_extension import cpu_kernels
 from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_triton
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton
 from kvforge.kernels.mla_decode import mla_decode_ref, mla_decode_triton
 from kvforge.kernels.paged_attention import paged_attention_triton
-from kvforge.kernels.paged_attention_cpu import paged_attention_cpu
+from kvforge.kernels.paged_attention_cpu import paged_attention_cpu, paged_decode_cpu
 from kvforge.kernels.quant_gemm import quant_gemm_ref, quant_gemm_triton
 from kvforge.kernels.rms_norm import (
     fused_add_rms_norm_ref,
@@ -177,90 +186,97 @@ def _(
 
 @dataclass(frozen=True, slots=True)
 class OpTable:
-    """One implementation of every op."""
+    """One implementation of every op. paged_decode takes paged_attention's arguments for a step whose every
+    sequence has one query token (a decode-only step), for which the CPU has a kernel of its own."""
 
+    backend: str  # "torch" or "triton"
+    traces: bool  # torch.compile traces every op (no host sync inside): the decode step can be compiled
     rms_norm: Callable[..., Tensor]
     fused_add_rms_norm: Callable[..., tuple[Tensor, Tensor]]
     rotary_embedding: Callable[..., tuple[Tensor, Tensor]]
     silu_and_mul: Callable[..., Tensor]
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., Tensor]
+    paged_decode: Callable[..., Tensor]
     quant_gemm: Callable[..., Tensor]
     int8_gemm: Callable[..., Tensor]
     fused_moe: Callable[..., Tensor]
     mla_decode: Callable[..., Tensor]
 
 
+def _paged_decode_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                      query_start_loc: Tensor, seq_lens: Tensor, scale: float, key_scale: Tensor | None = None,
+                      value_scale: Tensor | None = None) -> Tensor:  # fmt: skip
+    """paged_attention's arguments -> the C++ decode kernel (one row per sequence: no query_start_loc)."""
+    return paged_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, key_scale, value_scale)
+
+
 TORCH_OPS = OpTable(
+    backend="torch",
+    traces=False,
     rms_norm=rms_norm_ref,
     fused_add_rms_norm=fused_add_rms_norm_ref,
     rotary_embedding=rotary_embedding_ref,
     silu_and_mul=silu_and_mul_ref,
     reshape_and_cache=reshape_and_cache_ref,
     paged_attention=paged_attention_cpu,
+    paged_decode=paged_attention_cpu,
     quant_gemm=quant_gemm_ref,
     int8_gemm=int8_gemm_ref,
     fused_moe=fused_moe_cpu,
     mla_decode=mla_decode_ref,
 )
 TRITON_OPS = OpTable(
+    backend="triton",
+    traces=True,
     rms_norm=torch.ops.kvforge.rms_norm,
     fused_add_rms_norm=torch.ops.kvforge.fused_add_rms_norm,
     rotary_embedding=torch.ops.kvforge.rotary_embedding,
     silu_and_mul=torch.ops.kvforge.silu_and_mul,
     reshape_and_cache=torch.ops.kvforge.reshape_and_cache,
     paged_attention=torch.ops.kvforge.paged_attention,
+    paged_decode=torch.ops.kvforge.paged_attention,
     quant_gemm=torch.ops.kvforge.quant_gemm,
     int8_gemm=torch.ops.kvforge.int8_gemm,
     fused_moe=torch.ops.kvforge.fused_moe,
     mla_decode=torch.ops.kvforge.mla_decode,
 )
 
-_backend: str = ""  # set, with the op names below, by set_backend() at import
+
+@functools.cache
+def _cpu_ops() -> OpTable:
+    """The torch backend with the C++ CPU kernels for the cache write and decode attention, where they build:
+    both trace (no host sync), so a compiled decode step holds them as opaque ops."""
+    if cpu_kernels() is None:
+        return TORCH_OPS
+    return dataclasses.replace(TORCH_OPS, traces=True, reshape_and_cache=reshape_and_cache_cpu,
+                               paged_decode=_paged_decode_cpu)
 
 
-def set_backend(name: str | None = None) -> str:
-    """Bind every op to the "torch" or "triton" implementation (None or "auto": the platform's choice).
+def op_table(backend: str | None = None) -> OpTable:
+    """The ops of the "torch" or "triton" backend (None or "auto": the platform's choice).
 
-    Returns the backend in use. Raises ValueError for an unknown name, or "triton" without triton."""
-    global _backend, rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul
-    global reshape_and_cache, paged_attention, quant_gemm, int8_gemm, fused_moe, mla_decode
-    _backend = select_backend(name)
-    table = TRITON_OPS if _backend == "triton" else TORCH_OPS
-    rms_norm = table.rms_norm
-    fused_add_rms_norm = table.fused_add_rms_norm
-    rotary_embedding = table.rotary_embedding
-    silu_and_mul = table.silu_and_mul
-    reshape_and_cache = table.reshape_and_cache
-    paged_attention = table.paged_attention
-    quant_gemm = table.quant_gemm
-    int8_gemm = table.int8_gemm
-    fused_moe = table.fused_moe
-    mla_decode = table.mla_decode
-    return _backend
+    Raises ValueError for an unknown name, or "triton" without triton."""
+    return TRITON_OPS if select_backend(backend) == "triton" else _cpu_ops()
 
 
-def get_backend() -> str:
-    """The backend the ops are bound to: "torch" or "triton"."""
-    return _backend
+_building: OpTable | None = None  # the table of the model being built, inside building_with_ops
 
 
-set_backend()
+def current_ops() -> OpTable:
+    """The ops of what is being built now (the platform's choice outside `building_with_ops`)."""
+    return _building if _building is not None else op_table()
 
-__all__ = [
-    "OpTable",
-    "TORCH_OPS",
-    "TRITON_OPS",
-    "fused_add_rms_norm",
-    "fused_moe",
-    "get_backend",
-    "int8_gemm",
-    "mla_decode",
-    "paged_attention",
-    "quant_gemm",
-    "reshape_and_cache",
-    "rms_norm",
-    "rotary_embedding",
-    "set_backend",
-    "silu_and_mul",
-]
+
+@contextmanager
+def building_with_ops(table: OpTable) -> Iterator[OpTable]:
+    """Build a model (its layers capture `current_ops()`) with table."""
+    global _building
+    previous, _building = _building, table
+    try:
+        yield table
+    finally:
+        _building = previous
+
+
+__all__ = ["TORCH_OPS", "TRITON_OPS", "OpTable", "building_with_ops", "current_ops", "op_table"]

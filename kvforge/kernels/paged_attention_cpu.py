@@ -61,20 +61,32 @@ def _decode_group(out: torch.Tensor, query: torch.Tensor, kv: _PagedKV, block_ta
     out[rows] = _sdpa(query[rows].unsqueeze(1), key, value, scale, mask=mask).squeeze(1)
 
 
-def _decode_native(kernels, out: torch.Tensor, query: torch.Tensor, kv: _PagedKV, block_tables: torch.Tensor,
+def _decode_native(out: torch.Tensor, query: torch.Tensor, kv: _PagedKV, block_tables: torch.Tensor,
                    seq_lens: torch.Tensor, starts: list[int], seqs: list[int], scale: float) -> None:
     """All one-token queries through the C++ kernel, which reads the cache (codes and scales) in place."""
-    caches = (kv.key_cache, kv.value_cache)
-    scales = (kv.key_scale, kv.value_scale)
     if len(seqs) == len(starts) - 1:  # a decode-only step: rows are sequences, in order
-        kernels.paged_decode(out, query.contiguous(), *caches, block_tables.contiguous(), seq_lens.contiguous(),
-                             scale, *scales)
+        out.copy_(paged_decode_cpu(query, kv.key_cache, kv.value_cache, block_tables, seq_lens, scale,
+                                   kv.key_scale, kv.value_scale))
         return
     rows = torch.tensor([starts[s] for s in seqs])
-    decode_out = torch.empty_like(query[rows])
-    kernels.paged_decode(decode_out, query[rows], *caches, block_tables[seqs].contiguous(),
-                         seq_lens[seqs].contiguous(), scale, *scales)
-    out[rows] = decode_out
+    out[rows] = paged_decode_cpu(query[rows], kv.key_cache, kv.value_cache, block_tables[seqs], seq_lens[seqs],
+                                 scale, kv.key_scale, kv.value_scale)
+
+
+def paged_decode_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence through the C++ kernel (needs cpu_kernels()): query [num_seqs, num_heads,
+    head_dim] -> [num_seqs, num_heads, head_dim]; a sequence of length 0 (a padding row) gives zeros."""
+    return torch.ops.kvforge_cpu.paged_decode(query.contiguous(), key_cache, value_cache, block_tables.contiguous(),
+                                              seq_lens.contiguous(), scale, key_scale, value_scale)
 
 
 def paged_attention_cpu(
@@ -94,9 +106,8 @@ def paged_attention_cpu(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode_seqs = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
-    kernels = cpu_kernels()
-    if kernels is not None and decode_seqs:
-        _decode_native(kernels, out, query, kv, block_tables, seq_lens, starts, decode_seqs, scale)
+    if decode_seqs and cpu_kernels() is not None:
+        _decode_native(out, query, kv, block_tables, seq_lens, starts, decode_seqs, scale)
         decode_seqs = []
     decode_seqs.sort(key=lens.__getitem__)
     for first in range(0, len(decode_seqs), DECODE_GROUP):

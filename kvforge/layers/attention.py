@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvforge.kernels import ops
+from kvforge.kernels.ops import current_ops
 
 
 @dataclass(slots=True)
@@ -21,6 +21,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block
+    # every sequence has one query token (rows are sequences): attention takes the decode kernel
+    decode_only: bool = False
 
 
 class Attention(nn.Module):
@@ -32,6 +34,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.ops = current_ops()
 
     def forward(
         self,
@@ -44,8 +47,9 @@ class Attention(nn.Module):
         """kv_cache: (key_cache, value_cache) in the model dtype, or (key codes, value codes, key scales,
         value scales) for a quantized cache (see KVCacheSpec)."""
         key_cache, value_cache, *scales = kv_cache
-        ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping, *scales)
-        return ops.paged_attention(
+        self.ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping, *scales)
+        attend = self.ops.paged_decode if metadata.decode_only else self.ops.paged_attention
+        return attend(
             query, key_cache, value_cache, metadata.block_tables,
             metadata.query_start_loc, metadata.seq_lens, self.scale, *scales,
         )

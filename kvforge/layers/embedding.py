@@ -4,6 +4,9 @@ The vocabulary is padded to a multiple of tp; rank r holds rows [r * V_local, (r
 
     embedding   each rank looks up the ids in its range (zeros elsewhere); an all-reduce sums them
     LM head     each rank scores its rows; a gather concatenates the logits on the rank that samples
+
+The rows may stay quantized as the checkpoint stores them (`load_quantized`, e.g. a GGUF file's Q8_0
+embedding): the head then runs through the weight-only GEMV, and a lookup dequantizes only the rows it gathers.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from torch import nn
 
 from kvforge.distributed.communicator import tp_all_reduce, tp_gather
 from kvforge.distributed.parallel_state import get_parallel_state
+from kvforge.kernels.ops import current_ops
+from kvforge.quantization.quantized_weight import QuantizedWeight
+from kvforge.quantization.weight_only_kernels import WeightOnlyKernel, select_kernel
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -28,6 +34,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_local = -(-vocab_size // state.tp_size)
         self.start = state.tp_rank * self.num_local
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
+        self.kernel: WeightOnlyKernel | None = None  # the rows kept quantized, in place of weight
+        self.ops = current_ops()
 
     def load(self, tensor: torch.Tensor) -> None:
         """Copy this rank's rows of the full [vocab_size, hidden] checkpoint tensor."""
@@ -38,18 +46,42 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data.zero_()
         self.weight.data[: rows.shape[0]].copy_(rows)
 
+    def load_quantized(self, weight: QuantizedWeight) -> None:
+        """Keep this rank's rows of the full [vocab_size, hidden] quantized tensor as they are (the float
+        weight is dropped): padding rows get code 0, scale 0 and zero point 0."""
+        if tuple(weight.codes.shape) != (self.vocab_size, self.weight.shape[1]) or weight.perm is not None:
+            raise ValueError(f"quantized embedding of shape {tuple(weight.codes.shape)}, expected "
+                             f"{(self.vocab_size, self.weight.shape[1])} in input order")
+        device, dtype = self.weight.device, self.weight.dtype
+        pad = self.start + self.num_local - self.vocab_size
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            local = t[self.start : self.start + self.num_local]
+            return local if pad <= 0 else torch.cat([local, local.new_zeros(min(pad, self.num_local), t.shape[1])])
+
+        local = QuantizedWeight(rows(weight.codes), rows(weight.scales), rows(weight.zeros), weight.bits)
+        del self.weight
+        self.kernel = select_kernel(local, device, dtype, self.ops, needs_rows=True)
+        self.dtype = dtype
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            return F.embedding(ids, self.weight)
+        return self.kernel.gather_rows(ids).to(self.dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local_ids = input_ids - self.start
         outside = (local_ids < 0) | (local_ids >= self.num_local)
-        x = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        x = self._lookup(local_ids.masked_fill(outside, 0))
         return tp_all_reduce(self.parallel, x.masked_fill(outside[:, None], 0.0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """As the LM head: fp32 logits [num_tokens, vocab_size], gathered from every rank's rows on
         tensor-parallel index 0 (the rank that samples); None on the others."""
-        logits = tp_gather(self.parallel, F.linear(hidden, self.weight).float())  # [num_tokens, V_local] each
+        local = F.linear(hidden, self.weight) if self.kernel is None else self.kernel.apply(hidden)
+        logits = tp_gather(self.parallel, local.float())  # [num_tokens, V_local] each
         return None if logits is None else logits[:, : self.vocab_size]
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.distributed.parallel_state import get_parallel_state
-from kvforge.kernels import ops
+from kvforge.kernels.ops import current_ops
 from kvforge.kernels.paged_attention import gather_kv
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
@@ -70,6 +70,7 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, dims: MLADims, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.dims = dims
+        self.ops = current_ops()
         heads, bias = dims.num_heads, dims.attention_bias
         tp_size = get_parallel_state().tp_size
         if heads % tp_size:
@@ -148,7 +149,7 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = self._up_projections()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [num_seqs, heads, kv_lora_rank]
         query = torch.cat((q_latent, q_rope), dim=-1)
-        latent_out = ops.mla_decode(query, latent_cache, block_tables, seq_lens, self.dims.softmax_scale,
+        latent_out = self.ops.mla_decode(query, latent_cache, block_tables, seq_lens, self.dims.softmax_scale,
                                     self.dims.kv_lora_rank)  # fmt: skip
         return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvforge.distributed.communicator import tp_all_reduce
 from kvforge.distributed.parallel_state import get_parallel_state
-from kvforge.kernels import ops
+from kvforge.kernels.ops import current_ops
 from kvforge.layers.moe_router import Router
 
 _PROJ_SHARD = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}  # Mixtral names gate, up, down w1, w3, w2
@@ -34,6 +34,7 @@ class FusedMoE(nn.Module):
         tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
+        self.ops = current_ops()
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
         split, name = (num_experts, "num_experts") if expert_parallel else (intermediate_size, "intermediate")
@@ -82,7 +83,7 @@ class FusedMoE(nn.Module):
         if self.expert_parallel:
             local = topk_ids - self.first_expert
             topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
-        return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, proj: str) -> None:

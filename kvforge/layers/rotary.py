@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from kvforge.kernels import ops
+from kvforge.kernels.ops import current_ops
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -86,10 +86,11 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.is_neox = is_neox
+        self.ops = current_ops()
         cache = build_cos_sin_cache(head_dim, max_position, base, rope_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)
+        return self.ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)

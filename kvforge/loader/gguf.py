@@ -58,8 +58,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Layer tensors that are the weights of linear layers (kept quantized with keep_quantized).
+# Layer tensors that are the weights of linear layers, and the vocabulary tensors (embedding, LM head): kept
+# quantized with keep_quantized.
 _LINEAR_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+_VOCAB_TENSORS = {"token_embd.weight", "output.weight"}
 # rope_freqs holds llama 3.x's per-frequency rope-scaling divisors. HF derives them from
 # config["rope_scaling"], which such files do not record; transformers drops them too.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -205,12 +207,8 @@ def _dequantize(path: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
 
 def _is_kept(tensor: gguf.ReaderTensor) -> bool:
     match = _LAYER_TENSOR.fullmatch(tensor.name)
-    return (
-        match is not None
-        and match.group(2) in _LINEAR_KINDS
-        and match.group(3) == "weight"
-        and tensor.tensor_type in KEPT_TYPES
-    )
+    linear = match is not None and match.group(2) in _LINEAR_KINDS and match.group(3) == "weight"
+    return (linear or tensor.name in _VOCAB_TENSORS) and tensor.tensor_type in KEPT_TYPES
 
 
 def _decode_kept(path: str, tensor: gguf.ReaderTensor, heads: int | None) -> QuantizedWeight:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kvforge.distributed.parallel_state import get_parallel_state
-from kvforge.kernels import ops
+from kvforge.kernels.ops import current_ops
 from kvforge.layers.attention import Attention, AttentionMetadata
 from kvforge.layers.embedding import VocabParallelEmbedding
 from kvforge.layers.kv_cache_spec import KVCacheSpec
@@ -115,9 +115,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, [cfg.hidden_size])
+        self.ops = current_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

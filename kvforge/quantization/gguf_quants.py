@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GGUF_GROUP_SIZE = 32
+_VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 # GGUF type kept quantized -> bits of its codes.
 KEPT_TYPES = {GGMLQuantizationType.Q8_0: 8, GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4}
 # The tensors a GGUFMethod layer loads in place of `weight`: name -> dtype; all [N, ...], rows first.
@@ -137,10 +138,10 @@ def keep_gguf_quantized(
     dequantized here, so Q4_1 ones differ from gguf's values by float32 rounding)."""
     linears = quantizable_linears(model)
     shards_of: dict[str, dict[int, str]] = {}
-    for name in kept:
+    kept_names = _keep_vocab_quantized(model, kept)
+    for name in kept.keys() - kept_names:
         layer_name, shard = _layer_and_shard(model, name)
         shards_of.setdefault(layer_name, {})[shard] = name
-    kept_names: set[str] = set()
     for layer_name, shards in shards_of.items():
         layer = linears.get(layer_name)
         if layer is None or len(shards) != len(layer.shard_sizes):
@@ -152,11 +153,31 @@ def keep_gguf_quantized(
     return _checkpoint_tensors(dense, kept, kept_names)
 
 
+def _keep_vocab_quantized(model: nn.Module, kept: dict[str, QuantizedWeight]) -> set[str]:
+    """The embedding and LM head take their kept tensors as they are (a tied head is the embedding, or under
+    pipeline parallelism a copy of it on the last stage); returns the names taken. A stage without the
+    module skips its tensor."""
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    tied = model.config.tie_word_embeddings
+    targets = {_VOCAB_NAMES[0]: [embed, head if tied and head is not embed else None],
+               _VOCAB_NAMES[1]: [None if tied else head]}
+    taken = set()
+    for name, modules in targets.items():
+        if name in kept:
+            for module in modules:
+                if module is not None:
+                    module.load_quantized(kept[name])
+            taken.add(name)
+    return taken
+
+
 def _checkpoint_tensors(
     dense: Mapping[str, torch.Tensor], kept: dict[str, QuantizedWeight], kept_names: set[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     yield from dense.items()
     for name, weight in kept.items():
+        if name in _VOCAB_NAMES:
+            continue
         if name not in kept_names:
             yield name, weight.dequantize()
             continue

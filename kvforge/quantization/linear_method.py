@@ -8,7 +8,8 @@ A method owns a Linear's weight from construction to matmul:
     apply(layer, x)                       y = x W^T + b
 
 Weight-only methods end in the same runtime whatever the checkpoint format: a QuantizedWeight handed
-to `install_weight_only`, which picks the fastest kernel for the layer's device.
+to `install_weight_only`, which picks the fastest kernel object for the layer's device once
+(quantization/weight_only_kernels.py).
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvforge.kernels import ops
-from kvforge.kernels.quant_gemm import pack_codes
-from kvforge.kernels.quant_gemv_cpu import pack_weight, quant_linear_cpu
-from kvforge.quantization import cpu_gemm
+from kvforge.kernels.ops import current_ops
 from kvforge.quantization.quantized_weight import QuantizedWeight, quantize_rtn
+from kvforge.quantization.weight_only_kernels import select_kernel
 
 if TYPE_CHECKING:
     from kvforge.layers.linear import Linear
@@ -62,15 +61,7 @@ class WeightOnlyMethod(LinearMethod):
         rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
         if layer.w_perm is not None:
             rows = rows[:, layer.w_perm]
-        kernel = layer.quant_kernel
-        if kernel == "native":
-            out = quant_linear_cpu(rows, layer.w_codes, layer.w_scales, layer.w_offsets, layer.bits)
-        elif kernel == "int8pack":
-            out = cpu_gemm.int8pack_linear(rows, layer.w_codes, layer.w_scales)
-        elif kernel == "int4pack":
-            out = cpu_gemm.int4pack_linear(rows, layer.w_packed, layer.w_scales_zeros, layer.group_size)
-        else:
-            out = ops.quant_gemm(rows, layer.w_codes, layer.w_scales, layer.w_zeros, layer.bits)
+        out = layer.kernel.apply(rows)
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -97,28 +88,4 @@ def install_weight_only(layer: Linear, weight: QuantizedWeight) -> None:
     drop_parameters(layer, *[name for name, _ in layer.named_parameters(recurse=False) if name != "bias"])
     layer.bits, layer.group_size = weight.bits, weight.group_size
     layer.register_buffer("w_perm", None if weight.perm is None else weight.perm.to(device), persistent=False)
-    on_cpu = device.type == "cpu" and ops.get_backend() == "torch"
-    if on_cpu and cpu_gemm.native_eligible(weight):
-        layer.quant_kernel = "native"
-        codes, scales, offsets = pack_weight(weight.codes, weight.scales, weight.zeros, weight.bits)
-        layer.register_buffer("w_codes", codes.to(device), persistent=False)
-        layer.register_buffer("w_scales", scales.to(device), persistent=False)
-        layer.register_buffer("w_offsets", offsets.to(device), persistent=False)
-    elif on_cpu and cpu_gemm.int8pack_eligible(weight):
-        layer.quant_kernel = "int8pack"
-        codes, scales = cpu_gemm.prepack_int8(weight)
-        layer.register_buffer("w_codes", codes.to(device), persistent=False)
-        layer.register_buffer("w_scales", scales.to(device), persistent=False)
-    elif on_cpu and cpu_gemm.int4pack_eligible(weight):
-        layer.quant_kernel = "int4pack"
-        packed, scales_zeros = cpu_gemm.prepack_int4(weight)
-        layer.register_buffer("w_packed", packed.to(device), persistent=False)
-        layer.register_buffer("w_scales_zeros", scales_zeros.to(device), persistent=False)
-    else:
-        layer.quant_kernel = "generic"
-        layer.register_buffer("w_codes", pack_codes(weight.codes, weight.bits).to(device), persistent=False)
-        layer.register_buffer("w_scales", weight.scales.to(device, dtype).contiguous(), persistent=False)
-        # NOTE: zero points that are not integers (GGUF Q4_1's -m / d) stay float32, which a half type
-        # would round by up to a whole code when they are a few hundred codes from the block.
-        zeros_dtype = dtype if torch.equal(weight.zeros, weight.zeros.round()) else torch.float32
-        layer.register_buffer("w_zeros", weight.zeros.to(device, zeros_dtype).contiguous(), persistent=False)
+    layer.kernel = select_kernel(weight, device, dtype, current_ops())

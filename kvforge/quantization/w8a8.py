@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels import ops
 from kvforge.kernels.int8_gemm import INT8_MAX, quantize_per_token_ref
+from kvforge.kernels.ops import current_ops
 from kvforge.quantization import cpu_gemm
 from kvforge.quantization.linear_method import LinearMethod, drop_parameters
 
@@ -76,9 +76,9 @@ class W8A8Method(LinearMethod):
         layer.register_buffer(
             "inv_smooth", None if inv_smooth is None else inv_smooth.to(layer.param_dtype), persistent=False
         )
-        layer.quant_kernel = (
-            "cpu" if layer.param_device.type == "cpu" and ops.get_backend() == "torch" else "int8"
-        )
+        ops = current_ops()
+        layer.quant_kernel = "cpu" if layer.param_device.type == "cpu" and ops.backend == "torch" else "int8"
+        layer.int8_gemm = ops.int8_gemm
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
@@ -86,7 +86,7 @@ class W8A8Method(LinearMethod):
             rows = rows * layer.inv_smooth
         codes, token_scales = quantize_per_token_ref(rows)  # [M, K] int8, [M]
         if layer.quant_kernel == "int8":
-            out = ops.int8_gemm(codes, layer.w_codes, token_scales, layer.w_scales, x.dtype)
+            out = layer.int8_gemm(codes, layer.w_codes, token_scales, layer.w_scales, x.dtype)
         else:
             out = _cpu_int8_gemm(codes, layer.w_codes, token_scales, layer.w_scales).to(x.dtype)
         if layer.bias is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,39 +15,39 @@ from kvforge.platforms import backend as backend_module
 from tests.kernels.attention_batches import make_paged_batch
 
 
-@pytest.fixture
-def restore_backend() -> Iterator[None]:
-    before = ops.get_backend()
-    yield
-    ops.set_backend(before)
-
-
 def test_cpu_default_binds_the_torch_paths_directly() -> None:
     if torch.cuda.is_available():
         pytest.skip("the default is triton on a GPU")
-    assert ops.get_backend() == "torch"
-    assert ops.rms_norm is rms_norm_ref
-    assert ops.paged_attention is paged_attention_cpu
+    table = ops.op_table()
+    assert table.backend == "torch"
+    assert table.rms_norm is rms_norm_ref
+    assert table.paged_attention is paged_attention_cpu
 
 
-def test_set_backend_switches_every_op(restore_backend: None, device: torch.device) -> None:
-    assert ops.set_backend("triton") == "triton"
-    assert ops.paged_attention is torch.ops.kvforge.paged_attention
+def test_op_table_per_backend(device: torch.device) -> None:
+    triton_ops, torch_ops = ops.op_table("triton"), ops.op_table("torch")
+    assert triton_ops.paged_attention is torch.ops.kvforge.paged_attention
+    assert torch_ops.rms_norm is rms_norm_ref
     x = torch.randn(3, 64, device=device)
     weight = torch.randn(64, device=device)
-    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
-    assert ops.set_backend("torch") == "torch"
-    assert ops.rms_norm is rms_norm_ref
+    torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
 
 
-def test_set_backend_rejects_unknown_and_missing(
-    restore_backend: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_layers_capture_the_table_they_are_built_with() -> None:
+    from kvforge.layers.norm import RMSNorm
+
+    with ops.building_with_ops(ops.op_table("triton")):
+        triton_norm = RMSNorm(8, 1e-6)
+    assert triton_norm.ops.backend == "triton"
+    assert RMSNorm(8, 1e-6).ops is ops.current_ops() and ops.current_ops().backend == "torch"
+
+
+def test_op_table_rejects_unknown_and_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="'cuda'"):
-        ops.set_backend("cuda")
+        ops.op_table("cuda")
     monkeypatch.setattr(backend_module, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="not installed"):
-        ops.set_backend("triton")
+        ops.op_table("triton")
 
 
 def _op_samples(device: torch.device) -> list[tuple[object, tuple]]:
@@ -88,12 +87,12 @@ def test_custom_ops_pass_opcheck(device: torch.device) -> None:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
-def test_ops_trace_into_one_graph(restore_backend: None, device: torch.device) -> None:
-    ops.set_backend("triton")
+def test_ops_trace_into_one_graph(device: torch.device) -> None:
+    table = ops.op_table("triton")
 
     def block(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        normed, residual = ops.fused_add_rms_norm(x, residual, weight, 1e-6)
-        return ops.silu_and_mul(normed) + residual[:, :16]
+        normed, residual = table.fused_add_rms_norm(x, residual, weight, 1e-6)
+        return table.silu_and_mul(normed) + residual[:, :16]
 
     x, residual, weight = torch.randn(4, 32, device=device), torch.randn(4, 32, device=device), torch.ones(32)
     weight = weight.to(device)
@@ -108,8 +107,8 @@ import torch
 from kvforge.kernels import ops
 from kvforge.kernels.rms_norm import rms_norm_triton
 x, weight = torch.randn(2, 8), torch.ones(8)
-assert ops.set_backend(None) == "torch" and ops.rms_norm(x, weight, 1e-6).shape == (2, 8)
-for call in (lambda: ops.set_backend("triton"), lambda: rms_norm_triton(x, weight, 1e-6)):
+assert ops.op_table(None).backend == "torch" and ops.op_table(None).rms_norm(x, weight, 1e-6).shape == (2, 8)
+for call in (lambda: ops.op_table("triton"), lambda: rms_norm_triton(x, weight, 1e-6)):
     try:
         call()
     except ValueError as error:

@@ -143,20 +143,14 @@ def test_real_deepseek_v3_kv_cache_per_token():
 def test_deepseek_on_the_triton_kernels(tmp_path):
     """The same model through the Triton kernels (interpreted on the CPU): fused MoE in every MoE layer,
     MLA decode over the latent cache at every decode step."""
-    from kvforge.kernels import ops
-
     model = build_moe_model("deepseek_v3", save_tokenizer(tmp_path))
     model.save_pretrained(tmp_path)
     prompts = [[5, 9, 300, 41, 7], [100, 200, 17]]
     expected = [model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, pad_token_id=0)[0, len(p) :]
                 .tolist() for p in prompts]  # fmt: skip
-    backend = ops.get_backend()
-    try:
-        llm = LLM(str(tmp_path), kv_cache_memory="4MiB", attention_backend="triton")
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    finally:
-        ops.set_backend(backend)
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", attention_backend="triton")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 

@@ -71,10 +71,11 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_kept_tensors_are_the_dequantized_ones(tiny_path: Path) -> None:
-    """Kept: the linear weights of kept types, rows in HF order (q/k un-permuted like the float load)."""
+    """Kept: the linear weights, the embedding and the LM head of kept types, rows in HF order (q/k
+    un-permuted like the float load)."""
     dense = load_gguf(str(tiny_path), torch.float32)
     kept = load_gguf(str(tiny_path), torch.float32, keep_quantized=True)
-    kinds = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"}
+    kinds = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "embed_tokens", "lm_head"}
     assert sorted(kept.quantized) == sorted(n for n in dense.tensors if n.split(".")[-2] in kinds)
     assert sorted(kept.tensors) == sorted(set(dense.tensors) - set(kept.quantized))
     for name, weight in kept.quantized.items():
@@ -133,7 +134,7 @@ def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
     token_ids = dense.get_tokenizer().encode(text)
     dense_logits, kept_logits = dense.engine.score(token_ids), kept.engine.score(token_ids)
     # the same weights: float32 rounding apart, unless int4pack rounds activations to bfloat16
-    bf16 = any(layer.mlp.down_proj.quant_kernel == "int4pack" for layer in model.layers)
+    bf16 = any(layer.mlp.down_proj.kernel.name == "int4pack" for layer in model.layers)
     assert (kept_logits - dense_logits).abs().max() <= (3e-2 if bf16 else 1e-4) * dense_logits.abs().max()
     assert (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean() >= 0.95
     question = [{"role": "user", "content": "What is the capital of France?"}]

@@ -85,7 +85,7 @@ def test_merged_layer_computes_with_the_gguf_weights(num_tokens: int, shard_type
     expected = x @ reference.t() + bias
     # NOTE: the CPU's int4pack rounds activations and scales to bfloat16; the other kernels are exact
     # up to float32 rounding.
-    tolerance = 2e-2 if layer.quant_kernel == "int4pack" else 1e-5
+    tolerance = 2e-2 if layer.kernel.name == "int4pack" else 1e-5
     scale = (x.abs() @ reference.abs().t()).max()
     assert (layer(x) - expected).abs().max() <= tolerance * scale
 

@@ -46,7 +46,7 @@ def test_weight_only_error_is_bounded_by_the_step(
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 128), torch.randn(96), torch.randn(num_tokens, 128)
     layer = _layer(RTNMethod(bits, group_size, sym), weight, bias)
-    assert layer.quant_kernel == ("native" if native else fallback_kernel) and not hasattr(layer, "weight")
+    assert layer.kernel.name == ("native" if native else fallback_kernel) and not hasattr(layer, "weight")
     # each weight is off by at most half a step; the step is at most range / (2**bits - 1)
     step = 2 * weight.abs().max() / (2**bits - 1)
     bound = x.abs().sum(dim=1, keepdim=True) * step / 2

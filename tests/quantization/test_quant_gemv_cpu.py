@@ -105,7 +105,7 @@ def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size:
     layer.set_quant_method(_GivenWeight(weight))
     layer.load_shard("bias", 0, bias)
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.quant_kernel == "native" and not hasattr(layer, "weight")
+    assert layer.kernel.name == "native" and not hasattr(layer, "weight")
     reference_weight = weight.dequantize().double()  # input features in their original order
     for num_tokens in (1, 7, 16, 33):
         x = torch.randn(2, num_tokens, in_features)  # leading dims are kept

@@ -13,6 +13,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -73,6 +74,11 @@ void decode_kernel(T* out, const T* query, const C* key_cache, const C* value_ca
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = seq_lens[seq];
+      T* o = out + (seq * num_heads + kv_head * group) * head_dim;
+      if (len <= 0) {  // a padding row of a decode bucket: nothing to attend to
+        std::fill(o, o + group * head_dim, static_cast<T>(0));
+        continue;
+      }
       const int32_t* table = block_tables + seq * max_blocks;
       for (int64_t i = 0; i < group * head_dim; ++i)
         q[i] = static_cast<float>(query[(seq * num_heads + kv_head * group) * head_dim + i]) * scale;
@@ -106,7 +112,6 @@ void decode_kernel(T* out, const T* query, const C* key_cache, const C* value_ca
             axpy(scores[g * len + t] * v_scale, v_row, acc.data() + g * head_dim, head_dim);
         }
       }
-      T* o = out + (seq * num_heads + kv_head * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
@@ -124,16 +129,23 @@ void launch(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor&
 
 }  // namespace
 
-// out, query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-// block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32. All contiguous, on the CPU.
-// key_scale, value_scale: None for caches in the query dtype, or [num_blocks, block_size, num_kv_heads]
-// float32 for int8 / float8_e4m3fn codes.
-void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                  c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale) {
+// query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+// block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (0: a padding row, output zeros).
+// All contiguous, on the CPU. key_scale, value_scale: None for caches in the query dtype, or
+// [num_blocks, block_size, num_kv_heads] float32 for int8 / float8_e4m3fn codes. Returns [num_seqs, num_heads,
+// head_dim] in the query dtype.
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                           c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale) {
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode takes contiguous tensors");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "paged_decode: block_tables and seq_lens are int32");
   const float* k_scale = key_scale.has_value() ? key_scale->data_ptr<float>() : nullptr;
   const float* v_scale = value_scale.has_value() ? value_scale->data_ptr<float>() : nullptr;
   TORCH_CHECK((k_scale == nullptr) == (v_scale == nullptr), "key_scale and value_scale go together");
+  auto out = torch::empty_like(query);
   const auto cache_type = key_cache.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     if (k_scale == nullptr) {
@@ -147,10 +159,49 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
       TORCH_CHECK(false, "paged_decode: quantized caches hold int8 or float8_e4m3fn codes, got ", cache_type);
     }
   });
+  return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, py::arg("out"), py::arg("query"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
+// Row copy into the paged cache: rows [num_tokens, *row_shape] (contiguous, the cache's dtype) go to the slots of
+// slot_mapping [num_tokens] (int64; negative: a padding token, skipped); cache [num_blocks, block_size, *row_shape]
+// with contiguous rows, its two leading dims strided as they may be (e.g. the K half of a joint K/V tensor).
+//   slot s -> cache[s / block_size, s % block_size]
+void cache_write(torch::Tensor rows, torch::Tensor cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(rows.scalar_type() == cache.scalar_type(), "cache_write: rows of ", rows.scalar_type(),
+              " into a cache of ", cache.scalar_type());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "cache_write: slot_mapping is contiguous int64");
+  TORCH_CHECK(rows.is_contiguous() && cache.dim() >= 2 && rows.size(0) == slot_mapping.size(0),
+              "cache_write: rows [num_tokens, ...] contiguous, one slot each");
+  const int64_t block_size = cache.size(1);
+  const int64_t row_bytes = rows.numel() == 0 ? 0 : rows.nbytes() / rows.size(0);
+  TORCH_CHECK(cache.numel() / (cache.size(0) * block_size) * cache.element_size() == row_bytes,
+              "cache_write: rows do not match the cache's token shape");
+  const int64_t element = cache.element_size();
+  const int64_t block_stride = cache.stride(0) * element, slot_stride = cache.stride(1) * element;
+  const int64_t num_slots = cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const char* src = static_cast<const char*>(rows.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < num_slots, "cache_write: slot ", slot, " beyond the cache's ", num_slots);
+    std::memcpy(dst + (slot / block_size) * block_stride + (slot % block_size) * slot_stride, src + i * row_bytes,
+                row_bytes);
+  }
 }
+
+TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
+  m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale, Tensor? key_scale=None, Tensor? value_scale=None) -> Tensor");
+  m.def("cache_write(Tensor rows, Tensor(a!) cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("cache_write", &cache_write);
+}
+
+// torch.utils.cpp_extension.load imports the build as a Python module: this one has no functions of its own.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

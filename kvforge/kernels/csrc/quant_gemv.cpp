@@ -320,8 +320,15 @@ bool quant_gemv_vectorized() {
 }
 
 // Registered as torch ops (torch.ops.kvforge_cpu.*), so this file needs no share of the module's pybind init.
+// Declared, then implemented for the CPU key only: tracing (torch.compile) sees opaque ops with the fake
+// implementations that kernels/cpu_extension.py registers.
 TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("quant_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor", &quant_gemv);
-  m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor", &quant_dequantize);
+  m.def("quant_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor");
+  m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor");
   m.def("quant_gemv_vectorized() -> bool", &quant_gemv_vectorized);
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
+  m.impl("quant_gemv", &quant_gemv);
+  m.impl("quant_dequantize", &quant_dequantize);
 }

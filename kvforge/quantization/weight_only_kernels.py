@@ -1,0 +1,129 @@
+"""The kernels a weight-only layer (W8A16, W4A16, GGUF kept) multiplies with, as objects chosen once at load.
+
+Each kernel is a small module holding the weight in the layout it streams best:
+
+    prepare(weight)    QuantizedWeight -> its own buffers (the codes as stored, repacked for the kernel)
+    apply(x)           x [M, K] float -> x W^T [M, N] in x's dtype
+    gather_rows(ids)   rows W[ids] [len(ids), K] float32 (an embedding lookup that dequantizes only those rows)
+
+    native     the C++ AVX2 kernels (kernels/quant_gemv_cpu.py): 4- and 8-bit codes, any zero points
+    int8pack   torch's _weight_int8pack_mm: symmetric per-row 8-bit codes
+    int4pack   torch's _weight_int4pack_mm_for_cpu: 4-bit, rows a multiple of 16, groups 32 to 256
+    generic    the op table's quant_gemm (Triton on GPUs, dequantize + matmul on the CPU)
+
+`select_kernel` picks the first that fits the weight and the device (see quantization/cpu_gemm.py for the
+CPU measurements behind the order).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvforge.kernels.ops import OpTable
+from kvforge.kernels.quant_gemm import dequantize_ref, pack_codes
+from kvforge.kernels.quant_gemv_cpu import pack_weight, quant_linear_cpu
+from kvforge.quantization import cpu_gemm
+from kvforge.quantization.quantized_weight import QuantizedWeight
+
+
+class WeightOnlyKernel(nn.Module):
+    """Base: a quantized weight [N, K] in one kernel's layout."""
+
+    name = ""
+
+    def prepare(self, weight: QuantizedWeight) -> None:
+        raise NotImplementedError
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class NativeKernel(WeightOnlyKernel):
+    name = "native"
+
+    def prepare(self, weight: QuantizedWeight) -> None:
+        self.bits = weight.bits
+        codes, scales, offsets = pack_weight(weight.codes, weight.scales, weight.zeros, weight.bits)
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("offsets", offsets, persistent=False)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear_cpu(x, self.codes, self.scales, self.offsets, self.bits)
+
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvforge_cpu.quant_dequantize(self.codes[ids], self.scales[ids], self.offsets[ids], self.bits)
+
+
+class Int8PackKernel(WeightOnlyKernel):
+    name = "int8pack"
+
+    def prepare(self, weight: QuantizedWeight) -> None:
+        codes, scales = cpu_gemm.prepack_int8(weight)
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.int8pack_linear(x, self.codes, self.scales)
+
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.codes[ids].float() * self.scales[ids, None]
+
+
+class Int4PackKernel(WeightOnlyKernel):
+    """NOTE: torch's int4 layout has no row gather: layers that are also embeddings never get this kernel."""
+
+    name = "int4pack"
+
+    def prepare(self, weight: QuantizedWeight) -> None:
+        self.group_size = weight.group_size
+        packed, scales_zeros = cpu_gemm.prepack_int4(weight)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.int4pack_linear(x, self.packed, self.scales_zeros, self.group_size)
+
+
+class GenericKernel(WeightOnlyKernel):
+    name = "generic"
+
+    def __init__(self, ops: OpTable, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ops, self.dtype = ops, dtype
+
+    def prepare(self, weight: QuantizedWeight) -> None:
+        self.bits = weight.bits
+        self.register_buffer("codes", pack_codes(weight.codes, weight.bits), persistent=False)
+        self.register_buffer("scales", weight.scales.to(self.dtype).contiguous(), persistent=False)
+        # NOTE: zero points that are not integers (GGUF Q4_1's -m / d) stay float32, which a half type
+        # would round by up to a whole code when they are a few hundred codes from the block.
+        zeros_dtype = self.dtype if torch.equal(weight.zeros, weight.zeros.round()) else torch.float32
+        self.register_buffer("zeros", weight.zeros.to(zeros_dtype).contiguous(), persistent=False)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.quant_gemm(x, self.codes, self.scales, self.zeros, self.bits)
+
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_ref(self.codes[ids], self.scales[ids].float(), self.zeros[ids].float(), self.bits)
+
+
+def select_kernel(weight: QuantizedWeight, device: torch.device, dtype: torch.dtype, ops: OpTable,
+                  needs_rows: bool = False) -> WeightOnlyKernel:
+    """The fastest kernel for weight on device, prepared and moved there. needs_rows: the weight is also
+    looked up by row (a tied embedding), which int4pack's layout cannot do."""
+    on_cpu = device.type == "cpu" and ops.backend == "torch"
+    if on_cpu and cpu_gemm.native_eligible(weight):
+        kernel: WeightOnlyKernel = NativeKernel()
+    elif on_cpu and cpu_gemm.int8pack_eligible(weight):
+        kernel = Int8PackKernel()
+    elif on_cpu and not needs_rows and cpu_gemm.int4pack_eligible(weight):
+        kernel = Int4PackKernel()
+    else:
+        kernel = GenericKernel(ops, dtype)
+    kernel.prepare(weight)
+    return kernel.to(device)

@@ -1,0 +1,90 @@
+"""Compiled decode steps (torch.compile per batch bucket) give the eager engine's tokens and logprobs.
+
+Batches shrink across bucket boundaries as requests of different lengths finish; prompts are chunked
+(a small token budget), share cached prefixes, and a small KV cache forces preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from kvforge.kernels.cpu_extension import cpu_kernels
+from tests.models.test_moe_vs_transformers import build_moe_model
+from tests.tiny_models import save_model, save_tokenizer
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="compiled CPU steps need the C++ CPU kernels")
+
+BUCKETS = (1, 2, 4, 8, 16)
+
+
+def _prompts(count: int, vocab_size: int) -> list[dict]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
+    prompts[1] = prompts[0][:32] + prompts[1]  # two full cached blocks of prompts[0]
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _generate(folder: str, prompts: list[dict], params: list[SamplingParams], **options):
+    llm = LLM(folder, **options)
+    outputs = llm.generate(prompts, params)
+    return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def _assert_same(compiled, eager) -> None:
+    for (tokens, logprobs), (eager_tokens, eager_logprobs) in zip(compiled, eager, strict=True):
+        assert tokens == eager_tokens
+        for position, eager_position in zip(logprobs, eager_logprobs, strict=True):
+            assert position.keys() == eager_position.keys()
+            for token_id, entry in position.items():
+                assert abs(entry.logprob - eager_position[token_id].logprob) < 1e-4
+
+
+def test_compiled_llama_matches_eager_across_buckets(tiny_llama_dir) -> None:
+    folder = str(tiny_llama_dir[0])
+    prompts = _prompts(17, 390)
+    # lengths 2..18: the batch of 17 (above the largest bucket: eager) shrinks through every bucket
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True, logprobs=3) for i in range(17)]
+    options = dict(kv_cache_memory="4MiB", max_num_batched_tokens=64, compile_buckets=BUCKETS)
+    llm, compiled = _generate(folder, prompts, params, compile_after=0, **options)
+    _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
+    _assert_same(compiled, eager)
+    assert llm.engine.runner.decode_graphs.compiled_buckets == BUCKETS
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_usable_blocks
+
+
+def test_compiled_steps_survive_preemption(tiny_llama_dir) -> None:
+    folder = str(tiny_llama_dir[0])
+    prompts = _prompts(6, 390)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    # 7 blocks of 16 tokens for 6 sequences of up to ~80 tokens: the scheduler must preempt
+    options = dict(kv_cache_memory=7 * 16 * 2 * 2 * 2 * 16 * 4 + 1, compile_buckets=(4, 8))
+    llm, compiled = _generate(folder, prompts, [params] * 6, compile_after=0, **options)
+    _, eager = _generate(folder, prompts, [params] * 6, enforce_eager=True, **options)
+    assert [t for t, _ in compiled] == [t for t, _ in eager]
+    assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.runner.decode_graphs.compiled_buckets
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "mixtral", "deepseek_v3"])
+def tiny_folder(request, tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp(f"compiled-{request.param}")
+    if request.param in ("mixtral", "deepseek_v3"):
+        build_moe_model(request.param, save_tokenizer(folder)).save_pretrained(folder)
+    else:
+        save_model(folder, request.param)
+    return str(folder)
+
+
+def test_compiled_families_match_eager(tiny_folder: str) -> None:
+    """NOTE: DeepSeek's latent attention syncs the host on the CPU (its decode reference sizes the gathered
+    context by the longest sequence): it cannot be traced, and its decode steps run eagerly, unchanged."""
+    prompts = _prompts(3, 300)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (4, 7, 9)]
+    options = dict(kv_cache_memory="4MiB", compile_buckets=(2, 4))
+    llm, compiled = _generate(tiny_folder, prompts, params, compile_after=0, **options)
+    _, eager = _generate(tiny_folder, prompts, params, enforce_eager=True, **options)
+    _assert_same(compiled, eager)
+    traced = "deepseek" not in tiny_folder
+    assert llm.engine.runner.decode_graphs.compiled_buckets == ((2, 4) if traced else ())
