@@ -16,7 +16,7 @@ from kvforge.engine.sample_group import SampleGroup, logprob_decoder
 from kvforge.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
 from kvforge.engine.stats import CacheStats, EngineStats
 from kvforge.executor.executor import create_executor
-from kvforge.executor.model_runner import ModelRunnerOutput
+from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -68,7 +68,7 @@ class LLMEngine:
                     self.max_model_len)
 
     @property
-    def runner(self):
+    def runner(self) -> ModelRunner:
         """This process's model runner, for instrumentation that wraps its methods (the profiler)."""
         return self.executor.worker.runner
 
