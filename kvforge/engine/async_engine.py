@@ -257,7 +257,7 @@ class AsyncEngine:
         # NOTE: a sequence waits for a batch slot when the batch's max_num_seqs slots are taken; all n
         # samples of the request are counted at once (the sequences just added, not yet scheduled, too).
         num_slots = self.engine.config.scheduler.max_num_seqs
-        num_queued = self.engine.scheduler.num_unfinished + command.params.n - num_slots
+        num_queued = self.engine.stats().num_unfinished + command.params.n - num_slots
         if num_queued > self.max_queue:
             return EngineOverloadedError(f"the server is overloaded: {num_queued} sequences would wait for one "
                                          f"of the {num_slots} batch slots (max queue {self.max_queue}); retry later")

@@ -62,5 +62,9 @@ class EngineStats:
         )
 
     @property
+    def num_unfinished(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
