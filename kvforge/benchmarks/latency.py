@@ -15,6 +15,7 @@ import time
 import torch
 
 from kvforge.benchmarks.workload import random_workload
+from kvforge.config import CompilationConfig
 from kvforge.engine_args import add_engine_arguments, engine_kwargs_from_args
 
 
@@ -32,11 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _kvforge_engine(kwargs: dict):
-    """An engine of these options, warmed up with one short request."""
+    """An engine of these options, warmed up with one request long enough to compile the single-stream decode
+    step (its bucket compiles after compile_after eager steps)."""
     from kvforge import LLM, SamplingParams
 
     engine = LLM(**kwargs).engine
-    engine.add_request("warmup", {"prompt_token_ids": list(range(1, 9))}, SamplingParams(max_tokens=4))
+    warmup_tokens = kwargs.get("compile_after", CompilationConfig().compile_after) + 4
+    engine.add_request("warmup", {"prompt_token_ids": list(range(1, 9))},
+                       SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     return engine

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from kvforge.kernels.cpu_extension import cpu_kernels
 
 GEMV_MAX_TOKENS = 16  # rows of x up to which the kernel beats dequantize + F.linear
+DEQUANT_TILE_BYTES = 8 * 2**20  # float32 weight rows dequantized at once above GEMV_MAX_TOKENS (L3-sized)
 CODE_BLOCK = 32  # columns per decoded block (a packed 4-bit block holds two); group sizes are multiples
 
 
@@ -79,5 +80,10 @@ def quant_linear_cpu(
     if x.shape[0] <= GEMV_MAX_TOKENS:
         out = torch.ops.kvforge_cpu.quant_gemv(x.float(), qweight, scales, offsets, bits)
         return out.to(x.dtype)
-    weight = torch.ops.kvforge_cpu.quant_dequantize(qweight, scales, offsets, bits)
-    return F.linear(x, weight.to(x.dtype))
+    # NOTE: dequantized a tile of rows at a time, so that a large weight (an LM head of 49152 rows) is
+    # multiplied from cache instead of written out to memory as float32 and read back.
+    tile = max(1, DEQUANT_TILE_BYTES // (4 * x.shape[1]))
+    outs = [F.linear(x, torch.ops.kvforge_cpu.quant_dequantize(qweight[n : n + tile], scales[n : n + tile],
+                                                               offsets[n : n + tile], bits).to(x.dtype))
+            for n in range(0, qweight.shape[0], tile)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

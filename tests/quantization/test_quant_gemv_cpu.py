@@ -115,3 +115,17 @@ def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size:
         rows = x.reshape(-1, in_features)
         kernel_rows = rows if weight.perm is None else rows[:, weight.perm]  # the order the codes are stored in
         assert (error <= _tolerance(kernel_rows, weight).reshape(error.shape)).all()
+
+
+@needs_kernels
+def test_batches_above_the_gemv_dequantize_tile_by_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight larger than one dequantized tile (here 3 rows of 20 per tile) gives the same product."""
+    from kvforge.kernels import quant_gemv_cpu
+
+    weight = _weight(20, 128, 8, 32, "int", seed=3)
+    packed = pack_weight(weight.codes, weight.scales, weight.zeros, 8)
+    x = torch.randn(GEMV_MAX_TOKENS + 3, 128, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(quant_gemv_cpu, "DEQUANT_TILE_BYTES", 3 * 4 * 128)
+    out = quant_linear_cpu(x, *packed, 8)
+    error = (out.double() - x.double() @ weight.dequantize().double().t()).abs()
+    assert out.shape == (x.shape[0], 20) and (error <= _tolerance(x, weight)).all()
