@@ -42,6 +42,9 @@ class ModelConfig:
     quantization: str | None = option(
         None, "quantize a float checkpoint's linear layers at load time (round-to-nearest, or fp8 e4m3); "
               "gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized", choices=QUANTIZATIONS)
+    quantize_lm_head: bool = option(
+        True, "keep the embedding and LM head in float: by default, with --quantization gguf they stay in the "
+              "file's type (Q8_0), with w8a16/w4a16 they become int8 per row", flag="--no-quantize-lm-head")
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -52,14 +52,17 @@ class VocabParallelEmbedding(nn.Module):
         if tuple(weight.codes.shape) != (self.vocab_size, self.weight.shape[1]) or weight.perm is not None:
             raise ValueError(f"quantized embedding of shape {tuple(weight.codes.shape)}, expected "
                              f"{(self.vocab_size, self.weight.shape[1])} in input order")
-        device, dtype = self.weight.device, self.weight.dtype
         pad = self.start + self.num_local - self.vocab_size
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             local = t[self.start : self.start + self.num_local]
             return local if pad <= 0 else torch.cat([local, local.new_zeros(min(pad, self.num_local), t.shape[1])])
 
-        local = QuantizedWeight(rows(weight.codes), rows(weight.scales), rows(weight.zeros), weight.bits)
+        self.keep_quantized(QuantizedWeight(rows(weight.codes), rows(weight.scales), rows(weight.zeros), weight.bits))
+
+    def keep_quantized(self, local: QuantizedWeight) -> None:
+        """Replace the float weight with this rank's rows [V_local, hidden], quantized."""
+        device, dtype = self.weight.device, self.weight.dtype
         del self.weight
         self.kernel = select_kernel(local, device, dtype, self.ops, needs_rows=True)
         self.dtype = dtype

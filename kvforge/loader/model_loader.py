@@ -12,7 +12,12 @@ from torch import nn
 from kvforge.config import ModelConfig
 from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
 from kvforge.models.registry import resolve_model_class
-from kvforge.quantization import process_weights_after_loading, quantize_model, resolve_quant_config
+from kvforge.quantization import (
+    process_weights_after_loading,
+    quantize_model,
+    quantize_vocab_rows,
+    resolve_quant_config,
+)
 from kvforge.quantization.fp8 import fp8_checkpoint_tensors
 from kvforge.quantization.gguf_quants import keep_gguf_quantized
 from kvforge.tokenizer import Tokenizer
@@ -76,7 +81,8 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
             if quant_config is not None:
                 quantize_model(model, quant_config, from_float="quantization_config" not in hf_config)
             if keep_gguf:
-                weights = keep_gguf_quantized(model, checkpoint.tensors, checkpoint.quantized)
+                weights = keep_gguf_quantized(model, checkpoint.tensors, checkpoint.quantized,
+                                              vocab=config.quantize_lm_head)
     finally:
         torch.set_default_dtype(default_dtype)
     if weights is None:
@@ -85,6 +91,8 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
             weights = fp8_checkpoint_tensors(weights)
     model.load_weights(weights)
     process_weights_after_loading(model)
+    if config.quantize_lm_head and quant_config is not None and quant_config.method == "rtn":
+        quantize_vocab_rows(model)
     model.eval()
     logger.info("loaded %s (%s) as %s on %s", path.name, model_class.__name__, dtype, device)
     return LoadedModel(model, tokenizer, hf_config, dtype, str(path))

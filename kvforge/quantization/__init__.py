@@ -10,6 +10,7 @@ from kvforge.quantization.config import QuantConfig, resolve_quant_config
 from kvforge.quantization.formats import AWQMethod, GPTQMethod
 from kvforge.quantization.fp8 import Fp8Method
 from kvforge.quantization.linear_method import LinearMethod, RTNMethod
+from kvforge.quantization.quantized_weight import quantize_rtn
 from kvforge.quantization.w8a8 import W8A8Method
 
 # Layers that stay in float, by name: the LM head (GPTQ and AWQ leave it unquantized too) and MLA's
@@ -48,6 +49,15 @@ def quantize_model(model: nn.Module, config: QuantConfig, from_float: bool) -> N
         layer.set_quant_method(method)
 
 
+def quantize_vocab_rows(model: nn.Module) -> None:
+    """The embedding and the LM head (one module when tied) as int8 codes per row with a zero point: the head
+    then runs through the weight-only GEMV, and lookups dequantize only their rows."""
+    modules = {id(m): m for m in (getattr(model, "embed_tokens", None), getattr(model, "lm_head", None))}
+    for module in modules.values():
+        if module is not None and module.kernel is None:
+            module.keep_quantized(quantize_rtn(module.weight.data, 8, -1, sym=False))
+
+
 def process_weights_after_loading(model: nn.Module) -> None:
     """Convert every quantized Linear's checkpoint tensors to its runtime layout."""
     for module in model.modules():
@@ -61,5 +71,6 @@ __all__ = [
     "process_weights_after_loading",
     "quantizable_linears",
     "quantize_model",
+    "quantize_vocab_rows",
     "resolve_quant_config",
 ]

@@ -130,15 +130,16 @@ def _layer_and_shard(model: nn.Module, name: str) -> tuple[str, int]:
 
 
 def keep_gguf_quantized(
-    model: nn.Module, dense: Mapping[str, torch.Tensor], kept: dict[str, QuantizedWeight]
+    model: nn.Module, dense: Mapping[str, torch.Tensor], kept: dict[str, QuantizedWeight], vocab: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Give a GGUFMethod to every quantizable Linear whose checkpoint weights are all in kept (HF weight
     name -> QuantizedWeight); returns the tensors to load: `codes`/`scales`/`zeros` for those layers,
     and float weights for the others (dense ones, and kept ones that share a layer with a dense shard:
-    dequantized here, so Q4_1 ones differ from gguf's values by float32 rounding)."""
+    dequantized here, so Q4_1 ones differ from gguf's values by float32 rounding). vocab: the embedding and
+    LM head stay quantized too (else they are dequantized)."""
     linears = quantizable_linears(model)
     shards_of: dict[str, dict[int, str]] = {}
-    kept_names = _keep_vocab_quantized(model, kept)
+    kept_names = _keep_vocab_quantized(model, kept) if vocab else set()
     for name in kept.keys() - kept_names:
         layer_name, shard = _layer_and_shard(model, name)
         shards_of.setdefault(layer_name, {})[shard] = name
@@ -150,7 +151,7 @@ def keep_gguf_quantized(
         kept_names.update(shards.values())
     if len(kept_names) < len(kept):
         logger.info("%d GGUF tensors share a layer with float ones and are dequantized", len(kept) - len(kept_names))
-    return _checkpoint_tensors(dense, kept, kept_names)
+    return _checkpoint_tensors(dense, kept, kept_names, kept_names & set(_VOCAB_NAMES))
 
 
 def _keep_vocab_quantized(model: nn.Module, kept: dict[str, QuantizedWeight]) -> set[str]:
@@ -172,11 +173,12 @@ def _keep_vocab_quantized(model: nn.Module, kept: dict[str, QuantizedWeight]) ->
 
 
 def _checkpoint_tensors(
-    dense: Mapping[str, torch.Tensor], kept: dict[str, QuantizedWeight], kept_names: set[str]
+    dense: Mapping[str, torch.Tensor], kept: dict[str, QuantizedWeight], kept_names: set[str], installed: set[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """installed: kept tensors already in their modules (the vocabulary ones), not loaded again."""
     yield from dense.items()
     for name, weight in kept.items():
-        if name in _VOCAB_NAMES:
+        if name in installed:
             continue
         if name not in kept_names:
             yield name, weight.dequantize()

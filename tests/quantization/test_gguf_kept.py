@@ -141,3 +141,30 @@ def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0)
     answers = [llm.chat(question, params)[0].outputs[0] for llm in (dense, kept)]
     assert answers[0].token_ids == answers[1].token_ids and "Paris" in answers[1].text
+
+
+def test_vocabulary_tensors_stay_quantized_unless_switched_off(tiny_path: Path, tiny_llms: tuple[LLM, LLM]) -> None:
+    """The file's Q8_0 embedding and Q4_0 head stay in their blocks (the head through the GEMV); switched off,
+    both are float again and the logits are the same up to float32 rounding."""
+    kept = tiny_llms[1].engine.local_model
+    assert kept.embed_tokens.kernel.bits == 8 and kept.lm_head.kernel.bits == 4
+    assert not hasattr(kept.embed_tokens, "weight") and not hasattr(kept.lm_head, "weight")
+    float_vocab = LLM(str(tiny_path), quantization="gguf", quantize_lm_head=False, **ENGINE)
+    model = float_vocab.engine.local_model
+    assert model.embed_tokens.kernel is None and model.lm_head.kernel is None
+    token_ids = list(range(3, 40))
+    torch.testing.assert_close(tiny_llms[1].engine.score(token_ids), float_vocab.engine.score(token_ids),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_rtn_quantizes_the_vocabulary_rows_to_int8(tiny_llama_dir) -> None:
+    folder = str(tiny_llama_dir[0])
+    quantized = LLM(folder, quantization="w8a16", **ENGINE)
+    float_head = LLM(folder, quantization="w8a16", quantize_lm_head=False, **ENGINE)
+    model = quantized.engine.local_model
+    assert model.embed_tokens.kernel.bits == 8 and model.lm_head.kernel.bits == 8
+    assert float_head.engine.local_model.lm_head.kernel is None
+    token_ids = list(range(3, 60))
+    ours, reference = quantized.engine.score(token_ids), float_head.engine.score(token_ids)
+    assert (ours - reference).abs().max() <= 2e-2 * reference.abs().max()
+    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
