@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvforge.server.app import ServerConfig
 from tests.server.harness import ServerThread, start_tiny_server
 
 TIMEOUTS = {"body_read_timeout": 1.0, "keep_alive_timeout": 1.0, "shutdown_timeout": 1.0}
@@ -89,3 +90,9 @@ def test_shutdown_ends_requests_at_its_deadline(tiny_model_dir: Path) -> None:
     assert all("choices" in json.loads(e) for e in events[:-1]) and len(events) < 100
     assert plain.status_code == 503 and "shut down" in plain.json()["error"]["message"]
     assert plain.headers["Retry-After"] == "1"
+
+
+@pytest.mark.parametrize("name", ["body_read_timeout", "keep_alive_timeout", "shutdown_timeout"])
+def test_timeouts_must_be_positive(name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be > 0 seconds, got 0"):
+        ServerConfig(("tiny",), **{name: 0})
