@@ -36,9 +36,11 @@ def cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         logger.debug("loading the CPU kernels (the first use on a machine compiles them, ~1 min)")
-        # NOTE: a digest of the sources in the name: two checkouts with different kernels never share (and
-        # rebuild over each other) one build folder, nor load each other's module.
-        digest = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES)).hexdigest()[:12]
+        # NOTE: a digest of the sources and of their folder in the name: two checkouts never share (and
+        # rebuild over each other) one build folder, nor load each other's module; torch rebuilds a module
+        # whose source paths changed, even when their contents are the same.
+        folder = str(_SOURCES[0].parent).encode()
+        digest = hashlib.sha256(b"".join([folder, *(s.read_bytes() for s in _SOURCES)])).hexdigest()[:12]
         module = load(
             name=f"kvforge_cpu_kernels_{digest}",
             sources=[str(s) for s in _SOURCES],
