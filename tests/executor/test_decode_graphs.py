@@ -14,7 +14,7 @@ from kvforge.kernels.cpu_extension import cpu_kernels
 from tests.models.test_moe_vs_transformers import build_moe_model
 from tests.tiny_models import save_model, save_tokenizer
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="compiled CPU steps need the C++ CPU kernels")
+needs_cpu_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="compiled CPU steps need the C++ CPU kernels")
 
 BUCKETS = (1, 2, 4, 8, 16)
 
@@ -41,6 +41,7 @@ def _assert_same(compiled, eager) -> None:
                 assert abs(entry.logprob - eager_position[token_id].logprob) < 1e-4
 
 
+@needs_cpu_kernels
 def test_compiled_llama_matches_eager_across_buckets(tiny_llama_dir) -> None:
     folder = str(tiny_llama_dir[0])
     prompts = _prompts(17, 390)
@@ -54,6 +55,7 @@ def test_compiled_llama_matches_eager_across_buckets(tiny_llama_dir) -> None:
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_usable_blocks
 
 
+@needs_cpu_kernels
 def test_compiled_steps_survive_preemption(tiny_llama_dir) -> None:
     folder = str(tiny_llama_dir[0])
     prompts = _prompts(6, 390)
@@ -77,6 +79,7 @@ def tiny_folder(request, tmp_path_factory) -> str:
     return str(folder)
 
 
+@needs_cpu_kernels
 def test_compiled_families_match_eager(tiny_folder: str) -> None:
     """NOTE: DeepSeek's latent attention syncs the host on the CPU (its decode reference sizes the gathered
     context by the longest sequence): it cannot be traced, and its decode steps run eagerly, unchanged."""
@@ -88,3 +91,20 @@ def test_compiled_families_match_eager(tiny_folder: str) -> None:
     _assert_same(compiled, eager)
     traced = "deepseek" not in tiny_folder
     assert llm.engine.runner.decode_graphs.compiled_buckets == ((2, 4) if traced else ())
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_eager_tokens(tiny_llama_dir) -> None:
+    """On a GPU each bucket's compiled step is captured as a CUDA/HIP graph and replayed."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm device")
+    folder = str(tiny_llama_dir[0])
+    prompts = _prompts(5, 390)
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=2) for i in range(5)]
+    options = dict(device="cuda", dtype="float32", kv_cache_memory="64MiB", compile_buckets=(1, 2, 4, 8))
+    llm, compiled = _generate(folder, prompts, params, compile_after=0, **options)
+    _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
+    _assert_same(compiled, eager)
+    assert llm.engine.runner.decode_graphs.compiled_buckets == (1, 2, 4, 8)
