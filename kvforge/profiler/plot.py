@@ -10,7 +10,7 @@ from kvforge.profiler.timeline import StepProfile
 
 # Bar segments: op classes grouped so that a dozen colours tell them apart.
 GROUPS = {
-    "GEMMs": ("gemm.qkv", "gemm.o", "gemm.mlp"),
+    "GEMMs": ("gemm.qkv", "gemm.o", "gemm.mlp", "gemm.compiled"),
     "LM head": ("gemm.lm_head",),
     "attention": ("attention.prefill", "attention.decode"),
     "cache write": ("cache_write",),
@@ -61,11 +61,11 @@ def _roofline(ax, profile: Profile) -> None:
     peak_gflops, bandwidth = peaks.tflops * 1e3, peaks.bandwidth_gbs
     xs = [2.0**e for e in range(-6, 13)]
     ax.loglog(xs, [min(peak_gflops, bandwidth * x) for x in xs], "k-", label="roof")
-    markers = {"decode": "o", "prefill": "^", "mixed": "s"}
+    markers = {"decode": "o", "decode (compiled)": "D", "prefill": "^", "mixed": "s"}
     for kind, summary in profile.summaries.get(0, {}).items():
         for v in summary.verdicts:
             if v.flops > 0 and v.bytes > 0 and v.seconds > 0:
-                ax.loglog(v.intensity, v.gflops_per_s, markers[kind], color="C0" if kind == "decode" else "C3")
+                ax.loglog(v.intensity, v.gflops_per_s, markers[kind], color="C0" if kind.startswith("decode") else "C3")
                 ax.annotate(f"{v.label} ({kind[0]})", (v.intensity, v.gflops_per_s), fontsize=6)
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("achieved GFLOP/s")
@@ -81,7 +81,7 @@ def write_png(profile: Profile, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = profile.ranks.get(0, [])
+    steps = [s for s in profile.ranks.get(0, []) if not s.compiling]  # a compiling step times the compiler
     decode = [s for s in steps if s.kind == "decode"]
     prefill = [s for s in steps if s.kind in ("prefill", "mixed")]
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))

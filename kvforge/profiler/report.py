@@ -11,7 +11,12 @@ from kvforge.profiler.op_classes import HOST_CLASSES, MODEL_CLASSES
 from kvforge.profiler.roofline import OVERHEAD_FRACTION, StepSummary, summarize
 from kvforge.profiler.timeline import StepProfile
 
-KINDS = ("decode", "prefill", "mixed")
+KINDS = ("decode", "decode (compiled)", "prefill", "mixed")
+
+
+def summary_kind(step: StepProfile) -> str:
+    """Compiled and eager decode steps are summarized apart (their op classes differ)."""
+    return f"{step.kind} (compiled)" if step.compiled and step.kind == "decode" else step.kind
 
 
 @dataclass(slots=True)
@@ -29,8 +34,8 @@ class Profile:
     def __post_init__(self) -> None:
         for rank, steps in self.ranks.items():
             measured = [s for s in steps if not s.compiling]
-            self.summaries[rank] = {kind: summarize(kind, [s for s in measured if s.kind == kind], self.peaks)
-                                    for kind in KINDS if any(s.kind == kind for s in measured)}
+            self.summaries[rank] = {kind: summarize(kind, [s for s in measured if summary_kind(s) == kind], self.peaks)
+                                    for kind in KINDS if any(summary_kind(s) == kind for s in measured)}
 
 
 def coverage(steps: list[StepProfile]) -> tuple[float, float]:
