@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -144,7 +145,7 @@ def install_collectives(installed: Installed) -> None:
         if not module_name.startswith("kvforge.") or module_name.startswith("kvforge.profiler"):
             continue
         for attr, value in list(vars(module).items()):
-            label = originals.get(value) if callable(value) else None
+            label = originals.get(value) if isinstance(value, types.FunctionType) else None
             if label is not None:
                 installed.patch(module, attr, ranged(value, label))
 

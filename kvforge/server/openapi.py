@@ -44,9 +44,11 @@ def _fix_operation(path: str, method: str, operation: dict[str, Any], authentica
         for status, description in _BODY_ERRORS.items():
             responses[status] = _error(description, retry_after=status == "503")
     if path in _STREAMING_PATHS:
-        responses["200"].setdefault("content", {})["text/event-stream"] = {
-            "schema": {"type": "string", "description": "Server-sent events: one chunk per `data:` line, "
-                                                        "then `data: [DONE]` (or an error event)"}}
+        responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {
+            "type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+            "required": ["data"],
+            "description": "Server-sent events: one JSON chunk per `data:` line, then `data: [DONE]` (or an error "
+                           "event)"}}
     if path == "/health":
         responses["200"]["content"] = {"application/json": {"schema": {
             "type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}}}

@@ -74,7 +74,9 @@ def measure_cpu_engine() -> None:
     torch.set_num_threads(2)
     cpu_kernels()  # NOTE: the compiled kernels' code (and a first-use build) is no part of the model's memory
     baseline = _resident_bytes("VmRSS")
-    llm = LLM(kv_cache_memory=KV_CACHE_MEMORY, device="cpu", max_num_seqs=NUM_SEQS)
+    # NOTE: eager: compiling the decode step adds the compiler's own memory to the process once (a compiled run
+    # peaked at 958 MiB of growth against this estimate's 834), which is no part of the engine's tensors
+    llm = LLM(kv_cache_memory=KV_CACHE_MEMORY, device="cpu", max_num_seqs=NUM_SEQS, enforce_eager=True)
     _resident_bytes("VmRSS")  # hand the loader's freed buffers back before the peak is reset
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # VmHWM restarts from the current resident size

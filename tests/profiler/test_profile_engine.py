@@ -11,7 +11,7 @@ from kvforge.profiler.session import profile_engine
 
 # NOTE: wider than tests/tiny_models.py's default, so that its matmuls, not Python, take most of a step (as in
 # real models): 2 layers, 8 query heads and 4 KV heads of 64
-HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 512, 1536, 2, 8, 4, 64
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 1024, 3072, 2, 16, 4, 64
 QKV_ROWS = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 FP32 = 4
 
@@ -21,7 +21,7 @@ def eager_llm(tmp_path_factory):
     from kvforge import LLM
     from tests.tiny_models import save_model
 
-    folder = tmp_path_factory.mktemp("llama-512")
+    folder = tmp_path_factory.mktemp("llama-1024")
     save_model(folder, "llama", hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=HEADS,
                num_key_value_heads=KV_HEADS)
     llm = LLM(str(folder), kv_cache_memory="16MiB", enforce_eager=True)
