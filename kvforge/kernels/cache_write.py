@@ -38,14 +38,8 @@ def reshape_and_cache_ref(
     if slots.numel() > 0 and int(slots.min()) < 0:  # padding tokens: nothing to write
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    if key_scale is None or value_scale is None:
-        _write_slots(key_cache, slots, key.to(key_cache.dtype))
-        _write_slots(value_cache, slots, value.to(value_cache.dtype))
-        return
-    for new, cache, scale in ((key, key_cache, key_scale), (value, value_cache, value_scale)):
-        codes, scales = quantize_kv(new, cache.dtype)
-        _write_slots(cache, slots, codes)
-        _write_slots(scale, slots, scales)
+    for new, cache in _cache_rows(key, value, key_cache, value_cache, key_scale, value_scale):
+        _write_slots(cache, slots, new)
 
 
 def reshape_and_cache_cpu(
@@ -60,14 +54,23 @@ def reshape_and_cache_cpu(
     """reshape_and_cache_ref through the C++ row copy (needs cpu_kernels()): no host sync, so it traces into
     a compiled step; negative slots (padding tokens) are skipped by the kernel."""
     slots = slot_mapping.long()
+    for new, cache in _cache_rows(key, value, key_cache, value_cache, key_scale, value_scale):
+        torch.ops.kvforge_cpu.cache_write(new.contiguous(), cache, slots)
+
+
+def _cache_rows(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """(rows in the cache's dtype, cache tensor) for every tensor a write fills: keys and values, or their
+    codes and scales for a quantized cache."""
     if key_scale is None or value_scale is None:
-        rows = ((key, key_cache), (value, value_cache))
-    else:
-        (key_codes, key_scales), (value_codes, value_scales) = (quantize_kv(x, key_cache.dtype) for x in (key, value))
-        rows = ((key_codes, key_cache), (key_scales, key_scale),
-                (value_codes, value_cache), (value_scales, value_scale))
-    for new, cache in rows:
-        torch.ops.kvforge_cpu.cache_write(new.to(cache.dtype).contiguous(), cache, slots)
+        return [(key.to(key_cache.dtype), key_cache), (value.to(value_cache.dtype), value_cache)]
+    rows = []
+    for new, cache, scale in ((key, key_cache, key_scale), (value, value_cache, value_scale)):
+        codes, scales = quantize_kv(new, cache.dtype)
+        rows += [(codes, cache), (scales, scale)]
+    return rows
 
 
 def _write_slots(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:

@@ -69,6 +69,19 @@ def test_compiled_steps_survive_preemption(tiny_llama_dir) -> None:
     assert llm.engine.runner.decode_graphs.compiled_buckets
 
 
+@needs_cpu_kernels
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_compiled_steps_write_and_read_a_quantized_cache(tiny_llama_dir, kv_cache_dtype: str) -> None:
+    folder = str(tiny_llama_dir[0])
+    prompts = _prompts(3, 390)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 9, 12)]
+    options = dict(kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype, compile_buckets=(4,))
+    llm, compiled = _generate(folder, prompts, params, compile_after=0, **options)
+    _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
+    assert [t for t, _ in compiled] == [t for t, _ in eager]
+    assert llm.engine.runner.decode_graphs.compiled_buckets == (4,)
+
+
 @pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "mixtral", "deepseek_v3"])
 def tiny_folder(request, tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp(f"compiled-{request.param}")
