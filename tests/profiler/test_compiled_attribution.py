@@ -14,19 +14,19 @@ from kvforge.profiler.work import Inventory
 
 
 def test_a_compiled_step_is_split_by_kernel_names() -> None:
-    linear = torch.nn.Linear(256, 256)
+    linear = torch.nn.Linear(1024, 1024)  # NOTE: large enough that the kernels dominate the call overhead
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with span("gemm.qkv"):  # inside the graph: dynamo drops it
             return torch.relu(linear(x)) * 2 + 1
 
     step = torch.compile(forward, fullgraph=True, dynamic=False)
-    x = torch.randn(8, 256)
+    x = torch.randn(64, 1024)
     with torch.inference_mode(), profile() as prof:
         for _ in range(4):
             with span(STEP), span(MODEL), span("fused"):  # as the runner wraps its compiled decode step
                 step(x)
-    first, *steps = step_profiles(prof.events(), [], Inventory(act_bytes=4, hidden=256))
+    first, *steps = step_profiles(prof.events(), [], Inventory(act_bytes=4, hidden=1024))
     assert first.compiling and not any(s.compiling for s in steps)
     for s in steps:
         assert s.compiled and s.seconds["gemm.compiled"] > 0 and s.seconds["fused"] > 0
