@@ -13,7 +13,7 @@ from kvforge.config import EngineConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sample_group import SampleGroup, logprob_decoder
-from kvforge.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from kvforge.engine.scheduler import NewRequest, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
 from kvforge.engine.stats import CacheStats, EngineStats
 from kvforge.executor.executor import create_executor
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
@@ -154,12 +154,13 @@ class LLMEngine:
         if not self.kv_cache_manager.allocate_slots(request, len(token_ids)):
             raise ValueError("not enough free KV cache blocks to score this sequence now")
         try:
-            scheduled = ScheduledRequest(request.request_id, token_ids, 0,
-                                         self.kv_cache_manager.get_block_table(request.request_id),
-                                         request.sampling_params, token_ids, [], False, [])
+            request_id = request.request_id
+            new = NewRequest(request_id, token_ids, len(token_ids), request.sampling_params)
+            scheduled = ScheduledRequest(request_id, token_ids, 0, self.kv_cache_manager.get_block_table(request_id),
+                                         len(token_ids), False, [])
             if self.in_flight:
                 raise ValueError("cannot score while steps are in flight; call step() until they finish")
-            return self.executor.score(SchedulerOutput(scheduled=[scheduled]))
+            return self.executor.score(SchedulerOutput(scheduled=[scheduled], new_requests=[new]))
         finally:
             self.kv_cache_manager.free(request)
 

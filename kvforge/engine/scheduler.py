@@ -18,25 +18,39 @@ if TYPE_CHECKING:  # plain data; the runner's module imports torch, the schedule
 
 
 @dataclass(slots=True)
+class NewRequest:
+    """Sent to the runner once, when a request enters the running batch (again, after a preemption):
+    what it keeps for the request until the request finishes or is preempted."""
+
+    request_id: str
+    token_ids: list[int]  # the prompt and the tokens generated so far (a copy)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step: compute token_ids at positions num_computed_tokens onwards."""
+    """One request's share of a step: compute token_ids at positions num_computed_tokens onwards.
+
+    Only what changed since the request's previous step travels: its new tokens and the blocks its
+    table gained (the whole table in the step that sends it as a NewRequest)."""
 
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
-    block_table: list[int]
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    new_block_ids: list[int]
+    num_prompt_tokens: int
     needs_sample: bool
     banned_token_ids: list[int]  # stop tokens the sampler must not pick before min_tokens
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """Plain data for the model runner: what to compute this step and which requests are gone."""
+    """Plain data for the model runner: the requests it meets for the first time, what to compute this
+    step, and which requests are gone (finished, aborted or preempted: the runner forgets them)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
 
@@ -74,6 +88,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
+        # request id -> how many of its block ids the runner holds (present: the runner knows the request)
+        self.num_sent_blocks: dict[str, int] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -104,6 +120,7 @@ class Scheduler:
             if stop_reason is not None:
                 request.stop_reason = stop_reason
             self.kv.free(request)
+            self.num_sent_blocks.pop(request_id, None)
             self.finished_ids.append(request_id)
 
     def _chunk(self, request: Request, budget: int) -> int:
@@ -116,6 +133,7 @@ class Scheduler:
         index = max(i for i, r in enumerate(self.running) if r.request_id not in busy)
         victim = self.running.pop(index)
         self.kv.free(victim)
+        self.num_sent_blocks.pop(victim.request_id, None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -125,15 +143,19 @@ class Scheduler:
         return victim
 
     def _emit(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
-        start = request.num_computed_tokens
+        request_id, start = request.request_id, request.num_computed_tokens
+        num_sent = self.num_sent_blocks.get(request_id)
+        if num_sent is None:
+            output.new_requests.append(NewRequest(request_id, list(request.all_token_ids),
+                                                  request.num_prompt_tokens, request.sampling_params))
+        block_table = self.kv.get_block_table(request_id)
+        self.num_sent_blocks[request_id] = len(block_table)
         output.scheduled.append(ScheduledRequest(
-            request_id=request.request_id,
+            request_id=request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
-            block_table=self.kv.get_block_table(request.request_id),
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            new_block_ids=block_table[num_sent or 0 :],
+            num_prompt_tokens=request.num_prompt_tokens,
             needs_sample=start + num_new == request.num_tokens,
             banned_token_ids=self._banned_tokens(request),
         ))

@@ -13,6 +13,7 @@ from kvforge.distributed.communicator import recv_tensor, send_tensor
 from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvforge.executor.decode_graphs import DecodeGraphs
+from kvforge.executor.request_states import RequestStates
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
@@ -58,7 +59,7 @@ class ModelRunner:
         # kv_cache_spec: the model's, or the same stored as int8 / fp8 codes (KVCacheSpec.with_kv_cache_dtype)
         self.kv_caches = (kv_cache_spec or model.kv_cache_spec).allocate(num_blocks, block_size, dtype, device)
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.requests = RequestStates(device)
         # decode steps of up to the largest bucket run compiled (compilation None: every step eagerly)
         self.decode_graphs = None
         if compilation is not None:
@@ -73,10 +74,10 @@ class ModelRunner:
         np.cumsum(q_lens, out=query_start_loc[1:])
         computed = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
         seq_lens = (computed + q_lens).astype(np.int32)
-        max_blocks = max(len(s.block_table) for s in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for row, s in enumerate(scheduled):
-            block_tables[row, : len(s.block_table)] = s.block_table
+        tables = [self.requests[s.request_id].block_table for s in scheduled]
+        block_tables = np.zeros((len(scheduled), max(len(t) for t in tables)), dtype=np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = table
         # positions: per token, its index in its sequence
         seq_of_token = np.repeat(np.arange(len(scheduled)), q_lens)
         positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], q_lens) + computed[seq_of_token]
@@ -89,8 +90,8 @@ class ModelRunner:
         prompt_rows = {
             s.request_id: (int(query_start_loc[i]), int(q_lens[i]), s.num_computed_tokens)
             for i, s in enumerate(scheduled)
-            if s.sampling_params.prompt_logprobs is not None
-            and s.num_computed_tokens < len(s.prompt_token_ids) - 1
+            if self.requests[s.request_id].sampling_params.prompt_logprobs is not None
+            and s.num_computed_tokens < s.num_prompt_tokens - 1
         }
         to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         metadata = AttentionMetadata(
@@ -104,11 +105,8 @@ class ModelRunner:
                       prompt_rows)
 
     def _sampling_batch(self, requests: list[ScheduledRequest]) -> SamplingBatch:
-        params = [s.sampling_params for s in requests]
-        for s in requests:
-            seed = s.sampling_params.seed
-            if seed is not None and s.request_id not in self.generators:
-                self.generators[s.request_id] = torch.Generator(self.device).manual_seed(seed)
+        states = [self.requests[s.request_id] for s in requests]
+        params = [state.sampling_params for state in states]
         return SamplingBatch(
             temperatures=[p.temperature for p in params],
             top_ks=[p.top_k for p in params],
@@ -117,27 +115,25 @@ class ModelRunner:
             presence_penalties=[p.presence_penalty for p in params],
             frequency_penalties=[p.frequency_penalty for p in params],
             repetition_penalties=[p.repetition_penalty for p in params],
-            prompt_token_ids=[s.prompt_token_ids for s in requests],
-            output_token_ids=[s.output_token_ids for s in requests],
+            prompt_token_ids=[state.prompt_token_ids for state in states],
+            output_token_ids=[state.output_token_ids for state in states],
             banned_token_ids=[s.banned_token_ids for s in requests],
-            generators=[self.generators.get(s.request_id) for s in requests],
+            generators=[state.generator for state in states],
             num_logprobs=[p.logprobs for p in params],
         )
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch, scheduled: list[ScheduledRequest]
-                         ) -> dict[str, tuple[int, list[RawLogprobs]]]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch) -> dict[str, tuple[int, list[RawLogprobs]]]:
         """Logprobs of the prompt tokens that this step's chunk of each prompt predicts."""
         result = {}
-        by_id = {s.request_id: s for s in scheduled}
         for request_id, (first_row, num_rows, first_pos) in batch.prompt_rows.items():
-            s = by_id[request_id]
-            num_rows = min(num_rows, len(s.prompt_token_ids) - 1 - first_pos)
+            state = self.requests[request_id]
+            num_rows = min(num_rows, state.num_prompt_tokens - 1 - first_pos)
             logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
             if logits is None:  # a tensor-parallel peer of the sampling rank
                 continue
-            targets = torch.tensor(s.prompt_token_ids[first_pos + 1 : first_pos + 1 + num_rows],
+            targets = torch.tensor(state.token_ids[first_pos + 1 : first_pos + 1 + num_rows],
                                    device=logits.device)
-            num_logprobs = [s.sampling_params.prompt_logprobs] * num_rows
+            num_logprobs = [state.sampling_params.prompt_logprobs] * num_rows
             result[request_id] = (first_pos + 1, compute_logprobs(logits, targets, num_logprobs))
         return result
 
@@ -164,15 +160,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits_of_all_tokens(self, output: SchedulerOutput) -> torch.Tensor | None:
-        """fp32 logits at every scheduled token: [num_tokens, vocab]. Nothing is sampled."""
-        hidden = self._forward(self._prepare(output))
+        """fp32 logits at every scheduled token: [num_tokens, vocab]. Nothing is sampled, and the
+        runner forgets the output's requests afterwards."""
+        self.requests.update(output)
+        try:
+            hidden = self._forward(self._prepare(output))
+        finally:
+            self.requests.forget([s.request_id for s in output.scheduled])
         return None if hidden is None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. The only host sync is reading back the sampled ids (and logprobs if asked)."""
-        for request_id in output.finished_request_ids:
-            self.generators.pop(request_id, None)
+        self.requests.update(output)
         samples = self.parallel.rank == self.parallel.sampler_rank
         result = ModelRunnerOutput() if samples else None
         if not output.scheduled:
@@ -189,7 +189,7 @@ class ModelRunner:
             if hidden is None:
                 return result
             if batch.prompt_rows:
-                prompt_logprobs = self._prompt_logprobs(hidden, batch, output.scheduled)
+                prompt_logprobs = self._prompt_logprobs(hidden, batch)
                 if samples:
                     result.prompt_logprobs = prompt_logprobs
             if not batch.sample_rows:

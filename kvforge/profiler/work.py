@@ -120,7 +120,7 @@ def build_inventory(model: nn.Module, kv_caches: list, dtype: torch.dtype) -> In
 
 def batch_kind(output) -> str:
     """"prefill", "decode", "mixed" (both in one batch) or "empty", from a SchedulerOutput."""
-    prefill = [s.num_computed_tokens < len(s.prompt_token_ids) for s in output.scheduled]
+    prefill = [s.num_computed_tokens < s.num_prompt_tokens for s in output.scheduled]
     if not prefill:
         return "empty"
     return "prefill" if all(prefill) else "mixed" if any(prefill) else "decode"

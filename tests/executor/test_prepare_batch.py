@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvforge.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvforge.engine.scheduler import NewRequest, ScheduledRequest, SchedulerOutput
 from kvforge.executor.model_runner import ModelRunner
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
@@ -29,13 +29,22 @@ def _runner() -> ModelRunner:
 
 def _scheduled(request_id: str, token_ids: list[int], num_computed: int, block_table: list[int],
                prompt_len: int) -> ScheduledRequest:
-    prompt = list(range(prompt_len))
-    return ScheduledRequest(request_id, token_ids, num_computed, block_table, SamplingParams(), prompt, [],
+    return ScheduledRequest(request_id, token_ids, num_computed, block_table, prompt_len,
                             needs_sample=num_computed + len(token_ids) >= prompt_len, banned_token_ids=[])
 
 
+def _first_step(*scheduled: ScheduledRequest) -> SchedulerOutput:
+    """A step that meets every request for the first time (its tokens before the chunk are made up)."""
+    new = [NewRequest(s.request_id, list(range(s.num_computed_tokens)), s.num_prompt_tokens, SamplingParams())
+           for s in scheduled]
+    return SchedulerOutput(scheduled=list(scheduled), new_requests=new)
+
+
 def _prepare(*scheduled: ScheduledRequest) -> dict[str, list]:
-    batch = _runner()._prepare(SchedulerOutput(scheduled=list(scheduled)))
+    runner = _runner()
+    output = _first_step(*scheduled)
+    runner.requests.update(output)
+    batch = runner._prepare(output)
     metadata = batch.metadata
     return {
         "input_ids": batch.input_ids.tolist(),
@@ -83,8 +92,25 @@ def test_after_a_prefix_cache_hit_positions_start_past_the_cached_blocks():
 
 def test_slot_indices_past_two_to_the_31_do_not_overflow():
     """A block id near the top of a large cache: slot_mapping is int64."""
-    runner = _runner()
     big_block = 2**29 + 3  # * 4 slots per block > 2**31
-    batch = runner._prepare(SchedulerOutput(scheduled=[_scheduled("big", [1, 2], 0, [big_block], prompt_len=2)]))
+    got = _prepare(_scheduled("big", [1, 2], 0, [big_block], prompt_len=2))
+    assert got["slot_mapping"] == [big_block * 4, big_block * 4 + 1]
+
+
+def test_later_steps_carry_only_new_tokens_and_blocks():
+    """The runner keeps each request's tokens and block table: a decode sends one token and the
+    blocks its table gained; a preempted request comes back whole and its old state is gone."""
+    runner = _runner()
+    runner.requests.update(_first_step(_scheduled("a", [10, 11, 12, 13], 0, [3], prompt_len=4)))
+    step = SchedulerOutput(scheduled=[_scheduled("a", [50], 4, [6], prompt_len=4)])
+    runner.requests.update(step)
+    batch = runner._prepare(step)
+    state = runner.requests["a"]
+    assert state.token_ids == [10, 11, 12, 13, 50] and state.output_token_ids == [50]
+    assert batch.metadata.block_tables.tolist() == [[3, 6]] and batch.metadata.slot_mapping.tolist() == [24]
     assert batch.metadata.slot_mapping.dtype == torch.int64
-    assert batch.metadata.slot_mapping.tolist() == [big_block * 4, big_block * 4 + 1]
+    resumed = SchedulerOutput(scheduled=[_scheduled("a", [10, 11, 12, 13, 50], 0, [2, 5], prompt_len=4)],
+                              new_requests=[NewRequest("a", [10, 11, 12, 13, 50], 4, SamplingParams())],
+                              preempted_request_ids=["a"])
+    runner.requests.update(resumed)
+    assert runner.requests["a"].block_table == [2, 5] and runner.requests["a"].output_token_ids == [50]

@@ -1,0 +1,84 @@
+"""What the model runner keeps for each request between steps, so a step carries only what changed.
+
+The scheduler sends a request's prompt, generated tokens and sampling parameters once (a NewRequest,
+when it enters the running batch), then per step only the tokens to compute and the blocks its table
+gained. The runner forgets a request when it finishes, is aborted or is preempted (a preempted request
+comes back as a NewRequest).
+
+    token_ids     prompt + generated, up to the end of the latest scheduled chunk:
+                  [p0 p1 ... p(n-1) | o0 o1 ... ]   overwritten from num_computed_tokens onwards each step
+    block_table   append-only: each step extends it with the step's new_block_ids
+
+A seeded request's generator outlives a preemption (it is dropped when the request finishes), so its
+samples do not depend on whether it was preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvforge.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One request as the runner knows it."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_table: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def advance(self, scheduled: ScheduledRequest) -> None:
+        """Apply one step's share: its tokens replace whatever followed its first position."""
+        start = scheduled.num_computed_tokens
+        assert start <= len(self.token_ids), "a step starts past the tokens the runner holds"
+        del self.token_ids[start:]
+        self.token_ids.extend(scheduled.token_ids)
+        self.block_table.extend(scheduled.new_block_ids)
+
+
+class RequestStates:
+    """The runner's requests by id; `update(output)` applies a step's changes before it runs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.states: dict[str, RequestState] = {}
+        self.generators: dict[str, torch.Generator] = {}
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, request_id: str) -> RequestState:
+        return self.states[request_id]
+
+    def update(self, output: SchedulerOutput) -> None:
+        self.forget(output.finished_request_ids)
+        for request_id in output.preempted_request_ids:
+            self.states.pop(request_id, None)
+        for new in output.new_requests:
+            seed, request_id = new.sampling_params.seed, new.request_id
+            if seed is not None and request_id not in self.generators:
+                self.generators[request_id] = torch.Generator(self.device).manual_seed(seed)
+            self.states[request_id] = RequestState(list(new.token_ids), new.num_prompt_tokens, [],
+                                                   new.sampling_params, self.generators.get(request_id))
+        for scheduled in output.scheduled:
+            self.states[scheduled.request_id].advance(scheduled)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop finished requests (and their generators)."""
+        for request_id in request_ids:
+            self.states.pop(request_id, None)
+            self.generators.pop(request_id, None)
