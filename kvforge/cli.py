@@ -19,7 +19,7 @@ _BENCHMARKS = {
     "moe": ("kvforge.benchmarks.moe", "the MoE layer's CPU path against a per-expert loop"),
 }
 _SERVE_MODULE = "kvforge.server.cli"
-_QUANTIZE_MODULE = "kvforge.quantization.cli"
+_QUANTIZE_MODULE = "kvforge.quantize.cli"
 _PLAN_MODULE = "kvforge.plan.cli"
 _PROFILE_MODULE = "kvforge.profiler.cli"
 _COMPILE_MODULE = "kvforge.tools.cross_compile"

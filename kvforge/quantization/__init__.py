@@ -1,5 +1,5 @@
-"""Quantized weights and activations: formats (GPTQ, AWQ, W8A8, fp8, GGUF blocks), their runtime, and the
-quantizers."""
+"""Quantized weights and activations at run time: formats (GPTQ, AWQ, W8A8, fp8, GGUF blocks) and their
+linear methods. The offline quantizers that write such checkpoints live in kvforge.quantize."""
 
 from __future__ import annotations
 

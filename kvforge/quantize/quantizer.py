@@ -9,12 +9,12 @@ from tqdm import tqdm
 
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.quantization import quantizable_linears
-from kvforge.quantization.awq import apply_awq_scales
-from kvforge.quantization.calibration import calibration_sequences, collect_input_stats
 from kvforge.quantization.config import QuantConfig
-from kvforge.quantization.gptq import gptq_quantize
 from kvforge.quantization.quantized_weight import QuantizedWeight, quantize_rtn
 from kvforge.quantization.w8a8 import quantize_weight_int8
+from kvforge.quantize.awq import apply_awq_scales
+from kvforge.quantize.calibration import calibration_sequences, collect_input_stats
+from kvforge.quantize.gptq import gptq_quantize
 
 METHODS = ("rtn", "gptq", "awq", "w8a8")
 SMOOTHQUANT_ALPHA = 0.5

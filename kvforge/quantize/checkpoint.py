@@ -16,7 +16,7 @@ from kvforge.models.llama import _MERGED
 from kvforge.quantization.config import QuantConfig
 from kvforge.quantization.formats import AWQ_ORDER, pack_int32
 from kvforge.quantization.quantized_weight import QuantizedWeight
-from kvforge.quantization.quantizer import Int8Weight
+from kvforge.quantize.quantizer import Int8Weight
 from kvforge.tokenizer import Tokenizer
 
 _TOKENIZER_FILES = (

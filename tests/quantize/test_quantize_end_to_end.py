@@ -11,8 +11,8 @@ import torch
 
 from kvforge.cli import main
 from kvforge.llm import LLM
-from kvforge.quantization.checkpoint import checkpoint_tensors, write_checkpoint
-from kvforge.quantization.quantizer import QuantizeOptions, fake_quantize, quantize_engine_model
+from kvforge.quantize.checkpoint import checkpoint_tensors, write_checkpoint
+from kvforge.quantize.quantizer import QuantizeOptions, fake_quantize, quantize_engine_model
 from tests.tiny_models import save_model
 
 TEXT = (

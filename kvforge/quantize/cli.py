@@ -7,7 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-from kvforge.quantization.calibration import default_calibration_text
+from kvforge.quantize.calibration import default_calibration_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.llm import LLM
-    from kvforge.quantization.checkpoint import checkpoint_tensors, write_checkpoint
-    from kvforge.quantization.quantizer import QuantizeOptions, quantize_engine_model
+    from kvforge.quantize.checkpoint import checkpoint_tensors, write_checkpoint
+    from kvforge.quantize.quantizer import QuantizeOptions, quantize_engine_model
 
     bits = 8 if args.method == "w8a8" else args.bits
     options = QuantizeOptions(

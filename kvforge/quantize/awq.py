@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvforge.quantization.calibration import InputStats
 from kvforge.quantization.quantized_weight import quantize_rtn
+from kvforge.quantize.calibration import InputStats
 
 GRID = 20
 
