@@ -78,8 +78,8 @@ class Inventory:
 
 
 def _stored_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(recurse=False),
-                                                       *module.buffers(recurse=False)))
+    """Bytes a layer stores: its own tensors and its quantized kernel's (a submodule of a Linear)."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def _layer_cache_bytes(kv_cache: tuple[torch.Tensor, ...]) -> int:

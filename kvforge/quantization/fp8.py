@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvforge.platforms import current_platform
 from kvforge.quantization.linear_method import LinearMethod, drop_parameters
@@ -72,12 +73,41 @@ def fp8_scaled_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, un
     return (out * x_scales * scales).to(x.dtype)
 
 
-def select_fp8_kernel(device: torch.device, out_features: int, in_features: int) -> str:
-    """The layer's kernel: "scaled_mm" where the device multiplies fp8 and the shape suits _scaled_mm
-    (both widths multiples of 16), else "dequant"."""
-    if device.type != "cuda" or out_features % 16 or in_features % 16:
-        return "dequant"
-    return "scaled_mm" if current_platform().has_native_fp8 else "dequant"
+class Fp8DequantKernel(nn.Module):
+    """The weight dequantized to the activation dtype at each call, then F.linear (the CPU, older GPUs)."""
+
+    name = "dequant"
+
+    def prepare(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.register_buffer("codes", codes.contiguous(), persistent=False)  # [N, K] float8_e4m3fn
+        self.register_buffer("scales", scales.contiguous(), persistent=False)  # [N] float32
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize_fp8(self.codes, self.scales, x.dtype))
+
+
+class Fp8ScaledMMKernel(Fp8DequantKernel):
+    """Activations quantized to fp8 per token, torch._scaled_mm with fp32 accumulation (fp8 GPUs)."""
+
+    name = "scaled_mm"
+
+    def prepare(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        # NOTE: the MI300 multiplies its own e4m3 variant (Platform.fp8_dtype), not the checkpoints' e4m3fn
+        if current_platform().fp8_dtype == torch.float8_e4m3fnuz:
+            codes, scales = to_fnuz(codes, scales)
+        super().prepare(codes, scales)
+        self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32), persistent=False)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_scaled_mm(x, self.codes, self.scales, self.unit_scale)
+
+
+def select_fp8_kernel(device: torch.device, out_features: int, in_features: int) -> Fp8DequantKernel:
+    """The layer's kernel: _scaled_mm where the device multiplies fp8 and the shape suits it (both widths
+    multiples of 16), else dequantize + F.linear."""
+    if device.type != "cuda" or out_features % 16 or in_features % 16 or not current_platform().has_native_fp8:
+        return Fp8DequantKernel()
+    return Fp8ScaledMMKernel()
 
 
 def fp8_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -127,22 +157,12 @@ class Fp8Method(LinearMethod):
         else:
             codes, scales = layer.weight.data, layer.weight_scale.data.float()
         drop_parameters(layer, *[n for n, _ in layer.named_parameters(recurse=False) if n != "bias"])
-        layer.quant_kernel = select_fp8_kernel(layer.param_device, layer.out_features, layer.in_features)
-        # NOTE: the MI300 multiplies its own e4m3 variant (Platform.fp8_dtype), not the checkpoints' e4m3fn
-        if layer.quant_kernel == "scaled_mm" and current_platform().fp8_dtype == torch.float8_e4m3fnuz:
-            codes, scales = to_fnuz(codes, scales)
-        layer.register_buffer("w_fp8", codes.contiguous(), persistent=False)
-        layer.register_buffer("w_scales", scales.contiguous(), persistent=False)
-        if layer.quant_kernel == "scaled_mm":
-            unit = torch.ones((), dtype=torch.float32, device=layer.param_device)
-            layer.register_buffer("w_unit_scale", unit, persistent=False)
+        kernel = select_fp8_kernel(layer.param_device, layer.out_features, layer.in_features)
+        kernel.prepare(codes, scales)
+        layer.kernel = kernel.to(layer.param_device)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
-        if layer.quant_kernel == "scaled_mm":
-            out = fp8_scaled_mm(rows, layer.w_fp8, layer.w_scales, layer.w_unit_scale)
-        else:
-            out = F.linear(rows, dequantize_fp8(layer.w_fp8, layer.w_scales, rows.dtype))
+        out = layer.kernel.apply(x.reshape(-1, x.shape[-1]))  # [num_tokens, out_features]
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])

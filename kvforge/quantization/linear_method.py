@@ -86,6 +86,5 @@ def install_weight_only(layer: Linear, weight: QuantizedWeight) -> None:
     """Store weight in the layout of the fastest kernel for the layer's device, drop the float weight."""
     device, dtype = layer.param_device, layer.param_dtype
     drop_parameters(layer, *[name for name, _ in layer.named_parameters(recurse=False) if name != "bias"])
-    layer.bits, layer.group_size = weight.bits, weight.group_size
     layer.register_buffer("w_perm", None if weight.perm is None else weight.perm.to(device), persistent=False)
     layer.kernel = select_kernel(weight, device, dtype, current_ops())

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvforge.kernels.int8_gemm import INT8_MAX, quantize_per_token_ref
-from kvforge.kernels.ops import current_ops
+from kvforge.kernels.ops import OpTable, current_ops
 from kvforge.quantization import cpu_gemm
 from kvforge.quantization.linear_method import LinearMethod, drop_parameters
 
@@ -71,40 +72,66 @@ class W8A8Method(LinearMethod):
             codes, scales = layer.weight.data, layer.weight_scale.data.float()
             inv_smooth = 1.0 / layer.smooth_factor.data.float() if self.smoothquant else None
         drop_parameters(layer, *[n for n, _ in layer.named_parameters(recurse=False) if n != "bias"])
-        layer.register_buffer("w_codes", codes.contiguous(), persistent=False)
-        layer.register_buffer("w_scales", scales.contiguous(), persistent=False)
         layer.register_buffer(
             "inv_smooth", None if inv_smooth is None else inv_smooth.to(layer.param_dtype), persistent=False
         )
         ops = current_ops()
-        layer.quant_kernel = "cpu" if layer.param_device.type == "cpu" and ops.backend == "torch" else "int8"
-        layer.int8_gemm = ops.int8_gemm
+        on_cpu = layer.param_device.type == "cpu" and ops.backend == "torch"
+        kernel = CpuInt8Kernel() if on_cpu else Int8GemmKernel(ops)
+        kernel.prepare(codes, scales)
+        layer.kernel = kernel.to(layer.param_device)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
         if layer.inv_smooth is not None:
             rows = rows * layer.inv_smooth
-        codes, token_scales = quantize_per_token_ref(rows)  # [M, K] int8, [M]
-        if layer.quant_kernel == "int8":
-            out = layer.int8_gemm(codes, layer.w_codes, token_scales, layer.w_scales, x.dtype)
-        else:
-            out = _cpu_int8_gemm(codes, layer.w_codes, token_scales, layer.w_scales).to(x.dtype)
+        out = layer.kernel.apply(rows)
         if layer.bias is not None:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _cpu_int8_gemm(
-    codes: torch.Tensor, weight: torch.Tensor, token_scales: torch.Tensor, weight_scales: torch.Tensor
-) -> torch.Tensor:
+class Int8Kernel(nn.Module):
+    """Base: int8 weight codes and their per-row scales; apply(x) quantizes x per token and multiplies."""
+
+    name = ""
+
+    def prepare(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.register_buffer("codes", codes.contiguous(), persistent=False)  # [N, K] int8
+        self.register_buffer("scales", scales.contiguous(), persistent=False)  # [N] float32
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8GemmKernel(Int8Kernel):
+    """The op table's int8 x int8 GEMM (Triton on GPUs)."""
+
+    name = "int8"
+
+    def __init__(self, ops: OpTable) -> None:
+        super().__init__()
+        self.int8_gemm = ops.int8_gemm
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x_codes, token_scales = quantize_per_token_ref(x)  # [M, K] int8, [M]
+        return self.int8_gemm(x_codes, self.codes, token_scales, self.scales, x.dtype)
+
+
+class CpuInt8Kernel(Int8Kernel):
     """int8 x int8 on the CPU, where torch._int_mm is slower than float GEMMs (measured 14-50 ms at
     M=64 for the default model's shapes, against 0.5-1.8 ms for fp32 F.linear).
 
     NOTE: int8 codes are exact in bfloat16 and float32, so int8pack (bf16 activations) and F.linear
     on the codes compute the integer dot products; only the rescale rounds."""
-    if codes.shape[0] <= cpu_gemm.INT8PACK_MAX_TOKENS and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        out = torch.ops.aten._weight_int8pack_mm(
-            codes.to(torch.bfloat16), weight, weight_scales.to(torch.bfloat16)
-        )
-        return out.float() * token_scales[:, None]
-    return F.linear(codes.float(), weight.float()) * token_scales[:, None] * weight_scales
+
+    name = "cpu"
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x_codes, token_scales = quantize_per_token_ref(x)
+        if x_codes.shape[0] <= cpu_gemm.INT8PACK_MAX_TOKENS and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+            out = torch.ops.aten._weight_int8pack_mm(x_codes.to(torch.bfloat16), self.codes,
+                                                     self.scales.to(torch.bfloat16))
+            return (out.float() * token_scales[:, None]).to(x.dtype)
+        out = F.linear(x_codes.float(), self.codes.float()) * token_scales[:, None] * self.scales
+        return out.to(x.dtype)

@@ -55,17 +55,18 @@ def _layer(method: Fp8Method, weight: torch.Tensor, bias: torch.Tensor) -> Linea
 @pytest.mark.parametrize("num_tokens", [1, 33])
 def test_layer_matches_the_float_reference(monkeypatch, kernel: str, num_tokens: int) -> None:
     """The CPU's "dequant" path, and the fp8 GPUs' "scaled_mm" path run here on torch's CPU _scaled_mm."""
-    monkeypatch.setattr(fp8, "select_fp8_kernel", lambda *args: kernel)
+    kernels = {"dequant": fp8.Fp8DequantKernel, "scaled_mm": fp8.Fp8ScaledMMKernel}
+    monkeypatch.setattr(fp8, "select_fp8_kernel", lambda *args: kernels[kernel]())
     torch.manual_seed(num_tokens)
     weight, bias, x = torch.randn(96, 128), torch.randn(96), torch.randn(num_tokens, 128)
     layer = _layer(Fp8Method(from_float=True), weight, bias)
-    assert layer.quant_kernel == kernel and layer.w_fp8.dtype == torch.float8_e4m3fn
+    assert layer.kernel.name == kernel and layer.kernel.codes.dtype == torch.float8_e4m3fn
     assert not hasattr(layer, "weight")
     expected = x @ weight.t() + bias
     error = (layer(x) - expected).abs()
     magnitude = x.abs() @ weight.abs().t()
     if kernel == "dequant":  # only the weights are rounded
-        bound = x.abs() @ weight_error_bound(weight, layer.w_scales).t() + 1e-4
+        bound = x.abs() @ weight_error_bound(weight, layer.kernel.scales).t() + 1e-4
     else:  # activations too, per token
         bound = 2.2 * RELATIVE_STEP * magnitude + 1e-2
     assert (error <= bound).all()
@@ -122,7 +123,7 @@ def test_fp8_math_only_where_the_device_has_it(kind: str, arch: str, supported: 
 
 
 def test_cpu_layers_store_fp8_and_dequantize() -> None:
-    assert fp8.select_fp8_kernel(torch.device("cpu"), 64, 64) == "dequant"
+    assert fp8.select_fp8_kernel(torch.device("cpu"), 64, 64).name == "dequant"
 
 
 def test_checkpoint_scales_become_per_channel_vectors() -> None:
@@ -168,6 +169,6 @@ def test_layer_on_the_gpu() -> None:
     layer.set_quant_method(Fp8Method(from_float=True))
     layer.quant_method.process_weights_after_loading(layer)
     supported = current_platform().has_native_fp8
-    assert layer.quant_kernel == ("scaled_mm" if supported else "dequant")
+    assert layer.kernel.name == ("scaled_mm" if supported else "dequant")
     out = layer(x.cuda().bfloat16()).float().cpu()
     assert ((out - x @ weight.t()).abs() <= 2.2 * RELATIVE_STEP * (x.abs() @ weight.abs().t()) + 0.05).all()

@@ -68,7 +68,7 @@ def greedy(llm: LLM, prompts: list[dict]) -> list[list[int]]:
 def test_online_fp8_tokens_and_perplexity_follow_float(runs: dict[str, LLM]) -> None:
     reference, quantized = runs["float"], runs["fp8"]
     layer = quantized.engine.local_model.layers[0].self_attn.qkv_proj
-    assert layer.w_fp8.dtype == torch.float8_e4m3fn and layer.quant_kernel == "dequant"
+    assert layer.kernel.codes.dtype == torch.float8_e4m3fn and layer.kernel.name == "dequant"
     token_ids = reference.get_tokenizer().encode(TEXT)
     prompts = [{"prompt_token_ids": token_ids[i : i + 8]} for i in range(0, 64, 8)]
     pairs = list(zip(greedy(reference, prompts), greedy(quantized, prompts)))
@@ -86,14 +86,14 @@ def test_fp8_checkpoint_loads(
     folder = write_fp8_checkpoint(tmp_path, float_dir[1], per_channel)
     loaded = LLM(str(folder), **ENGINE)
     layer = loaded.engine.local_model.layers[0].self_attn.qkv_proj
-    assert layer.w_fp8.dtype == torch.float8_e4m3fn and not hasattr(layer, "input_scale")
+    assert layer.kernel.codes.dtype == torch.float8_e4m3fn and not hasattr(layer, "input_scale")
     token_ids = loaded.get_tokenizer().encode(TEXT)[:48]
     logits = loaded.engine.score(token_ids)
     if per_channel:  # the same codes and scales as quantizing the float checkpoint at load time
         torch.testing.assert_close(logits, runs["fp8"].engine.score(token_ids), rtol=0, atol=1e-5)
     else:  # one scale per q/k/v shard: the merged layer keeps each
-        q_rows = layer.w_scales[: layer.shard_sizes[0]]
-        assert torch.equal(q_rows, q_rows[:1].expand_as(q_rows)) and layer.w_scales.unique().numel() == 3
+        q_rows = layer.kernel.scales[: layer.shard_sizes[0]]
+        assert torch.equal(q_rows, q_rows[:1].expand_as(q_rows)) and layer.kernel.scales.unique().numel() == 3
     float_logits = runs["float"].engine.score(token_ids)
     assert (logits - float_logits).abs().max() < 0.1 * float_logits.abs().max()
     assert (logits.argmax(-1) == float_logits.argmax(-1)).float().mean() > 0.85

@@ -79,7 +79,7 @@ def test_merged_layer_computes_with_the_gguf_weights(num_tokens: int, shard_type
             layer.load_shard(name, shard, getattr(weight, name))
         layer.load_shard("bias", shard, bias[64 * shard : 64 * (shard + 1)])
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.bits == bits and not hasattr(layer, "codes") and not hasattr(layer, "weight")
+    assert layer.kernel.bits == bits and not hasattr(layer, "codes") and not hasattr(layer, "weight")
     reference = torch.from_numpy(np.concatenate([dequantize(d, q) for d, q in zip(shards, shard_types)]))
     x = torch.randn(num_tokens, 128)
     expected = x @ reference.t() + bias

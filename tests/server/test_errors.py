@@ -147,7 +147,7 @@ def test_engine_death_fails_pending_requests(tiny_model_dir: Path) -> None:
         step = engine.step
 
         def failing_step():  # the engine thread calls this: fail once the batch holds two requests
-            if len(engine.scheduler.running) + len(engine.scheduler.waiting) >= 2:
+            if (stats := engine.stats()).num_running + stats.num_waiting >= 2:
                 raise RuntimeError("simulated kernel failure")
             return step()
 
