@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels.quant_gemv_cpu import native_kernels_available, pack_weight, quant_linear_cpu
-from kvforge.quantization import cpu_gemm
+from kvforge.kernels.cpu import packed_gemm
+from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight, quant_linear_cpu
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: (N, K)
@@ -45,12 +45,12 @@ def _layer_calls(num_rows: int, in_features: int, generator: torch.Generator) ->
         native4 = pack_weight(int4.codes, int4.scales, int4.zeros, 4)
         calls["native int8"] = lambda x: quant_linear_cpu(x, *native8, 8)
         calls["native int4"] = lambda x: quant_linear_cpu(x, *native4, 4)
-    if cpu_gemm.int8pack_eligible(int8):
-        packed8 = cpu_gemm.prepack_int8(int8)
-        calls["int8pack"] = lambda x: cpu_gemm.int8pack_linear(x, *packed8)
-    if cpu_gemm.int4pack_eligible(int4):
-        packed4 = cpu_gemm.prepack_int4(int4)
-        calls["int4pack"] = lambda x: cpu_gemm.int4pack_linear(x, *packed4, GROUP_SIZE)
+    if packed_gemm.int8pack_eligible(int8):
+        packed8 = packed_gemm.prepack_int8(int8)
+        calls["int8pack"] = lambda x: packed_gemm.int8pack_linear(x, *packed8)
+    if packed_gemm.int4pack_eligible(int4):
+        packed4 = packed_gemm.prepack_int4(int4)
+        calls["int4pack"] = lambda x: packed_gemm.int4pack_linear(x, *packed4, GROUP_SIZE)
     return calls
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kvforge.cli import main as kvforge_main
 from kvforge.eval.perplexity import default_evaluation_text, perplexity
-from kvforge.kernels.cpu_extension import cpu_kernels
+from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.llm import LLM
 from kvforge.sampling_params import SamplingParams
 

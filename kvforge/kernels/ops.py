@@ -9,7 +9,7 @@ engine's ops (e.g. to time them), replace a layer's `ops` with `dataclasses.repl
 
 The Triton launchers are registered as `torch.library` custom ops (`torch.ops.kvforge.*`) with fake
 implementations, so torch.compile traces them as opaque nodes and CUDA graphs capture them; so are the C++
-CPU kernels (`torch.ops.kvforge_cpu.*`, kernels/cpu_extension.py). The torch backend binds the references
+CPU kernels (`torch.ops.kvforge_cpu.*`, kernels/cpu/extension.py). The torch backend binds the references
 directly: they are plain torch code that compile traces through, and a Python custom op in front of them
 only adds dispatch time on the CPU hot path (measured: 25-100 us per call on a 2-core CPU, against 50-130
 us for the rms_norm reference itself).
@@ -27,12 +27,12 @@ import torch
 
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kvforge.kernels.cache_write import reshape_and_cache_cpu, reshape_and_cache_ref, reshape_and_cache_triton
-from kvforge.kernels.cpu_extension import cpu_kernels
+from kvforge.kernels.cpu.extension import cpu_kernels
+from kvforge.kernels.cpu.paged_attention import paged_attention_cpu, paged_decode_cpu
 from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_triton
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton
 from kvforge.kernels.mla_decode import mla_decode_ref, mla_decode_triton
 from kvforge.kernels.paged_attention import paged_attention_triton
-from kvforge.kernels.paged_attention_cpu import paged_attention_cpu, paged_decode_cpu
 from kvforge.kernels.quant_gemm import quant_gemm_ref, quant_gemm_triton
 from kvforge.kernels.rms_norm import (
     fused_add_rms_norm_ref,

@@ -11,7 +11,7 @@ Weight layout (the "generic" layout every quantized checkpoint format is convert
     W[n, k] = (code[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]
 
 The CPU has faster paths than this layout allows (C++ kernels on codes laid out for AVX2, torch's
-prepacked int8/int4 GEMMs); see kvforge.quantization.cpu_gemm.
+prepacked int8/int4 GEMMs); see kvforge.kernels.cpu.packed_gemm.
 """
 
 from __future__ import annotations

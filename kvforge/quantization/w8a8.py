@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.kernels.cpu import packed_gemm
 from kvforge.kernels.int8_gemm import INT8_MAX, quantize_per_token_ref
 from kvforge.kernels.ops import OpTable, current_ops
-from kvforge.quantization import cpu_gemm
 from kvforge.quantization.linear_method import LinearMethod, drop_parameters
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class CpuInt8Kernel(Int8Kernel):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         x_codes, token_scales = quantize_per_token_ref(x)
-        if x_codes.shape[0] <= cpu_gemm.INT8PACK_MAX_TOKENS and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        if x_codes.shape[0] <= packed_gemm.INT8PACK_MAX_TOKENS and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
             out = torch.ops.aten._weight_int8pack_mm(x_codes.to(torch.bfloat16), self.codes,
                                                      self.scales.to(torch.bfloat16))
             return (out.float() * token_scales[:, None]).to(x.dtype)

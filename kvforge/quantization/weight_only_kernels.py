@@ -6,12 +6,12 @@ Each kernel is a small module holding the weight in the layout it streams best:
     apply(x)           x [M, K] float -> x W^T [M, N] in x's dtype
     gather_rows(ids)   rows W[ids] [len(ids), K] float32 (an embedding lookup that dequantizes only those rows)
 
-    native     the C++ AVX2 kernels (kernels/quant_gemv_cpu.py): 4- and 8-bit codes, any zero points
+    native     the C++ AVX2 kernels (kernels/cpu/quant_gemv.py): 4- and 8-bit codes, any zero points
     int8pack   torch's _weight_int8pack_mm: symmetric per-row 8-bit codes
     int4pack   torch's _weight_int4pack_mm_for_cpu: 4-bit, rows a multiple of 16, groups 32 to 256
     generic    the op table's quant_gemm (Triton on GPUs, dequantize + matmul on the CPU)
 
-`select_kernel` picks the first that fits the weight and the device (see quantization/cpu_gemm.py for the
+`select_kernel` picks the first that fits the weight and the device (see quantization/packed_gemm.py for the
 CPU measurements behind the order).
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.kernels.cpu import packed_gemm
+from kvforge.kernels.cpu.quant_gemv import pack_weight, quant_linear_cpu
 from kvforge.kernels.ops import OpTable
 from kvforge.kernels.quant_gemm import dequantize_ref, pack_codes
-from kvforge.kernels.quant_gemv_cpu import pack_weight, quant_linear_cpu
-from kvforge.quantization import cpu_gemm
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 
@@ -63,12 +63,12 @@ class Int8PackKernel(WeightOnlyKernel):
     name = "int8pack"
 
     def prepare(self, weight: QuantizedWeight) -> None:
-        codes, scales = cpu_gemm.prepack_int8(weight)
+        codes, scales = packed_gemm.prepack_int8(weight)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.int8pack_linear(x, self.codes, self.scales)
+        return packed_gemm.int8pack_linear(x, self.codes, self.scales)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.codes[ids].float() * self.scales[ids, None]
@@ -81,12 +81,12 @@ class Int4PackKernel(WeightOnlyKernel):
 
     def prepare(self, weight: QuantizedWeight) -> None:
         self.group_size = weight.group_size
-        packed, scales_zeros = cpu_gemm.prepack_int4(weight)
+        packed, scales_zeros = packed_gemm.prepack_int4(weight)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.int4pack_linear(x, self.packed, self.scales_zeros, self.group_size)
+        return packed_gemm.int4pack_linear(x, self.packed, self.scales_zeros, self.group_size)
 
 
 class GenericKernel(WeightOnlyKernel):
@@ -117,11 +117,11 @@ def select_kernel(weight: QuantizedWeight, device: torch.device, dtype: torch.dt
     """The fastest kernel for weight on device, prepared and moved there. needs_rows: the weight is also
     looked up by row (a tied embedding), which int4pack's layout cannot do."""
     on_cpu = device.type == "cpu" and ops.backend == "torch"
-    if on_cpu and cpu_gemm.native_eligible(weight):
+    if on_cpu and packed_gemm.native_eligible(weight):
         kernel: WeightOnlyKernel = NativeKernel()
-    elif on_cpu and cpu_gemm.int8pack_eligible(weight):
+    elif on_cpu and packed_gemm.int8pack_eligible(weight):
         kernel = Int8PackKernel()
-    elif on_cpu and not needs_rows and cpu_gemm.int4pack_eligible(weight):
+    elif on_cpu and not needs_rows and packed_gemm.int4pack_eligible(weight):
         kernel = Int4PackKernel()
     else:
         kernel = GenericKernel(ops, dtype)

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from kvforge import LLM, SamplingParams
-from kvforge.kernels.cpu_extension import cpu_kernels
+from kvforge.kernels.cpu.extension import cpu_kernels
 from tests.models.test_moe_vs_transformers import build_moe_model
 from tests.tiny_models import save_model, save_tokenizer
 

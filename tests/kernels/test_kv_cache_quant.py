@@ -9,9 +9,10 @@ import functools
 import pytest
 import torch
 
-import kvforge.kernels.paged_attention_cpu as paged_attention_cpu_module
+import kvforge.kernels.cpu.paged_attention as paged_attention_cpu_module
 from kvforge.kernels.cache_write import reshape_and_cache_ref, reshape_and_cache_triton
-from kvforge.kernels.cpu_extension import cpu_kernels
+from kvforge.kernels.cpu.extension import cpu_kernels
+from kvforge.kernels.cpu.paged_attention import paged_attention_cpu
 from kvforge.kernels.kv_quant import (
     CODE_MAX,
     FP8_UNIT,
@@ -21,7 +22,6 @@ from kvforge.kernels.kv_quant import (
     quantize_kv,
 )
 from kvforge.kernels.paged_attention import paged_attention_ref, paged_attention_triton
-from kvforge.kernels.paged_attention_cpu import paged_attention_cpu
 from kvforge.platforms import Platform, current_platform
 from tests.kernels.attention_batches import TOLERANCE, dequantized_reference, make_paged_batch, quantize_batch_cache
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvforge.kernels import ops
-from kvforge.kernels.paged_attention_cpu import paged_attention_cpu
+from kvforge.kernels.cpu.paged_attention import paged_attention_cpu
 from kvforge.kernels.rms_norm import rms_norm_ref
 from kvforge.platforms import backend as backend_module
 from tests.kernels.attention_batches import make_paged_batch

@@ -68,7 +68,7 @@ def _resident_bytes(field: str) -> int:
 
 def measure_cpu_engine() -> None:
     """In a fresh process: build the engine, generate, print the measured bytes as one JSON line."""
-    from kvforge.kernels.cpu_extension import cpu_kernels
+    from kvforge.kernels.cpu.extension import cpu_kernels
     from kvforge.llm import LLM
 
     torch.set_num_threads(2)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.kernels.quant_gemv_cpu import native_kernels_available
+from kvforge.kernels.cpu import packed_gemm
+from kvforge.kernels.cpu.quant_gemv import native_kernels_available
 from kvforge.layers.linear import Linear
-from kvforge.quantization import cpu_gemm
 from kvforge.quantization.linear_method import RTNMethod
 from kvforge.quantization.w8a8 import W8A8Method
 
@@ -42,7 +42,7 @@ def test_weight_only_error_is_bounded_by_the_step(
     if native and not native_kernels_available():
         pytest.skip("no vectorized C++ CPU kernels here")
     if not native:  # as without a compiler, with KVFORGE_NO_CPU_EXTENSION=1, or without AVX2
-        monkeypatch.setattr(cpu_gemm, "native_kernels_available", lambda: False)
+        monkeypatch.setattr(packed_gemm, "native_kernels_available", lambda: False)
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 128), torch.randn(96), torch.randn(num_tokens, 128)
     layer = _layer(RTNMethod(bits, group_size, sym), weight, bias)

@@ -5,11 +5,11 @@ path; the reason is logged once. The sources register torch ops (`torch.ops.kvfo
 once the module is loaded, each with the fake implementation below, so torch.compile traces them as opaque
 nodes:
 
-    quant_gemv(x [M, K], qweight, scales, offsets, bits) -> [M, N] fp32        (quant_gemv_cpu.py)
+    quant_gemv(x [M, K], qweight, scales, offsets, bits) -> [M, N] fp32        (quant_gemv.py)
     quant_dequantize(qweight, scales, offsets, bits) -> [N, K] fp32
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
-        -> [S, H, D]                                                             (paged_attention_cpu.py)
-    cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (cache_write.py)
+        -> [S, H, D]                                                             (paged_attention.py)
+    cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (../cache_write.py)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 //
 // At one token per step the whole model's weights stream from memory once per token, so bytes per weight is
 // the speed: the kernel reads the 8-bit or 4-bit codes as they are stored and never materializes a float
-// weight. Layout (made and pictured in kvforge/kernels/quant_gemv_cpu.py):
+// weight. Layout (made and pictured in kvforge/kernels/cpu/quant_gemv.py):
 //
 //   qweight  uint8 [N, K * BITS / 8]   codes, in blocks of eight 32-bit words: lane i of word vector j holds
 //                                      column 8j + i of the block (BITS = 8: 32 columns, 4: 64 columns)
@@ -321,7 +321,7 @@ bool quant_gemv_vectorized() {
 
 // Registered as torch ops (torch.ops.kvforge_cpu.*), so this file needs no share of the module's pybind init.
 // Declared, then implemented for the CPU key only: tracing (torch.compile) sees opaque ops with the fake
-// implementations that kernels/cpu_extension.py registers.
+// implementations that kernels/cpu/extension.py registers.
 TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
   m.def("quant_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor");

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels.cpu_extension import cpu_kernels
+from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.kernels.paged_attention import gather_kv
 
 

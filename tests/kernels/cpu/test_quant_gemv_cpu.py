@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.kernels.cpu_extension import cpu_kernels
-from kvforge.kernels.quant_gemv_cpu import (
+from kvforge.kernels.cpu.extension import cpu_kernels
+from kvforge.kernels.cpu.quant_gemv import (
     GEMV_MAX_TOKENS,
     layout_fits,
     native_kernels_available,
@@ -120,7 +120,7 @@ def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size:
 @needs_kernels
 def test_batches_above_the_gemv_dequantize_tile_by_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     """A weight larger than one dequantized tile (here 3 rows of 20 per tile) gives the same product."""
-    from kvforge.kernels import quant_gemv_cpu
+    from kvforge.kernels.cpu import quant_gemv as quant_gemv_cpu
 
     weight = _weight(20, 128, 8, 32, "int", seed=3)
     packed = pack_weight(weight.codes, weight.scales, weight.zeros, 8)

@@ -1,6 +1,6 @@
 """The CPU's quantized GEMMs, and which one a weight-only layer gets (install_weight_only):
 
-    native    the C++ kernels of csrc/quant_gemv.cpp (kvforge/kernels/quant_gemv_cpu.py): 4- and 8-bit codes
+    native    the C++ kernels of csrc/quant_gemv.cpp (kvforge/kernels/cpu/quant_gemv.py): 4- and 8-bit codes
               as stored, any zero points, fp32 activations and accumulation; above 16 rows, dequantize +
               F.linear. Whenever the extension is built with AVX2 and groups are whole 32-column blocks.
     int8pack  torch's `_weight_int8pack_mm`: symmetric per-row 8-bit codes (zero point 128)
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels.quant_gemv_cpu import layout_fits, native_kernels_available
+from kvforge.kernels.cpu.quant_gemv import layout_fits, native_kernels_available
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 INT8PACK_MAX_TOKENS = 16  # above this many rows, dequantize + F.linear beats int8pack

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-import kvforge.kernels.paged_attention_cpu as paged_attention_cpu_module
-from kvforge.kernels.cpu_extension import cpu_kernels
+import kvforge.kernels.cpu.paged_attention as paged_attention_cpu_module
+from kvforge.kernels.cpu.extension import cpu_kernels
+from kvforge.kernels.cpu.paged_attention import DECODE_GROUP, paged_attention_cpu
 from kvforge.kernels.paged_attention import paged_attention_ref
-from kvforge.kernels.paged_attention_cpu import DECODE_GROUP, paged_attention_cpu
 from tests.kernels.attention_batches import TOLERANCE, make_paged_batch
 
 

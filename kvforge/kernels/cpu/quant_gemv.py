@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels.cpu_extension import cpu_kernels
+from kvforge.kernels.cpu.extension import cpu_kernels
 
 GEMV_MAX_TOKENS = 16  # rows of x up to which the kernel beats dequantize + F.linear
 DEQUANT_TILE_BYTES = 8 * 2**20  # float32 weight rows dequantized at once above GEMV_MAX_TOKENS (L3-sized)
