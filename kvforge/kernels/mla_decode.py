@@ -141,6 +141,16 @@ def _check_mla_inputs(
         raise ValueError(f"scale must be a positive finite float, got {scale}")
 
 
+def _num_splits(num_seqs: int, head_blocks: int, num_splits: int | None) -> int:
+    """The key-range splits: the caller's, or the tuning table's for this device."""
+    if num_splits is None:
+        platform = current_platform()
+        num_splits = kernel_tuning(platform).decode.num_splits(num_seqs, head_blocks, platform.num_compute_units)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return num_splits
+
+
 def mla_decode_triton(
     query: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -163,13 +173,8 @@ def mla_decode_triton(
     check_matches("out", out, shape=out_shape, dtype=query.dtype, device=query.device, contiguous=True)
     if num_seqs == 0:
         return out
-    platform = current_platform()
-    tiles = kernel_tuning(platform).decode
-    head_blocks = cdiv(num_heads, HEADS_PER_PROGRAM)
-    if num_splits is None:
-        num_splits = tiles.num_splits(num_seqs, head_blocks, platform.num_compute_units)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    tiles, head_blocks = kernel_tuning(current_platform()).decode, cdiv(num_heads, HEADS_PER_PROGRAM)
+    num_splits = _num_splits(num_seqs, head_blocks, num_splits)
     latent_p = max(next_power_of_2(latent_dim), 16)
     partial_shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1,)
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
