@@ -1,4 +1,5 @@
-"""`kvforge bench latency`: one request at a time: time to first token and decode tokens/s.
+"""`kvforge bench latency`: one request at a time: time to first token, decode tokens/s, and the host time
+of a decode step outside the executor (kvforge only).
 
 With --compare-quantization, several weight formats of the same model are loaded side by side and the
 requests alternate between them (A B C A B C ...), so that a machine whose load drifts during the run
@@ -46,36 +47,59 @@ def _kvforge_engine(kwargs: dict):
     return engine
 
 
-def _time_request(engine, request_id: str, prompt: list[int], output_len: int) -> tuple[float, float]:
-    """(seconds to the first token, seconds for the rest) of one request through the steppable engine."""
+class _ExecutorClock:
+    """Seconds the engine spends in its executor (the model runner: batch, model, sampling), read by
+    wrapping the engine's executor.submit for this benchmark only; a step's remainder is host time
+    (scheduling, the update after the step, detokenizing, outputs)."""
+
+    def __init__(self, engine) -> None:
+        self.seconds = 0.0
+        submit = engine.executor.submit
+
+        def timed_submit(output) -> None:
+            start = time.perf_counter()
+            submit(output)
+            self.seconds += time.perf_counter() - start
+
+        engine.executor.submit = timed_submit
+
+
+def _time_request(engine, clock: _ExecutorClock, request_id: str, prompt: list[int], output_len: int
+                  ) -> tuple[float, float, float]:
+    """(seconds to the first token, seconds for the rest, host seconds per decode step outside the
+    executor) of one request through the steppable engine."""
     from kvforge import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-    first = None
+    engine.step()
+    first, in_executor, num_steps = time.perf_counter(), clock.seconds, 0
     while engine.has_unfinished_requests():
         engine.step()
-        first = first or time.perf_counter()
-    return first - start, time.perf_counter() - first
+        num_steps += 1
+    decode = time.perf_counter() - first
+    return first - start, decode, (decode - (clock.seconds - in_executor)) / max(num_steps, 1)
 
 
-def _time_kvforge(args: argparse.Namespace, prompts: list[list[int]]) -> list[tuple[float, float]]:
+def _time_kvforge(args: argparse.Namespace, prompts: list[list[int]]) -> list[tuple[float, float, float]]:
     engine = _kvforge_engine(engine_kwargs_from_args(args))
-    return [_time_request(engine, str(index), prompt, args.output_len) for index, prompt in enumerate(prompts)]
+    clock = _ExecutorClock(engine)
+    return [_time_request(engine, clock, str(index), prompt, args.output_len) for index, prompt in enumerate(prompts)]
 
 
-def _time_formats(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, list[tuple[float, float]]]:
+def _time_formats(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, list[tuple[float, ...]]]:
     """Timings per weight format, the formats taking turns request by request."""
     names = [name.strip() for name in args.compare_quantization.split(",")]
     engines = {
         name: _kvforge_engine({**engine_kwargs_from_args(args), "quantization": None if name == "none" else name})
         for name in names
     }
-    timings: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    clocks = {name: _ExecutorClock(engine) for name, engine in engines.items()}
+    timings: dict[str, list[tuple[float, ...]]] = {name: [] for name in names}
     for index, prompt in enumerate(prompts):
         for name, engine in engines.items():
-            timings[name].append(_time_request(engine, f"{name}-{index}", prompt, args.output_len))
+            timings[name].append(_time_request(engine, clocks[name], f"{name}-{index}", prompt, args.output_len))
     return timings
 
 
@@ -97,21 +121,26 @@ def _time_hf(args: argparse.Namespace, prompts: list[list[int]]) -> list[tuple[f
     return timings
 
 
-def _summary(timings: list[tuple[float, float]], output_len: int) -> dict:
-    return {
-        "median_ttft_s": round(statistics.median(t for t, _ in timings), 4),
-        "median_decode_tokens_per_s": round((output_len - 1) / statistics.median(d for _, d in timings), 2),
+def _summary(timings: list[tuple[float, ...]], output_len: int) -> dict:
+    """Medians over the requests; kvforge's timings also say the host time per decode step."""
+    summary = {
+        "median_ttft_s": round(statistics.median(t[0] for t in timings), 4),
+        "median_decode_tokens_per_s": round((output_len - 1) / statistics.median(t[1] for t in timings), 2),
     }
+    if len(timings[0]) > 2:
+        summary["median_host_ms_per_decode_step"] = round(1000 * statistics.median(t[2] for t in timings), 3)
+    return summary
 
 
 def _run_comparison(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     formats = {name: _summary(t, args.output_len) for name, t in _time_formats(args, prompts).items()}
     baseline = next(iter(formats.values()))["median_decode_tokens_per_s"]
-    print(f"{'format':<12}  {'median TTFT s':>13}  {'decode tok/s':>12}  {'vs ' + next(iter(formats)):>10}")
+    print(f"{'format':<12}  {'median TTFT s':>13}  {'decode tok/s':>12}  {'host ms/step':>12}  "
+          f"{'vs ' + next(iter(formats)):>10}")
     for name, summary in formats.items():
         summary["decode_speedup"] = round(summary["median_decode_tokens_per_s"] / baseline, 3)
         print(f"{name:<12}  {summary['median_ttft_s']:>13}  {summary['median_decode_tokens_per_s']:>12}  "
-              f"{summary['decode_speedup']:>9}x")
+              f"{summary['median_host_ms_per_decode_step']:>12}  {summary['decode_speedup']:>9}x")
     return {"input_len": args.input_len, "output_len": args.output_len, "num_requests": args.num_requests,
             "threads": torch.get_num_threads(), "formats": formats}
 
@@ -127,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         result = {"backend": args.backend, "input_len": args.input_len, "output_len": args.output_len,
                   **_summary(timings, args.output_len), "threads": torch.get_num_threads()}
         for key, value in result.items():
-            print(f"{key:<28}  {value}")
+            print(f"{key:<32}  {value}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

@@ -138,7 +138,10 @@ async def _client(base_url: str, seed: int, deadline: float, quiet: dict[Spec, l
 
 
 def test_soak_mixed_traffic_with_preemption(tiny_model_dir: Path) -> None:
-    server = start_tiny_server(tiny_model_dir, api_key=None, kv_cache_memory="512KiB", max_model_len=160)
+    # NOTE: eager steps: compiling a decode bucket takes seconds, which would fill the short soak of the
+    # default suite (compiled steps are checked against eager ones in tests/executor/test_decode_graphs.py)
+    server = start_tiny_server(tiny_model_dir, api_key=None, kv_cache_memory="256KiB", max_model_len=160,
+                               enforce_eager=True)
     http = server.http
     try:
         quiet = {spec: _texts(http.post(spec.path, json=spec.body(stream=False)).json()) for spec in SPECS}
