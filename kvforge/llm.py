@@ -50,6 +50,9 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        for params in sampling_params:  # every grammar compiles in parallel before the first is awaited
+            if params.structured_output is not None:
+                self.engine.grammars.compile(params.structured_output)
         request_ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from typing import Any
+
+from kvforge.structured_output.params import StructuredOutputParams
+
+# The largest |bias| logit_bias may add to a token's logit (the OpenAI API's bound).
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(slots=True)
@@ -12,6 +18,11 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1 and min_p 0 disable theirs.
     logprobs=k returns the k most likely tokens (plus the sampled one) per generated position;
     prompt_logprobs=k does the same for every prompt position after the first.
+
+    structured_output constrains the output to a JSON schema, a regex, a choice or a grammar (EOS is
+    allowed exactly when the output is complete); guided_json, guided_regex, guided_choice and
+    guided_grammar are vLLM's names for the same, folded into it. logit_bias maps token ids to a value
+    in [-100, 100] added to their logits (after the constraint's mask).
     """
 
     n: int = 1
@@ -32,8 +43,17 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputParams | None = None
+    logit_bias: dict[int, float] | None = None
+    guided_json: InitVar[dict[str, Any] | str | None] = None
+    guided_regex: InitVar[str | None] = None
+    guided_choice: InitVar[list[str] | None] = None
+    guided_grammar: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_json: dict[str, Any] | str | None = None, guided_regex: str | None = None,
+                      guided_choice: list[str] | None = None, guided_grammar: str | None = None) -> None:
+        self._fold_guided(guided_json, guided_regex, guided_choice, guided_grammar)
+        self._check_logit_bias()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -71,6 +91,25 @@ class SamplingParams:
                 raise ValueError(message)
         if self.top_k == 0:
             self.top_k = -1
+
+    def _fold_guided(self, json: Any, regex: str | None, choice: list[str] | None, grammar: str | None) -> None:
+        guided = {k: v for k, v in (("json", json), ("regex", regex), ("choice", choice), ("grammar", grammar))
+                  if v is not None}
+        if not guided:
+            return
+        if self.structured_output is not None or len(guided) > 1:
+            names = [f"guided_{k}" for k in guided] + (["structured_output"] if self.structured_output else [])
+            raise ValueError(f"give one output constraint, got {names}")
+        self.structured_output = StructuredOutputParams(**guided)
+
+    def _check_logit_bias(self) -> None:
+        if not self.logit_bias:
+            self.logit_bias = None
+            return
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        bad = {k: v for k, v in self.logit_bias.items() if k < 0 or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS}
+        if bad:
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {bad}")
 
     @property
     def greedy(self) -> bool:

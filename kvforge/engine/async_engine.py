@@ -163,6 +163,8 @@ class AsyncEngine:
             raise EngineDeadError(str(self.error)) from self.error.__cause__
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_output is not None:  # compiled in the engine's grammar threads, not its step loop
+            await asyncio.wrap_future(self.engine.grammars.compile(params.structured_output))
         stream = RequestStream(request_id, self._abort, self._loop.create_future())
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt, params, stream.ack))

@@ -19,6 +19,7 @@ from kvforge.executor.executor import create_executor
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
+from kvforge.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class LLMEngine:
         self.groups: dict[str, SampleGroup] = {}
         self._ids = itertools.count()
         self._decode_logprobs = logprob_decoder(self.tokenizer)
+        # NOTE: thread-safe; the async engine awaits compilations on its event loop, off the step loop
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self._log_cache(info.dtype, info.kv_bytes_per_token)
 
     def _log_cache(self, dtype: torch.dtype, bytes_per_token: int) -> None:
@@ -91,6 +94,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes (if any). The engine cannot step afterwards."""
+        self.grammars.shutdown()
         self.executor.shutdown()
 
     # ---- requests in ------------------------------------------------------------------------
@@ -125,10 +129,16 @@ class LLMEngine:
         vocab_size = self.vocab_size
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab_size}: {params.stop_token_ids}")
+        if params.logit_bias and max(params.logit_bias) >= vocab_size:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab_size}: "
+                             f"{sorted(t for t in params.logit_bias if t >= vocab_size)}")
+        # NOTE: waits for the grammar when it is still compiling; callers on a step loop compile first
+        grammar = None if params.structured_output is None else self.grammars.compile(params.structured_output).result()
         group = SampleGroup.create(request_id, text, token_ids, params, self.tokenizer, self.eos_token_ids,
                                    self.max_model_len)
         self.groups[request_id] = group
         for request in group.requests:
+            request.grammar = None if grammar is None else grammar.matcher()
             self.scheduler.add_request(request)
         return request_id
 
@@ -173,6 +183,8 @@ class LLMEngine:
         while len(self.in_flight) < self.executor.max_in_flight:
             busy = {s.request_id for out in self.in_flight for s in out.scheduled}
             scheduler_output = self.scheduler.schedule(busy, self.executor.max_in_flight)
+            scheduler_output.grammar_bitmask = self.scheduler.grammar_bitmask(scheduler_output,
+                                                                              self.grammars.bitmask_words)
             if self.in_flight and not scheduler_output.scheduled and not scheduler_output.finished_request_ids:
                 break
             self.executor.submit(scheduler_output)

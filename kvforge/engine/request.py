@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvforge.sampling_params import SamplingParams
+from kvforge.structured_output.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +53,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    grammar: GrammarMatcher | None = None  # the output's constraint, advanced with each accepted token
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -88,6 +90,8 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.is_terminated:  # nothing but EOS could follow
+            return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if self.num_tokens >= self.max_total_tokens:

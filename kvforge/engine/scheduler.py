@@ -12,6 +12,7 @@ from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.stats import SchedulerStats
 from kvforge.sampling_params import SamplingParams
+from kvforge.structured_output.bitmask import GrammarBitmask
 
 if TYPE_CHECKING:  # plain data; the runner's module imports torch, the scheduler does not
     from kvforge.executor.model_runner import ModelRunnerOutput
@@ -53,6 +54,8 @@ class SchedulerOutput:
     new_requests: list[NewRequest] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # the allowed tokens of the constrained requests that sample this step (set by the engine)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -217,6 +220,12 @@ class Scheduler:
             self._schedule_waiting(output, budget, max_seqs)
         return output
 
+    def grammar_bitmask(self, output: SchedulerOutput, num_words: int) -> GrammarBitmask | None:
+        """The allowed next tokens of the constrained requests that sample in the step `output`."""
+        requests = (self.requests[s.request_id] for s in output.scheduled if s.needs_sample)
+        return GrammarBitmask.build(((r.request_id, r.grammar) for r in requests if r.grammar is not None),
+                                    num_words)
+
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> StepResult:
         """Apply a step's result: the one place that changes requests after a step.
 
@@ -248,6 +257,9 @@ class Scheduler:
     def _append_tokens(request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append tokens until one finishes the request; the appended tokens and the finish status."""
         for count, token_id in enumerate(token_ids, start=1):
+            if request.grammar is not None:  # the bitmask allowed only what the grammar accepts
+                accepted = request.grammar.advance([token_id])
+                assert accepted == 1, f"token {token_id} is outside {request.request_id}'s grammar"
             request.append_output_token(token_id)
             status = request.check_stop_token()
             if status is not None:

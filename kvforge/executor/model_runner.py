@@ -17,6 +17,7 @@ from kvforge.executor.request_states import RequestStates
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
+from kvforge.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass(slots=True)
@@ -104,7 +105,19 @@ class ModelRunner:
         return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
                       prompt_rows)
 
-    def _sampling_batch(self, requests: list[ScheduledRequest]) -> SamplingBatch:
+    def _allowed_token_bitmask(self, requests: list[ScheduledRequest],
+                               grammar_bitmask: GrammarBitmask | None) -> torch.Tensor | None:
+        """The step's grammar bitmask, one row per sampling request (all ones when unconstrained)."""
+        if grammar_bitmask is None:
+            return None
+        row_of = {s.request_id: row for row, s in enumerate(requests)}
+        rows = np.array([row_of[request_id] for request_id in grammar_bitmask.request_ids], dtype=np.int64)
+        bitmask = np.full((len(requests), grammar_bitmask.bitmask.shape[1]), -1, dtype=np.int32)
+        bitmask[rows] = grammar_bitmask.bitmask
+        return torch.from_numpy(bitmask).to(self.device, non_blocking=True)
+
+    def _sampling_batch(self, requests: list[ScheduledRequest],
+                        grammar_bitmask: GrammarBitmask | None = None) -> SamplingBatch:
         states = [self.requests[s.request_id] for s in requests]
         params = [state.sampling_params for state in states]
         return SamplingBatch(
@@ -120,6 +133,8 @@ class ModelRunner:
             banned_token_ids=[s.banned_token_ids for s in requests],
             generators=[state.generator for state in states],
             num_logprobs=[p.logprobs for p in params],
+            allowed_token_bitmask=self._allowed_token_bitmask(requests, grammar_bitmask),
+            logit_biases=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch) -> dict[str, tuple[int, list[RawLogprobs]]]:
@@ -197,7 +212,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.sample_rows])  # collective under tensor parallel
         if not samples or not batch.sample_rows:
             return result
-        token_ids, logprobs = self.sampler(logits, self._sampling_batch(batch.sample_requests))
+        token_ids, logprobs = self.sampler(logits, self._sampling_batch(batch.sample_requests, output.grammar_bitmask))
         for i, s in enumerate(batch.sample_requests):
             result.sampled_token_ids[s.request_id] = [token_ids[i]]
             if logprobs is not None and logprobs[i] is not None:

@@ -1,4 +1,5 @@
-"""From logits to the next token of every request: penalties, temperature, top-k/top-p/min-p, seeds."""
+"""From logits to the next token of every request: grammar masks, logit bias, penalties, temperature,
+top-k/top-p/min-p, seeds."""
 
 from __future__ import annotations
 
@@ -26,6 +27,30 @@ class SamplingBatch:
     banned_token_ids: list[list[int]]  # EOS and stop ids while min_tokens is not reached
     generators: list[torch.Generator | None]
     num_logprobs: list[int | None]
+    # [rows, ceil(vocab / 32)] int32 on the device: bit j of word k allows token 32 k + j (None: no row
+    # is constrained; an unconstrained row is all ones)
+    allowed_token_bitmask: torch.Tensor | None = None
+    logit_biases: list[dict[int, float] | None] | None = None
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf for every token whose bit is clear: logits [rows, vocab], bitmask [rows, words] int32."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)  # [rows, words * 32]
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """Add each row's {token id: bias} to its logits (one scatter for the whole batch)."""
+    rows = [row for row, bias in enumerate(biases) if bias for _ in bias]
+    token_ids = [token_id for bias in biases if bias for token_id in bias]
+    values = [value for bias in biases if bias for value in bias.values()]
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(token_ids, device=logits.device))
+    return logits.index_put(index, torch.tensor(values, device=logits.device, dtype=logits.dtype),
+                            accumulate=True)
 
 
 def _token_counts(token_lists: list[list[int]], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -146,6 +171,10 @@ class Sampler:
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[list[int], list[RawLogprobs | None] | None]:
         raw_logits = logits  # [num_rows, vocab] fp32
+        if batch.allowed_token_bitmask is not None:  # first: every later transform sees only allowed tokens
+            logits = apply_token_bitmask(logits, batch.allowed_token_bitmask)
+        if batch.logit_biases is not None:
+            logits = apply_logit_bias(logits, batch.logit_biases)
         for row, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits = logits.clone() if logits is raw_logits else logits

@@ -1,0 +1,1 @@
+"""Constrained decoding: JSON schemas, regexes, choices and grammars as per-request token bitmasks."""

@@ -1,0 +1,58 @@
+"""StructuredOutputParams: the one constraint a request's output must satisfy, checked on construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# The grammar of `json_object`: any JSON object.
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(slots=True)
+class StructuredOutputParams:
+    """Exactly one of: a JSON schema (`json`, a dict or its text), a regular expression (`regex`, the
+    whole output must match), a list of strings to choose from (`choice`), an EBNF grammar (`grammar`,
+    GBNF as llama.cpp writes it, or Lark), or `json_object` (any JSON object)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured output needs exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"the JSON schema is not valid JSON: {error}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"a JSON schema must be an object, got {type(self.json).__name__}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+
+    def grammar_source(self) -> tuple[str, str]:
+        """(kind, text) in the grammar library's terms; the text is canonical, so equal constraints
+        share one compiled grammar."""
+        if self.json is not None or self.json_object:
+            schema = ANY_JSON_OBJECT if self.json_object else self.json
+            return "json", json.dumps(schema, sort_keys=True)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        assert self.grammar is not None
+        return "grammar", self.grammar
