@@ -68,8 +68,6 @@ async def off_loop_if_large(num_chars: int, fn: Callable[..., _T], *args: object
 def sampling_params(state: ServerState, request: SamplingRequest, max_tokens: int,
                     **extra: object) -> SamplingParams:
     """SamplingParams from the request's fields; 400 with the engine's message for a bad value."""
-    if request.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     bad_ids = [t for t in request.stop_token_ids or [] if not 0 <= t < state.vocab_size]
     if bad_ids:
         raise APIError(400, f"stop_token_ids must be in [0, {state.vocab_size}), got {bad_ids}",
@@ -82,10 +80,24 @@ def sampling_params(state: ServerState, request: SamplingRequest, max_tokens: in
             seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop or [],
             stop_token_ids=request.stop_token_ids or [], ignore_eos=request.ignore_eos,
             skip_special_tokens=request.skip_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output, **extra,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            logit_bias=_logit_bias(state, request.logit_bias), guided_json=request.guided_json,
+            guided_regex=request.guided_regex, guided_choice=request.guided_choice,
+            guided_grammar=request.guided_grammar, **extra,
         )
     except ValueError as error:
         raise APIError(400, str(error)) from error
+
+
+def _logit_bias(state: ServerState, logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """The API's {"token id": bias} as {token id: bias}; 400 for a key that is no token id."""
+    if not logit_bias:
+        return None
+    bad = [key for key in logit_bias if not (key.isascii() and key.isdigit()) or not int(key) < state.vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias keys must be token ids in [0, {state.vocab_size}), got {bad}",
+                       param="logit_bias")
+    return {int(key): bias for key, bias in logit_bias.items()}
 
 
 def max_tokens_in_context(state: ServerState, num_prompt_tokens: int, requested: int | None) -> int:

@@ -14,7 +14,7 @@ from kvforge.tokenizer import Tokenizer
 
 # JSON as compact as the schema allows: one space after ":" and ",", no newlines or indentation (a model
 # free to choose its whitespace can spend its whole budget on it).
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
 
 
@@ -81,7 +81,7 @@ class GrammarCompiler:
         vocabulary = self._vocabulary.result()
         try:
             if kind == "json":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
             else:
                 grammar = llguidance.grammar_from(kind, text)
         except ValueError as error:

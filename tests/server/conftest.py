@@ -8,7 +8,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.server.harness import API_KEY, ServerThread, start_tiny_server
+from kvforge.engine.async_engine import AsyncEngine
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine_args import build_engine_config
+from kvforge.server.app import ServerConfig
+from tests.server.harness import API_KEY, MODEL_NAME, ServerThread, start_tiny_server
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +30,17 @@ def tiny_server(tiny_model_dir: Path) -> Iterator[ServerThread]:
 @pytest.fixture(scope="session")
 def client(tiny_server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def default_server() -> Iterator[ServerThread]:
+    """The default model (SmolLM2-135M-Instruct) served as `kvforge serve` serves it, steps run eagerly."""
+    engine = LLMEngine(build_engine_config(kv_cache_memory="128MiB", enforce_eager=True))
+    server = ServerThread(AsyncEngine(engine), ServerConfig((MODEL_NAME,), api_key=API_KEY))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def default_client(default_server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)

@@ -65,7 +65,8 @@ def test_unknown_model_and_route_are_404(tiny_server: ServerThread) -> None:
     ("/v1/completions", {**COMPLETION, "stop": ["ok", ""]}, None),
     ("/v1/completions", {**COMPLETION, "stop_token_ids": [10**9]}, "stop_token_ids"),
     ("/v1/completions", {**COMPLETION, "min_tokens": 5}, None),  # above max_tokens
-    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"x": 10}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 1000}}, None),
     ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix"),
     ("/v1/completions", {"model": MODEL_NAME}, "prompt"),
     ("/v1/completions", b"{not json", None),
@@ -75,7 +76,8 @@ def test_unknown_model_and_route_are_404(tiny_server: ServerThread) -> None:
      None),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10**6}, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, "response_format"),
 ])
 def test_bad_requests_are_400(tiny_server: ServerThread, path: str, body: object, param: str | None) -> None:
     assert_error(post(tiny_server, path, body), 400, param)

@@ -1,0 +1,49 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes: a prompt (or messages through the chat template) to
+token ids, and token ids back to text."""
+
+from __future__ import annotations
+
+import jinja2
+from fastapi import APIRouter, Request
+
+from kvforge.server.errors import APIError
+from kvforge.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from kvforge.server.serving import ServerState, off_loop_if_large
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, http_request: Request) -> TokenizeResponse:
+    state: ServerState = http_request.app.state.server
+    state.check_model(body.model)
+    tokenizer = state.engine.tokenizer
+    if isinstance(body, TokenizeCompletionRequest):
+        token_ids = await off_loop_if_large(len(body.prompt), tokenizer.encode, body.prompt,
+                                            add_special_tokens=body.add_special_tokens)
+    else:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            token_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                      tokenize=True)
+        except (ValueError, TypeError, jinja2.TemplateError) as error:
+            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
+    token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(token_ids), max_model_len=state.engine.max_model_len, tokens=token_ids,
+                            token_strs=token_strs)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, http_request: Request) -> DetokenizeResponse:
+    state: ServerState = http_request.app.state.server
+    state.check_model(body.model)
+    bad = [t for t in body.tokens if t >= state.vocab_size]
+    if bad:
+        raise APIError(400, f"token ids must be in [0, {state.vocab_size}), got {bad[:8]}", param="tokens")
+    return DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens))
