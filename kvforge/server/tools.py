@@ -57,8 +57,9 @@ def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], temp
     choice = body.tool_choice or ("auto" if body.tools else "none")
     if choice != "none" and not body.tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
-    if choice == "none":
-        return ToolPlan(messages, {}, None, False)
+    renders_tools = template is not None and "tools" in template
+    if choice == "none":  # earlier calls and results still go back to the model
+        return ToolPlan(messages if renders_tools else [_generic_message(m) for m in messages], {}, None, False)
     tools = [t.function for t in body.tools]
     if not isinstance(choice, str):
         tools = [t for t in tools if t.name == choice.function.name]
@@ -69,7 +70,7 @@ def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], temp
         raise APIError(400, "response_format cannot be combined with tools unless tool_choice is none",
                        param="response_format")
     grammar = StructuredOutputParams(grammar=call_grammar(tools, allow_text=choice == "auto"))
-    if template is not None and "tools" in template:  # the template renders them itself
+    if renders_tools:
         return ToolPlan(messages, {"tools": [t.model_dump(exclude_none=True) for t in body.tools]}, grammar, True)
     return ToolPlan(_generic_messages(messages, [t.function for t in body.tools]), {}, grammar, True)
 
