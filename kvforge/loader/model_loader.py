@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kvforge.config import ModelConfig
+from kvforge.loader.hub_cache import resolve_model_path
 from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
 from kvforge.models.registry import resolve_model_class
 from kvforge.quantization import (
@@ -53,9 +54,7 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
 
         path = Path(default_model_path())
     else:
-        path = Path(config.model)
-    if not path.exists():
-        raise ValueError(f"model {str(path)!r} not found: give a checkpoint folder or a .gguf file")
+        path = resolve_model_path(config.model)
     keep_gguf = config.quantization == "gguf"  # keep a GGUF file's quantized tensors as they are
     if path.is_file():
         from kvforge.loader.gguf import load_gguf

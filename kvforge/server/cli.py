@@ -13,6 +13,9 @@ API_KEY_ENV = "KVFORGE_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as --model takes it (a folder, a .gguf file, or a hub id "
+                             "such as org/name found in the local Hugging Face cache)")
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -45,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
     from kvforge.server.app import ServerConfig, build_app
     from kvforge.server.lifecycle import uvicorn_server
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     if not 0 <= args.port < 2**16:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     max_body_bytes = parse_bytes(args.max_request_size)
