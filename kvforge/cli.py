@@ -17,6 +17,8 @@ _BENCHMARKS = {
     "kernels": ("kvforge.benchmarks.kernels", "kernel timings against their baselines and roofline"),
     "serve": ("kvforge.benchmarks.serve", "drive an OpenAI-compatible server with a seeded workload"),
     "moe": ("kvforge.benchmarks.moe", "the MoE layer's CPU path against a per-expert loop"),
+    "structured": ("kvforge.benchmarks.structured", "time per output token with and without a JSON-schema "
+                                                    "constraint; grammar compile times"),
 }
 _SERVE_MODULE = "kvforge.server.cli"
 _QUANTIZE_MODULE = "kvforge.quantize.cli"

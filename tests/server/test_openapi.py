@@ -55,6 +55,8 @@ def test_the_document_lists_the_real_responses(document: dict) -> None:
         assert all(_error_ref(responses[s]) == ERROR_REF for s in responses if s != "200")
         assert "Retry-After" in responses["503"]["headers"]
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    for path in ("/tokenize", "/detokenize"):
+        assert set(document["paths"][path]["post"]["responses"]) == {"200", "400", "401", "404", "408", "413", "503"}
     assert set(document["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401"}
     assert set(document["paths"]["/health"]["get"]["responses"]) == {"200", "503"}
     assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
@@ -66,6 +68,8 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 # Bodies that fit the schema, and bodies that break it; the GET routes take no input to break.
 CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE),
          ("POST", "/v1/chat/completions", POSITIVE), ("POST", "/v1/chat/completions", NEGATIVE),
+         ("POST", "/tokenize", POSITIVE), ("POST", "/tokenize", NEGATIVE),
+         ("POST", "/detokenize", POSITIVE), ("POST", "/detokenize", NEGATIVE),
          ("GET", "/v1/models", POSITIVE), ("GET", "/health", POSITIVE), ("GET", "/metrics", POSITIVE)]
 STATUSES: dict[int, int] = {}  # every answer the fuzzing got, by status
 
