@@ -25,7 +25,7 @@ _QUANTIZE_MODULE = "kvforge.quantize.cli"
 _PLAN_MODULE = "kvforge.plan.cli"
 _PROFILE_MODULE = "kvforge.profiler.cli"
 _COMPILE_MODULE = "kvforge.tools.cross_compile"
-_EVALS = {"perplexity": ("kvforge.eval.perplexity", "perplexity of a text, with a sliding window")}
+_EVALS = {"perplexity": ("kvforge.eval.perplexity", "perplexity of each held-out text and their mean")}
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

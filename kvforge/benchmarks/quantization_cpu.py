@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kvforge.cli import main as kvforge_main
-from kvforge.eval.perplexity import default_evaluation_text, perplexity
+from kvforge.eval.perplexity import default_evaluation_texts, perplexity
 from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.llm import LLM
 from kvforge.sampling_params import SamplingParams
@@ -73,7 +73,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, kwargs in _runs(root):
         llm = LLM(kv_cache_memory="256MiB", **kwargs)
-        token_ids = token_ids or llm.get_tokenizer().encode(default_evaluation_text())
+        token_ids = token_ids or llm.get_tokenizer().encode(default_evaluation_texts()["prose"])
         result = perplexity(llm.engine, token_ids, max_length=512, stride=256)
         single = decode_tokens_per_s(llm, 1, 64)
         batched = decode_tokens_per_s(llm, 16, 32)

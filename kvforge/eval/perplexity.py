@@ -1,4 +1,5 @@
-"""`kvforge eval perplexity`: perplexity of a text with a sliding window over engine.score.
+"""`kvforge eval perplexity`: perplexity of each of several texts (and their mean) with a sliding window
+over engine.score.
 
 Each window of at most max_length tokens scores the next `stride` tokens not yet scored, with the
 tokens before them (up to max_length in all) as context, so every token after the first is predicted
@@ -36,8 +37,21 @@ class PerplexityResult:
         return self.num_tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
-def default_evaluation_text() -> str:
-    return resources.files("kvforge.data").joinpath("evaluation.txt").read_text()
+def default_evaluation_texts() -> dict[str, str]:
+    """The shipped held-out texts by name (prose, a licence, code; none is in the calibration set)."""
+    folder = resources.files("kvforge.data").joinpath("evaluation")
+    return {entry.name.removesuffix(".txt"): entry.read_text(encoding="utf-8")
+            for entry in sorted(folder.iterdir(), key=lambda e: e.name) if entry.name.endswith(".txt")}  # fmt: skip
+
+
+def evaluation_texts(paths: list[str]) -> dict[str, str]:
+    """The texts of the given files by file name, or the shipped ones when there are none."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise ValueError(f"text file {path!r} not found")
+    if not paths:
+        return default_evaluation_texts()
+    return {Path(path).name: Path(path).read_text(encoding="utf-8") for path in paths}
 
 
 def perplexity(engine: LLMEngine, token_ids: list[int], max_length: int, stride: int) -> PerplexityResult:
@@ -67,8 +81,9 @@ def perplexity(engine: LLMEngine, token_ids: list[int], max_length: int, stride:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--text", default=None, help="text file to evaluate (default: the shipped evaluation text)"
-    )
+        "--text", action="append", default=[],
+        help="text file to evaluate (repeatable; default: the shipped held-out texts, kvforge/data/evaluation)",
+    )  # fmt: skip
     parser.add_argument("--max-length", type=int, default=512, help="tokens per window")
     parser.add_argument("--stride", type=int, default=256, help="tokens between window starts")
     add_engine_arguments(parser)
@@ -77,14 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvforge.llm import LLM
 
-    if args.text is not None and not Path(args.text).is_file():
-        raise ValueError(f"text file {args.text!r} not found")
-    text = Path(args.text).read_text() if args.text else default_evaluation_text()
+    texts = evaluation_texts(args.text)
     llm = LLM(**engine_kwargs_from_args(args))
-    token_ids = llm.get_tokenizer().encode(text)
-    result = perplexity(llm.engine, token_ids, args.max_length, args.stride)
-    print(
-        f"perplexity {result.perplexity:.4f} over {result.num_tokens} tokens "
-        f"({result.tokens_per_second:.1f} tokens/s)"
-    )
+    results = {}
+    for name, text in texts.items():
+        results[name] = perplexity(llm.engine, llm.get_tokenizer().encode(text), args.max_length, args.stride)
+        result = results[name]
+        print(f"{name}: perplexity {result.perplexity:.4f} over {result.num_tokens} tokens "
+              f"({result.tokens_per_second:.1f} tokens/s)")  # fmt: skip
+    if len(results) > 1:
+        mean = sum(r.perplexity for r in results.values()) / len(results)
+        print(f"mean perplexity {mean:.4f} over {len(results)} texts")
     return 0

@@ -4,10 +4,11 @@ with RTN, GPTQ, AWQ or W8A8 and write a checkpoint folder that `LLM(model=folder
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from pathlib import Path
 
-from kvforge.quantize.calibration import default_calibration_text
+from kvforge.quantize.calibration import default_calibration_texts, read_calibration_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,9 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--act-order", action="store_true", help="gptq: quantize by decreasing Hessian diagonal"
     )
     parser.add_argument("--out", required=True, help="output checkpoint folder")
-    parser.add_argument("--calibration", default=None, help="calibration text file (default: shipped prose)")
-    parser.add_argument("--num-sequences", type=int, default=16, help="calibration sequences")
+    parser.add_argument(
+        "--calibration", action="append", default=[],
+        help="calibration text file (repeatable; default: the shipped set, kvforge/data/calibration)",
+    )  # fmt: skip
+    parser.add_argument("--num-sequences", type=int, default=128, help="calibration sequences")
     parser.add_argument("--sequence-length", type=int, default=512, help="tokens per calibration sequence")
+    parser.add_argument("--seed", type=int, default=0, help="where the calibration sequences start")
+    parser.add_argument(
+        "--damp", type=float, default=0.01, help="gptq: dampening, relative to the mean Hessian diagonal"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,12 +42,11 @@ def run(args: argparse.Namespace) -> int:
 
     bits = 8 if args.method == "w8a8" else args.bits
     options = QuantizeOptions(
-        args.method, bits, args.group_size, args.sym, args.act_order, args.num_sequences, args.sequence_length
-    )
+        args.method, bits, args.group_size, args.sym, args.act_order, args.num_sequences, args.sequence_length,
+        args.damp, args.seed,
+    )  # fmt: skip
     config = options.config()
-    if args.calibration is not None and not Path(args.calibration).is_file():
-        raise ValueError(f"calibration file {args.calibration!r} not found")
-    text = Path(args.calibration).read_text() if args.calibration else default_calibration_text()
+    texts = read_calibration_files(args.calibration) if args.calibration else default_calibration_texts()
     start = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -49,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_memory="256MiB",
     )
     engine = llm.engine
-    results = quantize_engine_model(engine, options, text)
+    results = quantize_engine_model(engine, options, texts)
     model = engine.local_model
     tensors = checkpoint_tensors(model, results, config)
     source = Path(engine.model_name)
@@ -61,5 +68,7 @@ def run(args: argparse.Namespace) -> int:
         engine.tokenizer,
         source if source.is_dir() else None,
     )
-    print(f"wrote {args.method} {bits}-bit checkpoint to {args.out} in {time.perf_counter() - start:.1f} s")
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    print(f"wrote {args.method} {bits}-bit checkpoint to {args.out} in {time.perf_counter() - start:.1f} s, "
+          f"peak memory {peak_mib:.0f} MiB")  # fmt: skip
     return 0

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from kvforge.engine.llm_engine import LLMEngine
+from kvforge.layers.linear import Linear
 from kvforge.quantization import quantizable_linears
 from kvforge.quantization.config import QuantConfig
 from kvforge.quantization.quantized_weight import QuantizedWeight, quantize_rtn
 from kvforge.quantization.w8a8 import quantize_weight_int8
-from kvforge.quantize.awq import apply_awq_scales
-from kvforge.quantize.calibration import calibration_sequences, collect_input_stats
+from kvforge.quantize.awq import apply_awq
+from kvforge.quantize.calibration import calibration_sequences, collect_input_stats, tokenize_texts
 from kvforge.quantize.gptq import gptq_quantize
+from kvforge.quantize.sequential import LayerInputs, capture_first_layer_inputs, layer_outputs, record_inputs
 
 METHODS = ("rtn", "gptq", "awq", "w8a8")
 SMOOTHQUANT_ALPHA = 0.5
@@ -40,14 +44,18 @@ class QuantizeOptions:
     group_size: int = 64
     sym: bool = False
     act_order: bool = False
-    num_sequences: int = 16
+    num_sequences: int = 128
     sequence_length: int = 512
+    damp: float = 0.01  # GPTQ: dampening, relative to the mean Hessian diagonal
+    seed: int = 0  # where the calibration sequences start
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.num_sequences < 1 or self.sequence_length < 2:
             raise ValueError(f"need >= 1 calibration sequences of >= 2 tokens, got {self}")
+        if not 0 < self.damp < 1:
+            raise ValueError(f"damp must be in (0, 1), got {self.damp}")
 
     def config(self) -> QuantConfig:
         """The quantization_config of the checkpoint these options produce."""
@@ -64,42 +72,85 @@ class QuantizeOptions:
         )
 
 
+def check_group_size(layers: dict[str, Linear], group_size: int) -> None:
+    """Every layer's input width must be a multiple of the group size: a ValueError listing the sizes
+    that fit otherwise (the runtime formats and kernels all use groups of one size)."""
+    widths = sorted({layer.in_features for layer in layers.values()})
+    if group_size == -1 or all(width % group_size == 0 for width in widths):
+        return
+    common = math.gcd(*widths)
+    fitting = [size for size in (16, 32, 64, 128, 256, 512, 1024) if common % size == 0]
+    raise ValueError(
+        f"group size {group_size} does not divide the input widths {widths}; sizes that do: "
+        f"{', '.join(map(str, [*fitting, -1]))} (-1: one group per row)"
+    )
+
+
 def quantize_engine_model(
-    engine: LLMEngine, options: QuantizeOptions, calibration_text: str
+    engine: LLMEngine, options: QuantizeOptions, calibration_texts: list[str]
 ) -> dict[str, QuantizedWeight | Int8Weight]:
     """Quantize every quantizable Linear of engine's (float) model; returns name -> quantized weight.
 
-    AWQ also rewrites float weights of the model in place (norms, the up half of gate_up)."""
+    GPTQ and AWQ go decoder layer by decoder layer (kvforge.quantize.sequential), each on the inputs of
+    the already-quantized layers before it, and leave the model's linear weights at their dequantized
+    values; AWQ also rewrites float weights in place (norms, the up half of gate_up)."""
     options.config()  # validates bits and group size for the method
     model = engine.local_model
     layers = quantizable_linears(model)
-    stats = {}
-    if options.method != "rtn":
-        sequences = calibration_sequences(
-            engine, calibration_text, options.sequence_length, options.num_sequences
-        )
-        stats = collect_input_stats(engine, layers, sequences, with_hessian=options.method == "gptq")
-    if options.method == "awq":
-        for index, decoder_layer in enumerate(tqdm(model.layers, desc="awq scales", unit="layer")):
-            apply_awq_scales(decoder_layer, stats, f"layers.{index}", options.bits, options.group_size)
-    results: dict[str, QuantizedWeight | Int8Weight] = {}
-    for name, layer in tqdm(layers.items(), desc=f"{options.method} quantize", unit="layer"):
-        weight = layer.weight.data.float()
-        if options.method == "gptq":
-            results[name] = gptq_quantize(
-                weight,
-                stats[name].mean_hessian(),
-                options.bits,
-                options.group_size,
-                options.sym,
-                options.act_order,
-            )
-        elif options.method == "w8a8":
-            results[name] = _smoothquant(weight, stats[name].abs_max)
-        else:
-            results[name] = quantize_rtn(
-                weight, options.bits, options.group_size, options.sym if options.method == "rtn" else False
-            )
+    check_group_size(layers, options.group_size)
+    if options.method == "rtn":
+        return {name: quantize_rtn(layer.weight.data.float(), options.bits, options.group_size, options.sym)
+                for name, layer in layers.items()}  # fmt: skip
+    token_ids = tokenize_texts(engine, calibration_texts)
+    sequences = calibration_sequences(
+        token_ids, min(options.sequence_length, engine.max_model_len), options.num_sequences, options.seed
+    )
+    if options.method == "w8a8":
+        stats = collect_input_stats(engine, layers, sequences, with_hessian=False)
+        return {name: _smoothquant(layer.weight.data.float(), stats[name].abs_max)
+                for name, layer in layers.items()}  # fmt: skip
+    return _layer_by_layer(engine, options, sequences)
+
+
+def _layer_by_layer(
+    engine: LLMEngine, options: QuantizeOptions, sequences: list[list[int]]
+) -> dict[str, QuantizedWeight]:
+    model = engine.local_model
+    inputs = capture_first_layer_inputs(engine, model.stage_layers[0], sequences)
+    results: dict[str, QuantizedWeight] = {}
+    for index, decoder_layer in enumerate(tqdm(model.stage_layers, desc=options.method, unit="layer")):
+        linears = quantizable_linears(decoder_layer)
+        quantize = _gptq_layer if options.method == "gptq" else _awq_layer
+        for name, result in quantize(decoder_layer, linears, inputs, options).items():
+            results[f"layers.{model.start_layer + index}.{name}"] = result
+        inputs = layer_outputs(decoder_layer, inputs)
+    return results
+
+
+def _gptq_layer(
+    decoder_layer: nn.Module, linears: dict[str, Linear], inputs: LayerInputs, options: QuantizeOptions
+) -> dict[str, QuantizedWeight]:
+    """Each linear on the inputs that the already-quantized linears before it in the layer produce."""
+    results = {}
+    for name, linear in linears.items():
+        stats = record_inputs(decoder_layer, inputs, {name: linear}, with_hessian=True)[name]
+        results[name] = gptq_quantize(linear.weight.data, stats.mean_hessian(), options.bits,
+                                      options.group_size, options.sym, options.act_order, options.damp)  # fmt: skip
+        with torch.no_grad():
+            linear.weight.copy_(results[name].dequantize())
+    return results
+
+
+def _awq_layer(
+    decoder_layer: nn.Module, linears: dict[str, Linear], inputs: LayerInputs, options: QuantizeOptions
+) -> dict[str, QuantizedWeight]:
+    stats = record_inputs(decoder_layer, inputs, linears, with_hessian=False)
+    apply_awq(decoder_layer, stats, options.bits, options.group_size)
+    results = {}
+    for name, linear in linears.items():
+        results[name] = quantize_rtn(linear.weight.data, options.bits, options.group_size, sym=False)
+        with torch.no_grad():
+            linear.weight.copy_(results[name].dequantize())
     return results
 
 

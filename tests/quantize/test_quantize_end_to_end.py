@@ -46,7 +46,7 @@ def test_checkpoint_loads_with_the_in_memory_logits(
     llm = LLM(model=str(tiny_llama), **ENGINE)
     token_ids = llm.get_tokenizer().encode(TEXT)[:48]
     float_logits = llm.engine.score(token_ids)
-    results = quantize_engine_model(llm.engine, options, TEXT)
+    results = quantize_engine_model(llm.engine, options, [TEXT])
     config = options.config()
     tensors = checkpoint_tensors(llm.engine.local_model, results, config)
     write_checkpoint(tmp_path, llm.engine.hf_config, tensors, config, llm.get_tokenizer(), tiny_llama)
