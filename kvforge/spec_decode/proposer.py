@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvforge.config import SpeculativeConfig
 
 
 class Proposer(Protocol):
@@ -16,3 +19,17 @@ class Proposer(Protocol):
     def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int) -> list[int]: ...
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None: ...
+
+
+def create_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The proposer of the configured method (None: speculation off)."""
+    from kvforge.spec_decode.ngram import NgramProposer
+    from kvforge.spec_decode.suffix import SuffixProposer
+
+    if config.speculative_method is None:
+        return None
+    if config.speculative_method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.speculative_method == "suffix":
+        return SuffixProposer(min_token_prob=config.suffix_min_token_prob)
+    raise ValueError(f"speculative_method {config.speculative_method!r} is not a scheduler-side proposer")
