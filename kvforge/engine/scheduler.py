@@ -205,7 +205,8 @@ class Scheduler:
 
     def _drafts(self, request: Request, budget: int, speculate: bool) -> list[int]:
         """Draft tokens for a request that decodes (one token left to compute) in a speculating step."""
-        if not speculate or request.num_tokens - request.num_computed_tokens != 1:
+        # NOTE: a grammar's bitmask is built for the next token only: constrained requests do not draft
+        if not speculate or request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None:
             return []
         return self.speculation.drafts(request, budget)
 
