@@ -9,7 +9,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from kvforge.config import EngineConfig, SpeculativeConfig
+from kvforge.config import EngineConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sample_group import SampleGroup, logprob_decoder
@@ -28,11 +28,12 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 
 
-def _speculation(config: SpeculativeConfig) -> Speculation | None:
-    proposer = create_proposer(config)
+def _speculation(config: EngineConfig, vocab_size: int) -> Speculation | None:
+    proposer = create_proposer(config, vocab_size)
     if proposer is None:
         return None
-    return Speculation(proposer, config.num_speculative_tokens, config.speculative_disable_batch_size)
+    spec = config.speculative
+    return Speculation(proposer, spec.num_speculative_tokens, spec.speculative_disable_batch_size)
 
 
 class LLMEngine:
@@ -56,7 +57,7 @@ class LLMEngine:
         self.vocab_size = info.vocab_size
         num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, _speculation(config.speculative))
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, _speculation(config, self.vocab_size))
         self.in_flight: deque[SchedulerOutput] = deque()
         self.max_model_len = min(config.model.max_model_len or info.max_position, info.max_position,
                                  self.kv_cache_manager.capacity_tokens)

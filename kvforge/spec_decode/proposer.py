@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from kvforge.config import SpeculativeConfig
+    from kvforge.config import EngineConfig
 
 
 class Proposer(Protocol):
@@ -21,15 +21,17 @@ class Proposer(Protocol):
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None: ...
 
 
-def create_proposer(config: SpeculativeConfig) -> Proposer | None:
+def create_proposer(config: EngineConfig, vocab_size: int) -> Proposer | None:
     """The proposer of the configured method (None: speculation off)."""
+    from kvforge.spec_decode.draft import DraftModelProposer
     from kvforge.spec_decode.ngram import NgramProposer
     from kvforge.spec_decode.suffix import SuffixProposer
 
-    if config.speculative_method is None:
+    spec = config.speculative
+    if spec.speculative_method is None:
         return None
-    if config.speculative_method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.speculative_method == "suffix":
-        return SuffixProposer(min_token_prob=config.suffix_min_token_prob)
-    raise ValueError(f"speculative_method {config.speculative_method!r} is not a scheduler-side proposer")
+    if spec.speculative_method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.speculative_method == "suffix":
+        return SuffixProposer(min_token_prob=spec.suffix_min_token_prob)
+    return DraftModelProposer(config, vocab_size)
