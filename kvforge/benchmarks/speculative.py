@@ -41,21 +41,22 @@ def load_chat_workload(name: str) -> list[list[dict]]:
     return [json.loads(line)["messages"] for line in text.splitlines() if line.strip()]
 
 
-def _engines(args: argparse.Namespace, methods: list[str]) -> dict:
-    from kvforge import LLM, SamplingParams
+# warm-up: a copying task that is in no workload, so that verification steps of every size run (and compile)
+WARMUP = [{"role": "user", "content": "Repeat exactly: one two three four five six seven eight nine ten. "
+                                      "Red green blue yellow. One two three four five six seven eight nine ten."}]
+
+
+def _engines(args: argparse.Namespace, methods: list[str], streams: list[int]) -> dict:
+    from kvforge import LLM
 
     kwargs = engine_kwargs_from_args(args)
     kwargs["kv_cache_memory"] = kwargs["kv_cache_memory"] or "512MiB"  # several engines in one process
     engines = {}
     for method in methods:
         engine = LLM(**{**kwargs, "speculative_method": None if method == "off" else method}).engine
-        # warm-up (compiles the decode buckets of 1 to 16 streams) on prompts that are not in the workloads
-        for count in (1, 16):
-            for index in range(count):
-                engine.add_request(f"warmup-{count}-{index}", {"prompt_token_ids": list(range(1 + index, 40))},
-                                   SamplingParams(max_tokens=48, ignore_eos=True))
-            while engine.has_unfinished_requests():
-                engine.step()
+        prompt = engine.tokenizer.apply_chat_template(WARMUP, add_generation_prompt=True, tokenize=True)
+        for count in streams:
+            _run(engine, [prompt] * count, 96, f"warmup-{count}")
         engines[method] = engine
     return engines
 
@@ -119,14 +120,15 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",")]
     if methods[0] != "off":
         raise SystemExit("--methods must start with off (the baseline)")
-    engines = _engines(args, methods)
+    stream_counts = [int(s) for s in args.streams.split(",")]
+    engines = _engines(args, methods, stream_counts)
     tokenizer = next(iter(engines.values())).tokenizer
     rows = []
     print(f"{'workload':<9} {'streams':>7}  {'method':<7} {'tok/s':>9} {'vs off':>8}  {'mean':>5}  acceptance/pos")
     for workload in args.workloads.split(","):
         conversations = load_chat_workload(workload.strip())[: args.num_prompts]
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
-        for streams in (int(s) for s in args.streams.split(",")):
+        for streams in stream_counts:
             measured = _measure(engines, prompts, streams, args.output_len, workload)
             baseline = measured["off"][0][0] / measured["off"][0][1]
             for method, ((tokens, seconds), spec) in measured.items():
