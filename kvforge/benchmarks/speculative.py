@@ -51,12 +51,13 @@ def _engines(args: argparse.Namespace, methods: list[str], streams: list[int]) -
 
     kwargs = engine_kwargs_from_args(args)
     kwargs["kv_cache_memory"] = kwargs["kv_cache_memory"] or "512MiB"  # several engines in one process
+    kwargs["compile_after"] = 0  # every bucket compiles on its first step: in the warm-up, not while timed
     engines = {}
     for method in methods:
         engine = LLM(**{**kwargs, "speculative_method": None if method == "off" else method}).engine
         prompt = engine.tokenizer.apply_chat_template(WARMUP, add_generation_prompt=True, tokenize=True)
         for count in streams:
-            _run(engine, [prompt] * count, 96, f"warmup-{count}")
+            _run(engine, [prompt] * count, 64, f"warmup-{count}")
         engines[method] = engine
     return engines
 
