@@ -20,8 +20,8 @@ from kvforge.executor.executor import create_executor
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
-from kvforge.structured_output.compiler import GrammarCompiler
 from kvforge.spec_decode.proposer import create_proposer
+from kvforge.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
