@@ -147,6 +147,42 @@ class CompilationConfig:
             raise ValueError(f"compile_buckets must be increasing positive integers, got {buckets!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts up to num_speculative_tokens tokens per decoding request and
+    the model verifies them in one step (method None: off). Steps with more running requests than
+    disable_batch_size decode without drafts (a large batch is compute-bound: verifying costs more than it
+    saves)."""
+
+    speculative_method: str | None = option(
+        None, "draft tokens by prompt lookup (ngram), a suffix trie of this and earlier requests (suffix) or a "
+              "smaller model with the same tokenizer (draft, see --speculative-model)", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = option(4, "most draft tokens per request per step", minimum=1)
+    speculative_model: str | None = option(
+        None, "the draft model (HF folder or .gguf file; default with --speculative-method draft: the "
+              "default model, GGUF-quantized)")
+    prompt_lookup_min: int = option(2, "ngram: shortest suffix of the request to look up", minimum=1)
+    prompt_lookup_max: int = option(5, "ngram: longest suffix of the request to look up", minimum=1)
+    suffix_min_token_prob: float = option(
+        0.1, "suffix: stop a draft when its estimated chance of being accepted whole falls below this", minimum=0.0)
+    speculative_disable_batch_size: int = option(
+        8, "decode without drafts in steps with more running requests than this", minimum=1)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if self.suffix_min_token_prob > 1.0:
+            raise ValueError(f"suffix_min_token_prob must be <= 1, got {self.suffix_min_token_prob}")
+        if self.speculative_model is not None and self.speculative_method != "draft":
+            raise ValueError(f"speculative_model needs speculative_method 'draft', got "
+                             f"{self.speculative_method!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The whole engine's configuration: one sub-config per component, each handed only its own.
@@ -160,5 +196,6 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     seed: int = option(0, "seed of torch's global generator (per-request seeds are a sampling parameter)",
                        cli=False)

@@ -80,14 +80,27 @@ class KVCacheManager:
         self.pool.touch(cached_block_ids)
         table = table + list(cached_block_ids) + self.pool.allocate(max(num_new_blocks, 0))
         self.block_tables[request.request_id] = table
-        if self.enable_prefix_caching:
-            num_full = (num_computed + num_new_tokens) // self.block_size
-            first = self.num_registered.get(request.request_id, 0)
-            hashes = self._hashes(request, num_full)
-            for block_id, block_hash in zip(table[first:num_full], hashes[first:]):
-                self.pool.cache_block(block_id, block_hash)
-            self.num_registered[request.request_id] = max(first, num_full)
+        # NOTE: only blocks full of the request's tokens, never of draft tokens that may be rejected
+        self._register(request, min(num_computed + num_new_tokens, request.num_tokens))
         return True
+
+    def _register(self, request: Request, num_tokens: int) -> None:
+        """Offer the blocks full of the request's first num_tokens tokens to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_tokens // self.block_size
+        first = self.num_registered.get(request.request_id, 0)
+        hashes = self._hashes(request, num_full)
+        for block_id, block_hash in zip(self.block_tables[request.request_id][first:num_full], hashes[first:]):
+            self.pool.cache_block(block_id, block_hash)
+        self.num_registered[request.request_id] = max(first, num_full)
+
+    def register_accepted(self, request: Request) -> None:
+        """After a verification step: offer the blocks that accepted drafts filled to the prefix cache.
+
+        NOTE: the blocks past the request's tokens (the slots of rejected drafts) stay in its table, which
+        the runner extends append-only; the next steps overwrite those slots, and free() releases them."""
+        self._register(request, min(request.num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its last blocks are evicted before its first."""

@@ -14,16 +14,26 @@ from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sample_group import SampleGroup, logprob_decoder
 from kvforge.engine.scheduler import NewRequest, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from kvforge.engine.speculation import Speculation
 from kvforge.engine.stats import CacheStats, EngineStats
 from kvforge.executor.executor import create_executor
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
+from kvforge.spec_decode.proposer import create_proposer
 from kvforge.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+
+
+def _speculation(config: EngineConfig, vocab_size: int) -> Speculation | None:
+    proposer = create_proposer(config, vocab_size)
+    if proposer is None:
+        return None
+    spec = config.speculative
+    return Speculation(proposer, spec.num_speculative_tokens, spec.speculative_disable_batch_size)
 
 
 class LLMEngine:
@@ -47,7 +57,7 @@ class LLMEngine:
         self.vocab_size = info.vocab_size
         num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, _speculation(config, self.vocab_size))
         self.in_flight: deque[SchedulerOutput] = deque()
         self.max_model_len = min(config.model.max_model_len or info.max_position, info.max_position,
                                  self.kv_cache_manager.capacity_tokens)
@@ -221,7 +231,7 @@ class LLMEngine:
             if not new_token_ids:
                 continue
             if sample.logprobs is not None:
-                sample.logprobs.extend(self._decode_logprobs([out.logprobs[request_id]]))
+                sample.logprobs.extend(self._decode_logprobs(out.logprobs[request_id][: len(new_token_ids)]))
             stop_string = sample.add_tokens(new_token_ids)
             if stop_string is not None and not request.status.finished:
                 self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, stop_string)

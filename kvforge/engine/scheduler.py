@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from kvforge.config import SchedulerConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.engine.stats import SchedulerStats
+from kvforge.engine.speculation import Speculation
+from kvforge.engine.stats import SchedulerStats, SpecDecodeStats
 from kvforge.sampling_params import SamplingParams
 from kvforge.structured_output.bitmask import GrammarBitmask
 
@@ -43,6 +44,7 @@ class ScheduledRequest:
     num_prompt_tokens: int
     needs_sample: bool
     banned_token_ids: list[int]  # stop tokens the sampler must not pick before min_tokens
+    num_draft_tokens: int = 0  # the last num_draft_tokens of token_ids are drafts to verify
 
 
 @dataclass(slots=True)
@@ -83,9 +85,11 @@ class Scheduler:
     are freed and it goes back to the front of the waiting queue, to be recomputed later.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 speculation: Speculation | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.speculation = speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -99,8 +103,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def stats(self) -> SchedulerStats:
+        spec = self.speculation.stats() if self.speculation is not None else SpecDecodeStats()
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
-                              num_preemptions=self.num_preemptions)
+                              num_preemptions=self.num_preemptions, spec_decode=spec)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -124,6 +129,8 @@ class Scheduler:
                 request.stop_reason = stop_reason
             self.kv.free(request)
             self.num_sent_blocks.pop(request_id, None)
+            if self.speculation is not None:
+                self.speculation.finish(request)
             self.finished_ids.append(request_id)
 
     def _chunk(self, request: Request, budget: int) -> int:
@@ -145,7 +152,8 @@ class Scheduler:
         output.preempted_request_ids.append(victim.request_id)
         return victim
 
-    def _emit(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _emit(self, output: SchedulerOutput, request: Request, num_new: int, draft_token_ids: list[int] = ()
+              ) -> None:
         request_id, start = request.request_id, request.num_computed_tokens
         num_sent = self.num_sent_blocks.get(request_id)
         if num_sent is None:
@@ -155,12 +163,13 @@ class Scheduler:
         self.num_sent_blocks[request_id] = len(block_table)
         output.scheduled.append(ScheduledRequest(
             request_id=request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start : start + num_new] + list(draft_token_ids),
             num_computed_tokens=start,
             new_block_ids=block_table[num_sent or 0 :],
             num_prompt_tokens=request.num_prompt_tokens,
             needs_sample=start + num_new == request.num_tokens,
             banned_token_ids=self._banned_tokens(request),
+            num_draft_tokens=len(draft_token_ids),
         ))
 
     @staticmethod
@@ -173,12 +182,19 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, busy: set[str], max_seqs: int) -> int:
         index = 0
+        speculate = self.speculation is not None and self.speculation.active(len(self.running))
         while index < len(self.running) and budget > 0 and len(output.scheduled) < max_seqs:
             request = self.running[index]
             if request.request_id in busy:
                 index += 1
                 continue
             num_new = self._chunk(request, budget)
+            drafts = self._drafts(request, budget, speculate)
+            if drafts and self.kv.allocate_slots(request, num_new + len(drafts)):
+                self._emit(output, request, num_new, drafts)
+                budget -= num_new + len(drafts)
+                index += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 if self._preempt_newest(output, busy) is request:
                     return budget
@@ -186,6 +202,13 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _drafts(self, request: Request, budget: int, speculate: bool) -> list[int]:
+        """Draft tokens for a request that decodes (one token left to compute) in a speculating step."""
+        # NOTE: a grammar's bitmask is built for the next token only: constrained requests do not draft
+        if not speculate or request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None:
+            return []
+        return self.speculation.drafts(request, budget)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, max_seqs: int) -> None:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
@@ -239,12 +262,14 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None:  # aborted while its step was in flight
                 continue
-            request.num_computed_tokens += len(scheduled.token_ids)
+            request.num_computed_tokens += len(scheduled.token_ids) - scheduled.num_draft_tokens
             result.advanced.append(request)
             token_ids = runner_output.sampled_token_ids.get(request.request_id)
             if not token_ids:
                 continue
             accepted, status = self._append_tokens(request, token_ids)
+            if scheduled.num_draft_tokens:
+                self._accept_drafts(request, scheduled.num_draft_tokens, len(token_ids) - 1)
             result.new_token_ids[request.request_id] = accepted
             if status is not None:
                 finished.setdefault(status, []).append(request.request_id)
@@ -252,6 +277,13 @@ class Scheduler:
         for status, request_ids in finished.items():
             self.finish_requests(request_ids, status)
         return result
+
+    def _accept_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """After the tokens the model returned are appended: the accepted drafts' keys and values are in the
+        cache; the rejected ones' are past num_computed_tokens, to be overwritten."""
+        self.speculation.record(num_drafts, num_accepted)
+        request.num_computed_tokens += num_accepted
+        self.kv.register_accepted(request)
 
     @staticmethod
     def _append_tokens(request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:

@@ -10,12 +10,47 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class SpecDecodeStats:
+    """Speculative decoding counters: request-steps that verified drafts, and per draft position how many
+    drafts were verified there and how many of them were accepted."""
+
+    num_verified_requests: int = 0
+    num_drafted_per_position: tuple[int, ...] = ()
+    num_accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(self.num_drafted_per_position)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.num_accepted_per_position)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_per_position(self) -> tuple[float, ...]:
+        return tuple(a / d if d else 0.0 for a, d in zip(self.num_accepted_per_position,
+                                                          self.num_drafted_per_position))
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying request appends per step: its accepted drafts plus the model's own token."""
+        if not self.num_verified_requests:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_verified_requests
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStats:
-    """Sequences in each queue (a request with n samples counts n) and preemptions so far."""
+    """Sequences in each queue (a request with n samples counts n), preemptions and speculation so far."""
 
     num_running: int
     num_waiting: int
     num_preemptions: int
+    spec_decode: SpecDecodeStats = SpecDecodeStats()
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +83,7 @@ class EngineStats:
     num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache
     num_prefix_hit_tokens: int  # of which found there
     num_preemptions: int
+    spec_decode: SpecDecodeStats = SpecDecodeStats()
 
     @classmethod
     def of(cls, scheduler: SchedulerStats, cache: CacheStats) -> EngineStats:
@@ -59,6 +95,7 @@ class EngineStats:
             num_prefix_query_tokens=cache.num_prefix_query_tokens,
             num_prefix_hit_tokens=cache.num_prefix_hit_tokens,
             num_preemptions=scheduler.num_preemptions,
+            spec_decode=scheduler.spec_decode,
         )
 
     @property

@@ -17,16 +17,18 @@ from kvforge.executor.request_states import RequestStates
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
+from kvforge.spec_decode.verify import verify_drafts
 from kvforge.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Plain data back to the engine: the tokens each finished-prefill/decode request appends this step
-    (one today; the accepted ones of k when speculating), applied by Scheduler.update_from_output."""
+    (one, or the accepted drafts and one more when speculating), applied by Scheduler.update_from_output;
+    the logprobs of each of them where asked."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)
     # request id -> (index of the first prompt token predicted, logprobs of the tokens predicted)
     prompt_logprobs: dict[str, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
 
@@ -36,8 +38,9 @@ class _Batch:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
-    sample_rows: list[int]  # row of the last token of each request that samples
+    sample_rows: list[int]  # row of the last token of each request that samples (of each token if drafting)
     sample_requests: list[ScheduledRequest]
+    drafts: list[list[int]]  # per sampling request: the draft tokens it verifies (none outside speculation)
     prompt_rows: dict[str, tuple[int, int, int]]  # request -> (first row, row count, first position)
 
 
@@ -87,23 +90,32 @@ class ModelRunner:
         input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64,
                                 count=int(query_start_loc[-1]))
         sample_requests = [s for s in scheduled if s.needs_sample]
-        sample_rows = [int(query_start_loc[i + 1]) - 1 for i, s in enumerate(scheduled) if s.needs_sample]
+        sample_rows = [row for i, s in enumerate(scheduled) if s.needs_sample
+                       for row in range(int(query_start_loc[i + 1]) - 1 - s.num_draft_tokens,
+                                        int(query_start_loc[i + 1]))]
+        drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in sample_requests]
         prompt_rows = {
             s.request_id: (int(query_start_loc[i]), int(q_lens[i]), s.num_computed_tokens)
             for i, s in enumerate(scheduled)
             if self.requests[s.request_id].sampling_params.prompt_logprobs is not None
             and s.num_computed_tokens < s.num_prompt_tokens - 1
         }
+        decode_only = all(len(s.token_ids) == 1 + s.num_draft_tokens for s in scheduled)
+        if decode_only and len(scheduled) < len(input_ids):
+            # NOTE: a step of decodes with drafts is a decode step of one sequence per token row: row p of
+            # a sequence sees its first p + 1 tokens, which is causal attention over the step's queries
+            block_tables, seq_lens = block_tables[seq_of_token], (positions + 1).astype(np.int32)
+            query_start_loc = np.arange(len(input_ids) + 1, dtype=np.int32)
         to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         metadata = AttentionMetadata(
             slot_mapping=to_device(slot_mapping),
             query_start_loc=to_device(query_start_loc),
             seq_lens=to_device(seq_lens),
             block_tables=to_device(block_tables),
-            decode_only=len(scheduled) == int(query_start_loc[-1]),
+            decode_only=decode_only,
         )
         return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
-                      prompt_rows)
+                      drafts, prompt_rows)
 
     def _allowed_token_bitmask(self, requests: list[ScheduledRequest],
                                grammar_bitmask: GrammarBitmask | None) -> torch.Tensor | None:
@@ -129,7 +141,9 @@ class ModelRunner:
             frequency_penalties=[p.frequency_penalty for p in params],
             repetition_penalties=[p.repetition_penalty for p in params],
             prompt_token_ids=[state.prompt_token_ids for state in states],
-            output_token_ids=[state.output_token_ids for state in states],
+            # the outputs before this step's drafts (the runner's tokens run to the end of the step's tokens)
+            output_token_ids=[state.token_ids[state.num_prompt_tokens : len(state.token_ids) - s.num_draft_tokens]
+                              for s, state in zip(requests, states)],
             banned_token_ids=[s.banned_token_ids for s in requests],
             generators=[state.generator for state in states],
             num_logprobs=[p.logprobs for p in params],
@@ -212,9 +226,22 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.sample_rows])  # collective under tensor parallel
         if not samples or not batch.sample_rows:
             return result
-        token_ids, logprobs = self.sampler(logits, self._sampling_batch(batch.sample_requests, output.grammar_bitmask))
-        for i, s in enumerate(batch.sample_requests):
-            result.sampled_token_ids[s.request_id] = [token_ids[i]]
-            if logprobs is not None and logprobs[i] is not None:
-                result.logprobs[s.request_id] = logprobs[i]
+        self._sample(logits, batch, result, output.grammar_bitmask)
         return result
+
+    def _sample(self, logits: torch.Tensor, batch: _Batch, result: ModelRunnerOutput,
+                grammar_bitmask: GrammarBitmask | None) -> None:
+        """logits [len(batch.sample_rows), vocab] -> each sampling request's tokens (and logprobs) in result."""
+        requests = batch.sample_requests
+        sampling = self._sampling_batch(requests, grammar_bitmask)
+        if any(batch.drafts):
+            min_tokens = [self.requests[s.request_id].sampling_params.min_tokens for s in requests]
+            token_ids, logprobs = verify_drafts(logits, sampling, batch.drafts, min_tokens)
+        else:
+            sampled, raw_logprobs = self.sampler(logits, sampling)
+            token_ids = [[token_id] for token_id in sampled]
+            logprobs = None if raw_logprobs is None else [[entry] for entry in raw_logprobs]
+        for i, s in enumerate(requests):
+            result.sampled_token_ids[s.request_id] = token_ids[i]
+            if logprobs is not None and sampling.num_logprobs[i] is not None:
+                result.logprobs[s.request_id] = logprobs[i]

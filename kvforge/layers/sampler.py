@@ -122,18 +122,29 @@ def filter_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs if mask is None else probs * mask
 
 
-def _sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per row by inverting its CDF at one uniform number.
+def draw_uniforms(counts: list[int], generators: list[torch.Generator | None], device: torch.device
+                  ) -> torch.Tensor:
+    """counts[i] uniform numbers for row i, concatenated: rows with their own generator draw theirs from it,
+    so a seeded request gives the same tokens whatever else is in the batch."""
+    uniform = torch.rand(sum(counts), device=device)
+    start = 0
+    for count, generator in zip(counts, generators):
+        if generator is not None and count:
+            uniform[start : start + count] = torch.rand(count, generator=generator, device=device)
+        start += count
+    return uniform
 
-    Rows with their own generator draw their number from it, so a seeded request gives the same
-    tokens whatever else is in the batch."""
-    uniform = torch.rand(probs.shape[0], 1, device=probs.device)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            uniform[row] = torch.rand(1, generator=generator, device=probs.device)
+
+def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """probs [rows, vocab] (not necessarily normalized), uniform [rows] -> one token per row."""
     cdf = probs.cumsum(dim=-1)
-    token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
+    token_ids = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
     return token_ids.squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row by inverting its CDF at one uniform number (see draw_uniforms)."""
+    return invert_cdf(probs, draw_uniforms([1] * probs.shape[0], generators, probs.device))
 
 
 def _gather_logprobs(
@@ -167,10 +178,12 @@ def compute_logprobs(
 class Sampler:
     """Samples one token per row. Greedy rows (temperature 0) take the argmax after penalties."""
 
-    def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch
-    ) -> tuple[list[int], list[RawLogprobs | None] | None]:
-        raw_logits = logits  # [num_rows, vocab] fp32
+    @staticmethod
+    def distributions(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every transform a row asks for, applied to logits [rows, vocab]: the greedy ids [rows] (argmax
+        after the grammar's mask, biases, bans and penalties) and, unless every row is greedy, the
+        probabilities [rows, vocab] to draw from (after temperature, top-k/top-p/min-p; not renormalized)."""
+        raw_logits = logits
         if batch.allowed_token_bitmask is not None:  # first: every later transform sees only allowed tokens
             logits = apply_token_bitmask(logits, batch.allowed_token_bitmask)
         if batch.logit_biases is not None:
@@ -182,13 +195,20 @@ class Sampler:
         logits = apply_penalties(logits, batch)
         greedy_ids = logits.argmax(dim=-1)
         if all(t == 0.0 for t in batch.temperatures):
-            token_ids = greedy_ids
-        else:
+            return greedy_ids, None
+        temperatures = torch.tensor(batch.temperatures, device=logits.device)
+        scaled = logits / temperatures.clamp_min(1e-5)[:, None]
+        return greedy_ids, filter_probs(torch.softmax(scaled, dim=-1), batch)
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], list[RawLogprobs | None] | None]:
+        greedy_ids, probs = self.distributions(logits, batch)  # logits: [num_rows, vocab] fp32
+        token_ids = greedy_ids
+        if probs is not None:
             temperatures = torch.tensor(batch.temperatures, device=logits.device)
-            scaled = logits / temperatures.clamp_min(1e-5)[:, None]
-            probs = filter_probs(torch.softmax(scaled, dim=-1), batch)
             token_ids = torch.where(temperatures == 0.0, greedy_ids, _sample(probs, batch.generators))
         logprobs = None
         if any(k is not None for k in batch.num_logprobs):
-            logprobs = compute_logprobs(raw_logits, token_ids, batch.num_logprobs)
+            logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)
         return token_ids.tolist(), logprobs

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvforge.engine.async_engine import EngineStats
+from kvforge.engine.stats import SpecDecodeStats
 from kvforge.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -52,8 +53,29 @@ class _EngineCollector(Collector):
             ("kvforge:num_preemptions", "Sequences preempted (to be recomputed) for lack of KV blocks.",
              stats.num_preemptions),
         ]
+        spec = stats.spec_decode
+        counters += [
+            ("kvforge:spec_decode_num_drafts", "Request-steps that verified draft tokens.", spec.num_verified_requests),
+            ("kvforge:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+            ("kvforge:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+        ]
         for name, text, value in counters:
             yield CounterMetricFamily(name, text, value=value)
+        yield from _per_position(spec)
+
+
+def _per_position(spec: SpecDecodeStats) -> Iterator[Metric]:
+    """Drafts verified and accepted at each draft position, labelled by position."""
+    for name, text, values in [
+        ("kvforge:spec_decode_num_draft_tokens_per_pos", "Draft tokens verified at each draft position.",
+         spec.num_drafted_per_position),
+        ("kvforge:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position.",
+         spec.num_accepted_per_position),
+    ]:
+        family = CounterMetricFamily(name, text, labels=["position"])
+        for position, value in enumerate(values):
+            family.add_metric([str(position)], value)
+        yield family
 
 
 class ServerMetrics:

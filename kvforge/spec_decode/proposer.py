@@ -1,0 +1,37 @@
+"""What every proposer of draft tokens offers the scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvforge.config import EngineConfig
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens to follow a request's tokens; the target model verifies them in the next step.
+
+    propose: up to max_num_tokens draft ids to follow token_ids (the request's prompt and output so far),
+    possibly none. finish: the request is gone (its tokens are final); forget its state. Proposers that
+    keep state per request see each request's tokens only grow between calls, except after finish."""
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int) -> list[int]: ...
+
+    def finish(self, request_id: str, token_ids: Sequence[int]) -> None: ...
+
+
+def create_proposer(config: EngineConfig, vocab_size: int) -> Proposer | None:
+    """The proposer of the configured method (None: speculation off)."""
+    from kvforge.spec_decode.draft import DraftModelProposer
+    from kvforge.spec_decode.ngram import NgramProposer
+    from kvforge.spec_decode.suffix import SuffixProposer
+
+    spec = config.speculative
+    if spec.speculative_method is None:
+        return None
+    if spec.speculative_method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.speculative_method == "suffix":
+        return SuffixProposer(min_token_prob=spec.suffix_min_token_prob)
+    return DraftModelProposer(config, vocab_size)

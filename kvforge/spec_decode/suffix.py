@@ -1,0 +1,140 @@
+"""Suffix decoding: draft the most frequent continuation of the latest tokens, as seen in this request and
+in the outputs of earlier requests (SuffixDecoding, Oliaro et al. 2024).
+
+Each trie counts every substring of up to max_depth tokens of the sequences added to it. A node's children
+are the tokens that followed its substring, with how often; the draft follows the most frequent child while
+the product of the children's shares (the estimated chance that the whole draft is accepted) stays at or
+above min_token_prob, for at most match_length * spec_factor tokens (longer matches earn longer drafts).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTrie:
+    """Substring counts of the sequences added, up to max_depth tokens deep."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.root = _Node()
+
+    def extend(self, active: list[_Node], token_id: int) -> list[_Node]:
+        """Count token_id after each substring in active (the nodes of the suffixes ending at the previous
+        token, longest first); returns the nodes of the suffixes ending at token_id, longest first."""
+        extended = []
+        for node in active[-(self.max_depth - 1):] if len(active) >= self.max_depth else active:
+            child = node.children.get(token_id)
+            if child is None:
+                child = node.children[token_id] = _Node()
+            child.count += 1
+            extended.append(child)
+        child = self.root.children.get(token_id)
+        if child is None:
+            child = self.root.children[token_id] = _Node()
+        child.count += 1
+        return extended + [child]
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        active: list[_Node] = []
+        for token_id in token_ids:
+            active = self.extend(active, token_id)
+
+    def remove(self, token_ids: Sequence[int]) -> None:
+        """Undo add(token_ids), dropping the nodes that nothing counts any more."""
+        for start in range(len(token_ids)):
+            node = self.root
+            for token_id in token_ids[start : start + self.max_depth]:
+                child = node.children[token_id]
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[token_id]
+                    break
+                node = child
+
+    def find(self, context: Sequence[int]) -> list[tuple[int, _Node]]:
+        """(length, node) of each suffix of context (up to max_depth - 1 tokens) present here, longest first."""
+        found = []
+        for length in range(min(len(context), self.max_depth - 1), 0, -1):
+            node = self.root
+            for token_id in context[len(context) - length :]:
+                node = node.children.get(token_id)
+                if node is None:
+                    break
+            if node is not None:
+                found.append((length, node))
+        return found
+
+
+def _continue(node: _Node, max_num_tokens: int, min_token_prob: float) -> tuple[list[int], float]:
+    """The most frequent continuation from node and its score (the expected number of accepted tokens)."""
+    draft, prob, score = [], 1.0, 0.0
+    while node.children and len(draft) < max_num_tokens:
+        total = sum(child.count for child in node.children.values())
+        token_id, child = max(node.children.items(), key=lambda item: item[1].count)
+        prob *= child.count / total
+        if prob < min_token_prob:
+            break
+        draft.append(token_id)
+        score += prob
+        node = child
+    return draft, score
+
+
+class SuffixProposer:
+    """Drafts from a trie of the request's own tokens and one of the last max_cached_requests finished
+    requests' tokens (least recently finished dropped first); the higher-scoring draft wins."""
+
+    def __init__(self, max_depth: int = 24, min_token_prob: float = 0.1, spec_factor: float = 1.0,
+                 max_cached_requests: int = 64) -> None:
+        if max_depth < 2:
+            raise ValueError(f"suffix max_depth must be >= 2, got {max_depth}")
+        if not 0.0 <= min_token_prob <= 1.0:
+            raise ValueError(f"suffix min_token_prob must be in [0, 1], got {min_token_prob}")
+        self.max_depth = max_depth
+        self.min_token_prob = min_token_prob
+        self.spec_factor = spec_factor
+        self.max_cached_requests = max_cached_requests
+        self.global_trie = SuffixTrie(max_depth)
+        self.cached: OrderedDict[str, list[int]] = OrderedDict()
+        # per running request: its trie, how many of its tokens it holds, the nodes of its latest suffixes
+        self.local: dict[str, tuple[SuffixTrie, int, list[_Node]]] = {}
+
+    def _local_matches(self, request_id: str, token_ids: Sequence[int]) -> list[tuple[int, _Node]]:
+        trie, num_added, active = self.local.get(request_id) or (SuffixTrie(self.max_depth), 0, [])
+        for token_id in token_ids[num_added:]:
+            active = trie.extend(active, token_id)
+        self.local[request_id] = (trie, len(token_ids), active)
+        # active[i] is the suffix of len(active) - i tokens; the whole context's own last occurrence has
+        # no continuation yet, so only earlier occurrences can have children
+        return [(len(active) - i, node) for i, node in enumerate(active) if len(active) - i < self.max_depth]
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int) -> list[int]:
+        best, best_score = [], 0.0
+        matches = self._local_matches(request_id, token_ids) + self.global_trie.find(token_ids)
+        for length, node in matches:
+            limit = min(max_num_tokens, max(1, int(length * self.spec_factor)))
+            draft, score = _continue(node, limit, self.min_token_prob)
+            if score > best_score:
+                best, best_score = draft, score
+        return best
+
+    def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Forget the request's own trie; its tokens join the trie of finished requests."""
+        self.local.pop(request_id, None)
+        if self.max_cached_requests == 0 or not token_ids:
+            return
+        self.cached[request_id] = list(token_ids)
+        self.global_trie.add(token_ids)
+        while len(self.cached) > self.max_cached_requests:
+            _, old = self.cached.popitem(last=False)
+            self.global_trie.remove(old)

@@ -1,0 +1,51 @@
+"""A draft model with the target's tokenizer, run by kvforge in an engine of its own: greedy outputs are the
+target's; the target as its own draft has every draft accepted; a draft of another vocabulary is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from tests.tiny_models import save_model
+
+PROMPTS = [{"prompt_token_ids": [5, 9, 17, 33, 5, 9, 17]}, {"prompt_token_ids": list(range(40, 70))}]
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    return _greedy(LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", enforce_eager=True))
+
+
+def test_a_different_draft_model_keeps_the_target_greedy_tokens(tiny_llama_dir, reference, tmp_path):
+    save_model(tmp_path, "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    llm = LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", enforce_eager=True, speculative_method="draft",
+              speculative_model=str(tmp_path), num_speculative_tokens=3)
+    assert _greedy(llm) == reference
+    stats = llm.engine.stats().spec_decode
+    assert stats.num_draft_tokens > 0
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
+
+
+def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_llama_dir, reference):
+    folder = str(tiny_llama_dir[0])
+    llm = LLM(folder, kv_cache_memory="16MiB", enforce_eager=True, speculative_method="draft",
+              speculative_model=folder, num_speculative_tokens=3)
+    assert _greedy(llm) == reference
+    stats = llm.engine.stats().spec_decode
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
+    from tests.tiny_models import build_model, save_tokenizer
+
+    save_tokenizer(tmp_path)
+    build_model("llama", vocab_size=300).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", speculative_method="draft",
+            speculative_model=str(tmp_path))

@@ -1,0 +1,86 @@
+"""Speculation through the engine on a tiny model: sampled tokens keep their distribution, seeded requests
+repeat, logprobs and stop strings are those without speculation, n > 1 and max_tokens hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge import LLM, SamplingParams
+
+NUM_SAMPLES = 1500
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    """Without and with speculation, and a prompt of the model's own greedy tokens: one-token prompt lookup
+    then drafts what the model tends to say, so that sampled drafts are often accepted and often not."""
+    folder = str(tiny_llama_dir[0])
+    common = dict(kv_cache_memory="32MiB", enforce_eager=True)
+    plain = LLM(folder, **common)
+    spec = LLM(folder, **common, speculative_method="ngram", speculative_disable_batch_size=256,
+               prompt_lookup_min=1, prompt_lookup_max=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    chain = plain.generate([{"prompt_token_ids": [5, 6, 7]}], greedy)[0].outputs[0].token_ids
+    return plain, spec, {"prompt_token_ids": [5, 6, 7] + chain}
+
+
+def _histograms(llm: LLM, prompt: dict, seed_base: int) -> torch.Tensor:
+    """[4 positions, vocab] counts of the first four sampled tokens over NUM_SAMPLES seeded samples."""
+    params = [SamplingParams(temperature=0.5, top_k=5, max_tokens=4, ignore_eos=True, seed=seed_base + i)
+              for i in range(NUM_SAMPLES)]
+    outputs = llm.generate([prompt] * NUM_SAMPLES, params)
+    tokens = torch.tensor([o.outputs[0].token_ids for o in outputs])  # [samples, 4]
+    vocab = llm.engine.vocab_size
+    return torch.stack([torch.bincount(tokens[:, t], minlength=vocab) for t in range(4)]).double()
+
+
+def _homogeneity_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Chi-square test that two histograms come from one distribution (rare tokens pooled in one cell)."""
+    rare = (a + b) < 10
+    a = torch.cat([a[~rare], a[rare].sum(0, keepdim=True)])
+    b = torch.cat([b[~rare], b[rare].sum(0, keepdim=True)])
+    cells = (a + b) > 0
+    a, b = a[cells], b[cells]
+    expected_a = (a + b) * a.sum() / (a.sum() + b.sum())
+    expected_b = (a + b) * b.sum() / (a.sum() + b.sum())
+    statistic = ((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum()
+    dof = torch.tensor(float(cells.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))
+
+
+def test_sampled_tokens_keep_their_distribution(engines):
+    plain, spec, prompt = engines
+    before = spec.engine.stats().spec_decode
+    with_spec, without = _histograms(spec, prompt, 0), _histograms(plain, prompt, 10**6)
+    after = spec.engine.stats().spec_decode
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    assert drafted > NUM_SAMPLES and 0 < accepted < drafted  # drafts were verified, some kept, some not
+    for position in range(4):
+        assert _homogeneity_p_value(with_spec[position], without[position]) > 1e-3
+
+
+def test_seeded_samples_repeat_with_speculation(engines):
+    _, spec, prompt = engines
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3, n=3)
+    first = [c.token_ids for c in spec.generate([prompt], params)[0].outputs]
+    crowd = spec.generate([prompt] * 5, [SamplingParams(temperature=1.0, max_tokens=12, seed=9)] * 4 + [params])
+    assert [c.token_ids for c in crowd[-1].outputs] == first and len({tuple(t) for t in first}) == 3
+    assert all(len(t) == 12 for t in first)
+
+
+def test_logprobs_stop_strings_and_max_tokens_as_without_speculation(engines):
+    plain, spec, prompt = engines
+    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)
+    ours, theirs = spec.generate([prompt], params)[0].outputs[0], plain.generate([prompt], params)[0].outputs[0]
+    assert ours.token_ids == theirs.token_ids and len(ours.logprobs) == 20
+    for mine, reference in zip(ours.logprobs, theirs.logprobs):
+        assert mine.keys() == reference.keys()
+        assert all(abs(mine[t].logprob - reference[t].logprob) < 1e-4 for t in mine)
+    stop = plain.get_tokenizer().decode(theirs.token_ids[5:7])
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop=[stop], ignore_eos=True)
+    ours, theirs = spec.generate([prompt], params)[0].outputs[0], plain.generate([prompt], params)[0].outputs[0]
+    assert (ours.text, ours.token_ids, ours.finish_reason) == (theirs.text, theirs.token_ids, "stop")
+    cache = spec.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
