@@ -8,6 +8,7 @@ and the last stage's first rank samples.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -79,7 +80,21 @@ class Worker:
         if reason is not None:
             logger.info("decode steps run eagerly: %s", reason)
             return None
-        return compilation
+        return self._with_verification_buckets(compilation)
+
+    def _with_verification_buckets(self, compilation: CompilationConfig) -> CompilationConfig:
+        """With speculation, a verification step has num_speculative_tokens + 1 rows per request: buckets of
+        exactly those row counts (up to the batch that still drafts), so its steps are not padded.
+
+        NOTE: padding rows cost as much as real ones where the weight GEMV is compute-bound (the CPU): a
+        5-row step padded to 8 measured 1.82x single-stream speed-up on the grounded workload, unpadded 2.29x."""
+        spec = self.config.speculative
+        if spec.speculative_method is None:
+            return compilation
+        rows = spec.num_speculative_tokens + 1
+        largest = compilation.compile_buckets[-1]
+        extra = {rows * n for n in range(1, spec.speculative_disable_batch_size + 1) if rows * n <= largest}
+        return dataclasses.replace(compilation, compile_buckets=tuple(sorted(set(compilation.compile_buckets) | extra)))
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run this rank's part of a step; the sampling rank returns the sampled tokens, others None."""
