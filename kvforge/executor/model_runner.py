@@ -141,9 +141,7 @@ class ModelRunner:
             frequency_penalties=[p.frequency_penalty for p in params],
             repetition_penalties=[p.repetition_penalty for p in params],
             prompt_token_ids=[state.prompt_token_ids for state in states],
-            # the outputs before this step's drafts (the runner's tokens run to the end of the step's tokens)
-            output_token_ids=[state.token_ids[state.num_prompt_tokens : len(state.token_ids) - s.num_draft_tokens]
-                              for s, state in zip(requests, states)],
+            output_token_ids=[state.output_token_ids_before(s.num_draft_tokens) for s, state in zip(requests, states)],
             banned_token_ids=[s.banned_token_ids for s in requests],
             generators=[state.generator for state in states],
             num_logprobs=[p.logprobs for p in params],

@@ -39,7 +39,11 @@ class RequestState:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.output_token_ids_before(0)
+
+    def output_token_ids_before(self, num_draft_tokens: int) -> list[int]:
+        """The generated tokens without the latest step's last num_draft_tokens (drafts still to verify)."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - num_draft_tokens]
 
     def advance(self, scheduled: ScheduledRequest) -> None:
         """Apply one step's share: its tokens replace whatever followed its first position."""
