@@ -30,6 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         state = get_parallel_state()
         self.parallel = state
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
         self.tp_size = state.tp_size
         self.num_local = -(-vocab_size // state.tp_size)
         self.start = state.tp_rank * self.num_local
@@ -39,9 +40,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def load(self, tensor: torch.Tensor) -> None:
         """Copy this rank's rows of the full [vocab_size, hidden] checkpoint tensor."""
-        if tuple(tensor.shape) != (self.vocab_size, self.weight.shape[1]):
+        if tuple(tensor.shape) != (self.vocab_size, self.hidden_size):
             raise ValueError(f"embedding of shape {tuple(tensor.shape)}, expected "
-                             f"{(self.vocab_size, self.weight.shape[1])}")
+                             f"{(self.vocab_size, self.hidden_size)}")
         rows = tensor[self.start : self.start + self.num_local]
         self.weight.data.zero_()
         self.weight.data[: rows.shape[0]].copy_(rows)
@@ -49,9 +50,9 @@ class VocabParallelEmbedding(nn.Module):
     def load_quantized(self, weight: QuantizedWeight) -> None:
         """Keep this rank's rows of the full [vocab_size, hidden] quantized tensor as they are (the float
         weight is dropped): padding rows get code 0, scale 0 and zero point 0."""
-        if tuple(weight.codes.shape) != (self.vocab_size, self.weight.shape[1]) or weight.perm is not None:
+        if tuple(weight.codes.shape) != (self.vocab_size, self.hidden_size) or weight.perm is not None:
             raise ValueError(f"quantized embedding of shape {tuple(weight.codes.shape)}, expected "
-                             f"{(self.vocab_size, self.weight.shape[1])} in input order")
+                             f"{(self.vocab_size, self.hidden_size)} in input order")
         pad = self.start + self.num_local - self.vocab_size
 
         def rows(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Profile one engine on a workload: ranges installed, torch.profiler on, per-step profiles out.
 
 The engine is stepped here (as `bench latency` does), each step inside a kvforge:step range; new
-requests join as others finish, so at most `concurrency` run at once. The first request warms the
-engine up before the profiler starts.
+requests join as others finish, so at most `concurrency` run at once. As many short requests as will run at once
+warm the engine up (and compile its decode bucket) before the profiler starts.
 """
 
 from __future__ import annotations
@@ -54,8 +54,13 @@ def drive(engine, workload: Workload, concurrency: int) -> int:
     return num_steps
 
 
-def warm_up(engine) -> None:
-    engine.add_request("profile-warmup", {"prompt_token_ids": list(range(1, 9))}, SamplingParams(max_tokens=4))
+def warm_up(engine, num_requests: int) -> None:
+    """Run num_requests short requests at once for long enough that the decode bucket they fill is compiled,
+    so that no compile falls inside the profile."""
+    steps = engine.config.compilation.compile_after + 4
+    for index in range(num_requests):
+        engine.add_request(f"profile-warmup-{index}", {"prompt_token_ids": list(range(1, 9))},
+                           SamplingParams(max_tokens=steps, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -64,7 +69,7 @@ def profile_engine(engine, workload: Workload, concurrency: int, trace_path: Pat
     """Profile the workload on engine (this process's rank); the ranges are off again afterwards."""
     installed: Installed = install(engine)
     try:
-        warm_up(engine)
+        warm_up(engine, min(concurrency or len(workload.prompts), len(workload.prompts)))
         warmup_batches = len(installed.batches)
         with profile(activities=activities(engine.device)) as prof:
             drive(engine, workload, concurrency)

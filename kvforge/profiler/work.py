@@ -113,8 +113,7 @@ def build_inventory(model: nn.Module, kv_caches: list, dtype: torch.dtype) -> In
                                            experts.local_intermediate, _stored_bytes(experts)))
     head = getattr(model, "lm_head", None)
     if head is not None:
-        rows, width = head.weight.shape
-        inventory.lm_head = LinearShape("gemm.lm_head", rows, width, _stored_bytes(head))
+        inventory.lm_head = LinearShape("gemm.lm_head", head.num_local, head.hidden_size, _stored_bytes(head))
     return inventory
 
 

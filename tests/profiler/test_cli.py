@@ -31,3 +31,16 @@ def test_a_negative_concurrency_is_refused(tiny_llama_dir, tmp_path, capsys) -> 
     code = main(["profile", "--model", str(tiny_llama_dir[0]), "--kv-cache-memory", "16MiB", "--concurrency", "-1",
                  "--out", str(tmp_path)])
     assert code == 2 and "--concurrency must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_a_quantized_lm_head_is_profiled(tiny_llama_dir, tmp_path, capsys) -> None:
+    out, workload = tmp_path / "prof", tmp_path / "w1.json"
+    workload.write_text(json.dumps({"prompts": [list(range(5, 13))], "n_new": 3}))
+    code = main(["profile", "--model", str(tiny_llama_dir[0]), "--kv-cache-memory", "16MiB", "--enforce-eager",
+                 "--quantization", "w8a16", "--workload", str(workload), "--no-trace", "--out", str(out)])
+    assert code == 0
+    decode = json.loads((out / "profile.json").read_text())["summaries"]["0"]["decode"]
+    head = next(v for v in decode["verdicts"] if v["label"] == "gemm.lm_head")
+    config = json.loads((tiny_llama_dir[0] / "config.json").read_text())
+    float_bytes = 4 * config["vocab_size"] * config["hidden_size"]
+    assert 0.25 * float_bytes < head["bytes"] < 0.5 * float_bytes  # a step reads the int8 rows and their scales
