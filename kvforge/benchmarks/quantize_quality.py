@@ -42,7 +42,7 @@ def write_checkpoint(out: Path, method: str, group_size: int, args: argparse.Nam
 def rows(args: argparse.Namespace) -> list[tuple[str, dict, str]]:
     """(row name, LLM keyword arguments, quantize note) of every row, checkpoints written first."""
     root = Path(args.checkpoints)
-    table = [("float32", {}, ""), ("W8A16 (RTN, per channel)", {"quantization": "w8a16"}, "")]
+    table = [("float32", {}, ""), ("W8A16 (RTN, asym g64)", {"quantization": "w8a16"}, "")]
     for group_size in args.group_sizes:
         for method, label in (("rtn", "RTN"), ("gptq", "GPTQ act-order"), ("awq", "AWQ")):
             out = root / f"{method}-g{group_size}"
@@ -76,7 +76,7 @@ def report(results: dict[str, dict[str, float]], notes: dict[str, str], texts: l
             checks.append(f"{name} below {rtn_name} on every text: {'yes' if not worse else 'NO: ' + ', '.join(worse)}")
         cells = " | ".join(f"{by_text[t]:.3f}" for t in texts)
         lines.append(f"| {name} | {cells} | {mean:.3f} | {ratio} | {notes.get(name, '')} |")
-    float_ppl, w8 = results["float32"], results["W8A16 (RTN, per channel)"]
+    float_ppl, w8 = results["float32"], results["W8A16 (RTN, asym g64)"]
     drift = max(w8[t] / float_ppl[t] - 1 for t in texts)
     checks.append(f"W8A16 within 0.5% of float32 on every text: {'yes' if drift <= 0.005 else 'NO'} "
                   f"(largest: {100 * drift:+.2f}%)")  # fmt: skip

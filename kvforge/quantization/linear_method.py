@@ -68,13 +68,16 @@ class WeightOnlyMethod(LinearMethod):
 
 
 class RTNMethod(WeightOnlyMethod):
-    """Round-to-nearest of a float checkpoint at load time (the `quantization=` engine option)."""
+    """Round-to-nearest of a float checkpoint at load time (the `quantization=` engine option). A layer whose
+    input width is not a multiple of the group size gets one group per row."""
 
     def __init__(self, bits: int, group_size: int, sym: bool) -> None:
         self.bits, self.group_size, self.sym = bits, group_size, sym
 
     def to_quantized_weight(self, layer: Linear) -> QuantizedWeight:
-        return quantize_rtn(layer.weight.data, self.bits, self.group_size, self.sym)
+        in_features = layer.weight.shape[1]
+        group_size = self.group_size if self.group_size > 0 and in_features % self.group_size == 0 else -1
+        return quantize_rtn(layer.weight.data, self.bits, group_size, self.sym)
 
 
 def drop_parameters(layer: Linear, *names: str) -> None:
