@@ -171,8 +171,8 @@ class SpeculativeConfig:
     # NOTE: 16 = GEMV_MAX_TOKENS of the CPU's quantized GEMV kernel: above 16 rows a step falls back to
     # dequantize-and-matmul, measured to lose (RESULTS: 8 streams x 5 rows at 0.75-0.83x with high acceptance)
     speculative_max_rows: int = option(
-        16, "most token rows (decoding requests plus their drafts) in a step that verifies drafts: with more "
-            "decoding requests than this, no drafts", minimum=1)
+        16, "most token rows (decoding requests plus their drafts) in a step that verifies drafts: with this many "
+            "decoding requests or more, no drafts", minimum=1)
     speculative_adaptive: bool = option(
         True, "draft every request up to --num-speculative-tokens (within --speculative-max-rows), not only "
               "where its measured acceptance beats the measured cost of the longer step",
