@@ -153,9 +153,9 @@ SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Speculative decoding: a proposer drafts up to num_speculative_tokens tokens per decoding request and
-    the model verifies them in one step (method None: off). Steps with more running requests than
-    disable_batch_size decode without drafts (a large batch is compute-bound: verifying costs more than it
-    saves)."""
+    the model verifies them in one step (method None: off). How many drafts each request gets is planned per
+    step from its measured acceptance and the measured cost of steps of each row count
+    (kvforge/spec_decode/policy.py), within speculative_max_rows token rows per step."""
 
     speculative_method: str | None = option(
         None, "draft tokens by prompt lookup (ngram), a suffix trie of this and earlier requests (suffix) or a "
@@ -168,8 +168,15 @@ class SpeculativeConfig:
     prompt_lookup_max: int = option(5, "ngram: longest suffix of the request to look up", minimum=1)
     suffix_min_token_prob: float = option(
         0.1, "suffix: stop a draft when its estimated chance of being accepted whole falls below this", minimum=0.0)
-    speculative_disable_batch_size: int = option(
-        8, "decode without drafts in steps with more running requests than this", minimum=1)
+    # NOTE: 16 = GEMV_MAX_TOKENS of the CPU's quantized GEMV kernel: above 16 rows a step falls back to
+    # dequantize-and-matmul, measured to lose (RESULTS: 8 streams x 5 rows at 0.75-0.83x with high acceptance)
+    speculative_max_rows: int = option(
+        16, "most token rows (decoding requests plus their drafts) in a step that verifies drafts: with this many "
+            "decoding requests or more, no drafts", minimum=1)
+    speculative_adaptive: bool = option(
+        True, "draft every request up to --num-speculative-tokens (within --speculative-max-rows), not only "
+              "where its measured acceptance beats the measured cost of the longer step",
+        flag="--no-speculative-adaptive")
 
     def __post_init__(self) -> None:
         check_options(self)

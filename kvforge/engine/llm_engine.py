@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 
 import torch
@@ -20,6 +21,7 @@ from kvforge.executor.executor import create_executor
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
+from kvforge.spec_decode.policy import SpeculationPolicy, StepCosts
 from kvforge.spec_decode.proposer import create_proposer
 from kvforge.structured_output.compiler import GrammarCompiler
 
@@ -28,12 +30,15 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 
 
-def _speculation(config: EngineConfig, vocab_size: int) -> Speculation | None:
+def _speculation(config: EngineConfig, vocab_size: int, buckets: tuple[int, ...]) -> Speculation | None:
+    """buckets: the row counts the runner pads decode steps to (its compiled batch sizes)."""
     proposer = create_proposer(config, vocab_size)
     if proposer is None:
         return None
     spec = config.speculative
-    return Speculation(proposer, spec.num_speculative_tokens, spec.speculative_disable_batch_size)
+    policy = SpeculationPolicy(spec.num_speculative_tokens, spec.speculative_max_rows, StepCosts(buckets),
+                               spec.speculative_adaptive)
+    return Speculation(proposer, policy)
 
 
 class LLMEngine:
@@ -57,7 +62,9 @@ class LLMEngine:
         self.vocab_size = info.vocab_size
         num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, _speculation(config, self.vocab_size))
+        graphs = self.runner.decode_graphs
+        speculation = _speculation(config, self.vocab_size, () if graphs is None else graphs.buckets)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, speculation)
         self.in_flight: deque[SchedulerOutput] = deque()
         self.max_model_len = min(config.model.max_model_len or info.max_position, info.max_position,
                                  self.kv_cache_manager.capacity_tokens)
@@ -190,6 +197,7 @@ class LLMEngine:
 
         With pipeline parallelism, up to pp_size batches of different requests are submitted before
         the oldest is collected, so every stage has work; a step returns the oldest batch's outputs."""
+        start = time.perf_counter()
         while len(self.in_flight) < self.executor.max_in_flight:
             busy = {s.request_id for out in self.in_flight for s in out.scheduled}
             scheduler_output = self.scheduler.schedule(busy, self.executor.max_in_flight)
@@ -204,6 +212,8 @@ class LLMEngine:
         scheduler_output = self.in_flight.popleft()
         runner_output = self.executor.collect()
         result = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.executor.max_in_flight == 1 and not runner_output.warmup:  # a step's own time, as it runs now
+            self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
         outputs = []
         for group in self._record(result, runner_output):
             if group.finished:

@@ -7,13 +7,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvforge.config import SchedulerConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.speculation import Speculation
 from kvforge.engine.stats import SchedulerStats, SpecDecodeStats
 from kvforge.sampling_params import SamplingParams
+from kvforge.spec_decode.proposer import Drafts
 from kvforge.structured_output.bitmask import GrammarBitmask
+
+NO_DRAFTS = Drafts([])  # (never changed)
 
 if TYPE_CHECKING:  # plain data; the runner's module imports torch, the scheduler does not
     from kvforge.executor.model_runner import ModelRunnerOutput
@@ -45,6 +50,7 @@ class ScheduledRequest:
     needs_sample: bool
     banned_token_ids: list[int]  # stop tokens the sampler must not pick before min_tokens
     num_draft_tokens: int = 0  # the last num_draft_tokens of token_ids are drafts to verify
+    draft_probs: np.ndarray | None = None  # [num_draft_tokens, vocab]: what they were drawn from (None: one-hot)
 
 
 @dataclass(slots=True)
@@ -152,7 +158,7 @@ class Scheduler:
         output.preempted_request_ids.append(victim.request_id)
         return victim
 
-    def _emit(self, output: SchedulerOutput, request: Request, num_new: int, draft_token_ids: list[int] = ()
+    def _emit(self, output: SchedulerOutput, request: Request, num_new: int, drafts: Drafts = NO_DRAFTS
               ) -> None:
         request_id, start = request.request_id, request.num_computed_tokens
         num_sent = self.num_sent_blocks.get(request_id)
@@ -163,13 +169,14 @@ class Scheduler:
         self.num_sent_blocks[request_id] = len(block_table)
         output.scheduled.append(ScheduledRequest(
             request_id=request_id,
-            token_ids=request.all_token_ids[start : start + num_new] + list(draft_token_ids),
+            token_ids=request.all_token_ids[start : start + num_new] + drafts.token_ids,
             num_computed_tokens=start,
             new_block_ids=block_table[num_sent or 0 :],
             num_prompt_tokens=request.num_prompt_tokens,
             needs_sample=start + num_new == request.num_tokens,
             banned_token_ids=self._banned_tokens(request),
-            num_draft_tokens=len(draft_token_ids),
+            num_draft_tokens=len(drafts.token_ids),
+            draft_probs=drafts.probs,
         ))
 
     @staticmethod
@@ -182,17 +189,18 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, busy: set[str], max_seqs: int) -> int:
         index = 0
-        speculate = self.speculation is not None and self.speculation.active(len(self.running))
+        if self.speculation is not None:
+            self.speculation.plan([r for r in self.running if r.request_id not in busy and self._decodes(r)])
         while index < len(self.running) and budget > 0 and len(output.scheduled) < max_seqs:
             request = self.running[index]
             if request.request_id in busy:
                 index += 1
                 continue
             num_new = self._chunk(request, budget)
-            drafts = self._drafts(request, budget, speculate)
-            if drafts and self.kv.allocate_slots(request, num_new + len(drafts)):
+            drafts = self._drafts(request, budget)
+            if drafts.token_ids and self.kv.allocate_slots(request, num_new + len(drafts.token_ids)):
                 self._emit(output, request, num_new, drafts)
-                budget -= num_new + len(drafts)
+                budget -= num_new + len(drafts.token_ids)
                 index += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -203,11 +211,16 @@ class Scheduler:
             index += 1
         return budget
 
-    def _drafts(self, request: Request, budget: int, speculate: bool) -> list[int]:
-        """Draft tokens for a request that decodes (one token left to compute) in a speculating step."""
+    @staticmethod
+    def _decodes(request: Request) -> bool:
+        """Whether the request decodes (one token left to compute) and may carry drafts."""
         # NOTE: a grammar's bitmask is built for the next token only: constrained requests do not draft
-        if not speculate or request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None:
-            return []
+        return request.num_tokens - request.num_computed_tokens == 1 and request.grammar is None
+
+    def _drafts(self, request: Request, budget: int) -> Drafts:
+        """Draft tokens (as many as the step's plan allows) for a request that decodes."""
+        if self.speculation is None or not self._decodes(request):
+            return NO_DRAFTS
         return self.speculation.drafts(request, budget)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, max_seqs: int) -> None:
@@ -278,10 +291,18 @@ class Scheduler:
             self.finish_requests(request_ids, status)
         return result
 
+    def record_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """The step `output` took seconds from scheduling to its update: the speculation policy's cost of
+        decode-only steps (every request decoding, with or without drafts), by token rows."""
+        if self.speculation is None or not output.scheduled:
+            return
+        if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in output.scheduled):
+            self.speculation.record_step(output.num_batched_tokens, seconds)
+
     def _accept_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """After the tokens the model returned are appended: the accepted drafts' keys and values are in the
         cache; the rejected ones' are past num_computed_tokens, to be overwritten."""
-        self.speculation.record(num_drafts, num_accepted)
+        self.speculation.record(request.request_id, num_drafts, num_accepted)
         request.num_computed_tokens += num_accepted
         self.kv.register_accepted(request)
 

@@ -31,6 +31,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)
     # request id -> (index of the first prompt token predicted, logprobs of the tokens predicted)
     prompt_logprobs: dict[str, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
+    warmup: bool = False  # the step ran eagerly before its bucket compiles, or compiled it: untypically slow
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class _Batch:
     sample_rows: list[int]  # row of the last token of each request that samples (of each token if drafting)
     sample_requests: list[ScheduledRequest]
     drafts: list[list[int]]  # per sampling request: the draft tokens it verifies (none outside speculation)
+    draft_probs: list[np.ndarray | None]  # per sampling request: its drafts' distributions (None: one-hot)
     prompt_rows: dict[str, tuple[int, int, int]]  # request -> (first row, row count, first position)
 
 
@@ -94,6 +96,7 @@ class ModelRunner:
                        for row in range(int(query_start_loc[i + 1]) - 1 - s.num_draft_tokens,
                                         int(query_start_loc[i + 1]))]
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in sample_requests]
+        draft_probs = [s.draft_probs for s in sample_requests]
         prompt_rows = {
             s.request_id: (int(query_start_loc[i]), int(q_lens[i]), s.num_computed_tokens)
             for i, s in enumerate(scheduled)
@@ -115,7 +118,7 @@ class ModelRunner:
             decode_only=decode_only,
         )
         return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
-                      drafts, prompt_rows)
+                      drafts, draft_probs, prompt_rows)
 
     def _allowed_token_bitmask(self, requests: list[ScheduledRequest],
                                grammar_bitmask: GrammarBitmask | None) -> torch.Tensor | None:
@@ -207,7 +210,10 @@ class ModelRunner:
         batch = self._prepare(output)
         logits = None
         if self._runs_compiled(batch):
-            logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata)
+            graphs = self.decode_graphs
+            if result is not None:
+                result.warmup = graphs.bucket_for(batch.input_ids.shape[0]) not in graphs.compiled_buckets
+            logits = graphs.run(batch.input_ids, batch.positions, batch.metadata)
         if logits is not None:
             if len(batch.sample_rows) < logits.shape[0]:
                 logits = logits[batch.sample_rows]
@@ -234,7 +240,7 @@ class ModelRunner:
         sampling = self._sampling_batch(requests, grammar_bitmask)
         if any(batch.drafts):
             min_tokens = [self.requests[s.request_id].sampling_params.min_tokens for s in requests]
-            token_ids, logprobs = verify_drafts(logits, sampling, batch.drafts, min_tokens)
+            token_ids, logprobs = verify_drafts(logits, sampling, batch.drafts, batch.draft_probs, min_tokens)
         else:
             sampled, raw_logprobs = self.sampler(logits, sampling)
             token_ids = [[token_id] for token_id in sampled]

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from kvforge.spec_decode.proposer import Drafts
+
+if TYPE_CHECKING:
+    from kvforge.sampling_params import SamplingParams
 
 
 class NgramProposer:
@@ -18,10 +24,11 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int,
+                sampling_params: SamplingParams | None = None) -> Drafts:
         num_tokens = len(token_ids)
         if max_num_tokens <= 0 or num_tokens <= self.min_n:
-            return []
+            return Drafts([])
         tokens = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
             # start i of an earlier occurrence of the last n tokens: tokens[i : i + n], followed by tokens[i + n]
@@ -32,8 +39,8 @@ class NgramProposer:
             starts = np.flatnonzero(match)
             if len(starts):
                 follow = int(starts[-1]) + n
-                return tokens[follow : follow + max_num_tokens].tolist()
-        return []
+                return Drafts(tokens[follow : follow + max_num_tokens].tolist())
+        return Drafts([])
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Nothing to forget: the proposer keeps no state."""

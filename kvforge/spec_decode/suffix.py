@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvforge.spec_decode.proposer import Drafts
+
+if TYPE_CHECKING:
+    from kvforge.sampling_params import SamplingParams
 
 
 class _Node:
@@ -118,7 +124,8 @@ class SuffixProposer:
         # no continuation yet, so only earlier occurrences can have children
         return [(len(active) - i, node) for i, node in enumerate(active) if len(active) - i < self.max_depth]
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int,
+                sampling_params: SamplingParams | None = None) -> Drafts:
         best, best_score = [], 0.0
         matches = self._local_matches(request_id, token_ids) + self.global_trie.find(token_ids)
         for length, node in matches:
@@ -126,7 +133,7 @@ class SuffixProposer:
             draft, score = _continue(node, limit, self.min_token_prob)
             if score > best_score:
                 best, best_score = draft, score
-        return best
+        return Drafts(best)
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Forget the request's own trie; its tokens join the trie of finished requests."""

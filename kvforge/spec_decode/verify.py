@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from kvforge.layers.sampler import RawLogprobs, SamplingBatch, compute_logprobs
@@ -31,12 +32,30 @@ def expand_rows(batch: SamplingBatch, drafts: list[list[int]], min_tokens: list[
     return SamplingBatch(**fields)
 
 
-def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]], min_tokens: list[int]
+def stack_draft_probs(drafts: list[list[int]], probs: list[np.ndarray | None], vocab_size: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """Every draft's distribution [sum(len(d)), vocab] (one-hot rows for proposers without one), or None
+    when no request has any: the rejection sampler then counts every draft as one-hot."""
+    if all(p is None for p in probs):
+        return None
+    rows = []
+    for tokens, request_probs in zip(drafts, probs):
+        if request_probs is None:
+            request_probs = np.zeros((len(tokens), vocab_size), dtype=np.float32)
+            request_probs[np.arange(len(tokens)), tokens] = 1.0
+        rows.append(request_probs)
+    return torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
+
+
+def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
+                  draft_probs: list[np.ndarray | None], min_tokens: list[int]
                   ) -> tuple[list[list[int]], list[list[RawLogprobs]] | None]:
-    """logits [sum(len(d) + 1), vocab] of each request's rows; batch: one row per request. Returns each
-    request's tokens to append and, when any request asks for them, the logprobs of each appended token."""
+    """logits [sum(len(d) + 1), vocab] of each request's rows; batch: one row per request; draft_probs: per
+    request, its drafts' distributions [len(d), vocab] or None (one-hot). Returns each request's tokens to
+    append and, when any request asks for them, the logprobs of each appended token."""
     rows = expand_rows(batch, drafts, min_tokens)
-    draft_batch = DraftBatch([len(d) for d in drafts], [t for d in drafts for t in d])
+    draft_batch = DraftBatch([len(d) for d in drafts], [t for d in drafts for t in d],
+                             stack_draft_probs(drafts, draft_probs, logits.shape[-1], logits.device))
     verified = rejection_sample(logits, rows, draft_batch, batch.generators)
     if all(k is None for k in batch.num_logprobs):
         return verified.token_ids, None

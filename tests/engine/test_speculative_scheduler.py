@@ -10,6 +10,8 @@ from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.speculation import Speculation
 from kvforge.executor.model_runner import ModelRunnerOutput
 from kvforge.sampling_params import SamplingParams
+from kvforge.spec_decode.policy import SpeculationPolicy, StepCosts
+from kvforge.spec_decode.proposer import Drafts
 
 
 class _FixedDrafts:
@@ -18,16 +20,17 @@ class _FixedDrafts:
     def __init__(self) -> None:
         self.finished: list[str] = []
 
-    def propose(self, request_id, token_ids, max_num_tokens):
-        return [100 + i for i in range(max_num_tokens)]
+    def propose(self, request_id, token_ids, max_num_tokens, sampling_params=None):
+        return Drafts([100 + i for i in range(max_num_tokens)])
 
     def finish(self, request_id, token_ids):
         self.finished.append(request_id)
 
 
-def _make(num_blocks=64, block_size=4, budget=16, k=4, disable_batch_size=8) -> Scheduler:
+def _make(num_blocks=64, block_size=4, budget=16, k=4, max_rows=16) -> Scheduler:
+    """Every decoding request drafts up to k (the policy not adaptive), within max_rows rows per step."""
     kv = KVCacheManager(num_blocks, block_size, True)
-    speculation = Speculation(_FixedDrafts(), k, disable_batch_size)
+    speculation = Speculation(_FixedDrafts(), SpeculationPolicy(k, max_rows, StepCosts(), adaptive=False))
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv, speculation)
 
 
@@ -97,15 +100,15 @@ def test_prefix_cache_hashes_cover_accepted_tokens_only():
     assert len(scheduler.kv.find_cached_prefix(c)) == 1 and len(scheduler.kv.find_cached_prefix(d)) == 2
 
 
-def test_large_batches_decode_without_drafts_and_nothing_leaks():
-    scheduler = _make(budget=64, disable_batch_size=2)
+def test_rows_past_max_rows_go_without_drafts_and_nothing_leaks():
+    scheduler = _make(budget=64, max_rows=3)
     for name in "abc":
         _add(scheduler, name, [5, 6, 8], max_tokens=4)
     _step(scheduler, dict.fromkeys("abc", [7]))
     output, _ = _step(scheduler, dict.fromkeys("abc", [9]))
-    assert all(s.num_draft_tokens == 0 for s in output.scheduled)  # 3 running > 2
+    assert all(s.num_draft_tokens == 0 for s in output.scheduled)  # 3 decoding requests fill the 3 rows
     scheduler.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
     output, _ = _step(scheduler, {"a": [100, 3], "b": [4]})
-    assert [s.num_draft_tokens for s in output.scheduled] == [1, 1]  # max_tokens leaves room for 1
+    assert [s.num_draft_tokens for s in output.scheduled] == [1, 0]  # one row left: the first request's
     _step(scheduler, {"b": [5]})  # a finished on max_tokens with its accepted draft
     assert not scheduler.num_unfinished and scheduler.kv.num_free_blocks == 63

@@ -69,7 +69,8 @@ def test_greedy_tokens_match_transformers(tiny, method):
     folder, prompts, expected = tiny
     probe = LLM(str(folder), kv_cache_memory="1MiB", enforce_eager=True)
     llm = LLM(str(folder), kv_cache_memory=_kv_bytes_for(probe, 24), enforce_eager=True,  # 23 usable blocks
-              max_num_batched_tokens=48, speculative_method=method, speculative_disable_batch_size=16)
+              max_num_batched_tokens=48, speculative_method=method, speculative_max_rows=256,
+              speculative_adaptive=False)
     assert _generate(llm, prompts) == expected
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.spec_decode.num_accepted_tokens > 0

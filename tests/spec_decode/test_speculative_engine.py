@@ -18,7 +18,7 @@ def engines(tiny_llama_dir):
     folder = str(tiny_llama_dir[0])
     common = dict(kv_cache_memory="32MiB", enforce_eager=True)
     plain = LLM(folder, **common)
-    spec = LLM(folder, **common, speculative_method="ngram", speculative_disable_batch_size=256,
+    spec = LLM(folder, **common, speculative_method="ngram", speculative_adaptive=False, speculative_max_rows=4096,
                prompt_lookup_min=1, prompt_lookup_max=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     chain = plain.generate([{"prompt_token_ids": [5, 6, 7]}], greedy)[0].outputs[0].token_ids
