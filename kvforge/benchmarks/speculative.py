@@ -51,13 +51,16 @@ def _engines(args: argparse.Namespace, methods: list[str], streams: list[int]) -
 
     kwargs = engine_kwargs_from_args(args)
     kwargs["kv_cache_memory"] = kwargs["kv_cache_memory"] or "512MiB"  # several engines in one process
-    kwargs["compile_after"] = 0  # every bucket compiles on its first step: in the warm-up, not while timed
+    kwargs["compile_after"] = 0  # every bucket compiles in the warm-up, not while timed
     engines = {}
     for method in methods:
         engine = LLM(**{**kwargs, "speculative_method": None if method == "off" else method}).engine
         prompt = engine.tokenizer.apply_chat_template(WARMUP, add_generation_prompt=True, tokenize=True)
         for count in streams:
             _run(engine, [prompt] * count, 64, f"warmup-{count}")
+        graphs, max_rows = engine.runner.decode_graphs, engine.config.speculative.speculative_max_rows
+        if graphs is not None:  # the row counts the warm-up did not reach (steps with drafts have <= max_rows)
+            graphs.compile_ahead(max(max(streams), 0 if method == "off" else max_rows))
         engines[method] = engine
     return engines
 

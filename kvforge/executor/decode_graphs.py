@@ -118,21 +118,36 @@ class DecodeGraphs:
         self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
         self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
-        if bucket > num_seqs:  # padding rows: the previous step's values may linger there
-            self.input_ids[num_seqs:bucket].zero_()
-            self.positions[num_seqs:bucket].zero_()
-            self.slot_mapping[num_seqs:bucket].fill_(-1)
-            self.seq_lens[num_seqs:bucket].zero_()
-        replay = self._replays.get(bucket)
-        if replay is None:
-            try:
-                replay = self._replays[bucket] = self._build(bucket)
-            except torch._dynamo.exc.TorchDynamoException as err:  # raised while tracing: nothing has run
-                logger.warning("cannot compile the decode step of %s (%s); running it eagerly",
-                               type(self.model).__name__, str(err).splitlines()[0])
-                self.failed = True
-                return None
-        return replay()[:num_seqs]
+        self._pad(num_seqs, bucket)  # padding rows: the previous step's values may linger there
+        replay = self._replays.get(bucket) or self._compile(bucket)
+        return None if replay is None else replay()[:num_seqs]
+
+    @torch.inference_mode()  # as the runner's steps run: a graph compiled outside it would not match them
+    def compile_ahead(self, max_seqs: int) -> None:
+        """Compile now every bucket of at most max_seqs sequences that is not compiled yet (a benchmark's
+        warm-up: no compile then falls in its timed part). Each runs once on padding rows, which write no
+        cache slot and attend to nothing."""
+        for bucket in self.buckets:
+            if bucket <= max_seqs and bucket not in self._replays and not self.failed:
+                self._pad(0, bucket)
+                self._compile(bucket)
+
+    def _pad(self, start: int, end: int) -> None:
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(-1)
+        self.seq_lens[start:end].zero_()
+
+    def _compile(self, bucket: int) -> Callable[[], torch.Tensor] | None:
+        """The bucket's replay, compiled now; None (and every step eager from then on) if it cannot be."""
+        try:
+            replay = self._replays[bucket] = self._build(bucket)
+        except torch._dynamo.exc.TorchDynamoException as err:  # raised while tracing: nothing has run
+            logger.warning("cannot compile the decode step of %s (%s); running it eagerly",
+                           type(self.model).__name__, str(err).splitlines()[0])
+            self.failed = True
+            return None
+        return replay
 
 
 def _capture(step: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:

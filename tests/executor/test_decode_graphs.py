@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from kvforge import LLM, SamplingParams
 from kvforge.kernels.cpu.extension import cpu_kernels
@@ -67,6 +68,23 @@ def test_compiled_steps_survive_preemption(tiny_llama_dir) -> None:
     assert [t for t, _ in compiled] == [t for t, _ in eager]
     assert llm.engine.stats().num_preemptions > 0
     assert llm.engine.runner.decode_graphs.compiled_buckets
+
+
+@needs_cpu_kernels
+def test_buckets_compiled_ahead_write_no_cache_and_replay_the_eager_tokens(tiny_llama_dir) -> None:
+    folder = str(tiny_llama_dir[0])
+    prompts = _prompts(2, 390)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    options = dict(kv_cache_memory="4MiB", compile_buckets=(2, 4))
+    llm = LLM(folder, compile_after=4, **options)
+    runner = llm.engine.runner
+    caches = [tensor.clone() for layer in runner.kv_caches for tensor in layer]
+    runner.decode_graphs.compile_ahead(2)
+    assert runner.decode_graphs.compiled_buckets == (2,)
+    assert all(torch.equal(a, b) for a, b in zip(caches, (t for layer in runner.kv_caches for t in layer)))
+    compiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    _, eager = _generate(folder, prompts, [params] * 2, enforce_eager=True, **options)
+    assert compiled == [t for t, _ in eager]
 
 
 @needs_cpu_kernels
