@@ -6,7 +6,8 @@ Each kernel is a small module holding the weight in the layout it streams best:
     apply(x)           x [M, K] float -> x W^T [M, N] in x's dtype
     gather_rows(ids)   rows W[ids] [len(ids), K] float32 (an embedding lookup that dequantizes only those rows)
 
-    native     the C++ AVX2 kernels (kernels/cpu/quant_gemv.py): 4- and 8-bit codes, any zero points
+    native     the C++ AVX2 kernels (kernels/cpu/quant_gemv.py): 4- and 8-bit codes, any zero points; the
+               decode GEMV rounds x to int8 per 32 columns, as llama.cpp does
     int8pack   torch's _weight_int8pack_mm: symmetric per-row 8-bit codes
     int4pack   torch's _weight_int4pack_mm_for_cpu: 4-bit, rows a multiple of 16, groups 32 to 256
     generic    the op table's quant_gemm (Triton on GPUs, dequantize + matmul on the CPU)
@@ -53,7 +54,10 @@ class NativeKernel(WeightOnlyKernel):
         self.register_buffer("offsets", offsets, persistent=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear_cpu(x, self.codes, self.scales, self.offsets, self.bits)
+        # NOTE: int8 activations in the GEMV (up to GEMV_MAX_TOKENS rows): 1.4-2.4x faster per call than fp32 x
+        # (warm, one thread), and the default model's mean perplexity over the shipped texts moves by 0.2%
+        # (15.233 -> 15.263 with every row through the GEMV); greedy answers can flip at near-ties.
+        return quant_linear_cpu(x, self.codes, self.scales, self.offsets, self.bits, int8_activations=True)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvforge_cpu.quant_dequantize(self.codes[ids], self.scales[ids], self.offsets[ids], self.bits)

@@ -5,7 +5,7 @@ path; the reason is logged once. The sources register torch ops (`torch.ops.kvfo
 once the module is loaded, each with the fake implementation below, so torch.compile traces them as opaque
 nodes:
 
-    quant_gemv(x [M, K], qweight, scales, offsets, bits) -> [M, N] fp32        (quant_gemv.py)
+    quant_gemv(x [M, K], qweight, scales, offsets, bits, int8_activations) -> [M, N] fp32   (quant_gemv.py)
     quant_dequantize(qweight, scales, offsets, bits) -> [N, K] fp32
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
         -> [S, H, D]                                                             (paged_attention.py)
@@ -23,7 +23,8 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "quant_gemv.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_int8.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
@@ -36,11 +37,11 @@ def cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         logger.debug("loading the CPU kernels (the first use on a machine compiles them, ~1 min)")
-        # NOTE: a digest of the sources and of their folder in the name: two checkouts never share (and
-        # rebuild over each other) one build folder, nor load each other's module; torch rebuilds a module
-        # whose source paths changed, even when their contents are the same.
-        folder = str(_SOURCES[0].parent).encode()
-        digest = hashlib.sha256(b"".join([folder, *(s.read_bytes() for s in _SOURCES)])).hexdigest()[:12]
+        # NOTE: a digest of the sources (headers included) and of their folder in the name: two checkouts never
+        # share (and rebuild over each other) one build folder, nor load each other's module; torch rebuilds a
+        # module whose source paths changed, even when their contents are the same.
+        files = sorted(f for f in _CSRC.iterdir() if f.suffix in (".cpp", ".h"))
+        digest = hashlib.sha256(b"".join([str(_CSRC).encode(), *(f.read_bytes() for f in files)])).hexdigest()[:12]
         module = load(
             name=f"kvforge_cpu_kernels_{digest}",
             sources=[str(s) for s in _SOURCES],
@@ -65,7 +66,7 @@ def _register_fakes() -> None:
         return qweight.shape[0], qweight.shape[1] * 8 // bits
 
     @torch.library.register_fake("kvforge_cpu::quant_gemv")
-    def _(x, qweight, scales, offsets, bits):
+    def _(x, qweight, scales, offsets, bits, int8_activations):
         return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("kvforge_cpu::quant_dequantize")

@@ -1,8 +1,9 @@
 """The CPU's quantized GEMMs, and which one a weight-only layer gets (install_weight_only):
 
     native    the C++ kernels of csrc/quant_gemv.cpp (kvforge/kernels/cpu/quant_gemv.py): 4- and 8-bit codes
-              as stored, any zero points, fp32 activations and accumulation; above 16 rows, dequantize +
-              F.linear. Whenever the extension is built with AVX2 and groups are whole 32-column blocks.
+              as stored, any zero points, activations rounded to int8 per 32 columns, fp32 accumulation;
+              above 16 rows, dequantize + F.linear. Whenever the extension is built with AVX2 and groups are
+              whole 32-column blocks.
     int8pack  torch's `_weight_int8pack_mm`: symmetric per-row 8-bit codes (zero point 128)
     int4pack  torch's `_weight_int4pack_mm_for_cpu`: 4-bit, rows a multiple of 16, groups 32 to 256
     generic   anything else: kvforge.kernels.quant_gemm (dequantize + matmul)

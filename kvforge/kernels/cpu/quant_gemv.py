@@ -1,9 +1,12 @@
 """Weight-only quantized matmul on the CPU (W8A16, W4A16): the C++ kernels of csrc/quant_gemv.cpp.
 
 The layer keeps its codes at 8 or 4 bits in the layout below and never holds a float weight. Up to
-GEMV_MAX_TOKENS rows (decode), the kernel streams the codes and accumulates in fp32; above, the weight
-is dequantized to float32 for the call and multiplied by F.linear (prefill is compute-bound, and a
-float GEMM beats re-decoding the codes for every few rows).
+GEMV_MAX_TOKENS rows (decode), the kernel streams the codes; above, the weight is dequantized to float32
+for the call and multiplied by F.linear (prefill is compute-bound, and a float GEMM beats re-decoding the
+codes for every few rows). The GEMV either multiplies x as given in fp32, or, with int8_activations (AVX2),
+first rounds x to int8 with one scale per 32 columns (as llama.cpp's Q8 activations) and sums integer
+products (csrc/quant_gemv_int8.cpp): fewer instructions per code, so that it runs nearer memory speed, for an
+error of at most 1/254 of its block's largest |x| on each element of x.
 
     qweight  uint8 [N, K * bits / 8]   codes, in blocks of 32 bytes (8 bits: 32 columns, 4 bits: 64)
     scales   float32 [N, G]
@@ -74,11 +77,13 @@ def pack_weight(
 
 
 def quant_linear_cpu(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
+    int8_activations: bool,
 ) -> torch.Tensor:
-    """x: [M, K] float -> x W^T: [M, N] in x's dtype. Needs the CPU extension loaded (cpu_kernels())."""
+    """x: [M, K] float -> x W^T: [M, N] in x's dtype. Needs the CPU extension loaded (cpu_kernels()), and its
+    AVX2 build (native_kernels_available()) for int8_activations: the GEMV rounds x to int8 per 32 columns."""
     if x.shape[0] <= GEMV_MAX_TOKENS:
-        out = torch.ops.kvforge_cpu.quant_gemv(x.float(), qweight, scales, offsets, bits)
+        out = torch.ops.kvforge_cpu.quant_gemv(x.float(), qweight, scales, offsets, bits, int8_activations)
         return out.to(x.dtype)
     # NOTE: dequantized a tile of rows at a time, so that a large weight (an LM head of 49152 rows) is
     # multiplied from cache instead of written out to memory as float32 and read back.

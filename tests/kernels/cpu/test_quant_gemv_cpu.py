@@ -1,4 +1,6 @@
-"""The C++ weight-only kernels (csrc/quant_gemv.cpp) against x @ dequantize(W).T, alone and inside a Linear."""
+"""The C++ weight-only kernels (csrc/quant_gemv.cpp) against x @ dequantize(W).T, alone and inside a Linear: the fp32
+GEMV and the dequantizing path exactly, a Linear's int8-activation GEMV against x rounded to int8 (its own tests are
+in test_quant_gemv_int8_cpu.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,27 @@ def _weight(num_rows: int, in_features: int, bits: int, group_size: int, zeros: 
     return QuantizedWeight(codes, scales, zero_points, bits)
 
 
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8-activation GEMV sees it: per 32 columns, dx = max |x| / 127 and q = round(x / dx), then dx * q."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    dx = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(dx > 0, torch.round(blocks / torch.where(dx > 0, dx, 1)), 0)
+    assert q.abs().max() <= 127
+    return (q * dx).reshape(x.shape)
+
+
+def native_layer_input(x: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] as a native layer multiplies it, in x's column order: up to GEMV_MAX_TOKENS rows rounded to int8 per
+    32 columns of the order the codes are stored in (x[:, perm] with act-order), x itself above."""
+    if x.shape[0] > GEMV_MAX_TOKENS:
+        return x
+    if perm is None:
+        return int8_rows(x)
+    seen = torch.empty_like(x)
+    seen[:, perm] = int8_rows(x[:, perm])
+    return seen
+
+
 def _tolerance(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """fp32 rounding of the kernel's sums: a few ulps of the sum of the magnitudes of the terms it adds,
     code * scale * x and the group offsets zero * scale * x."""
@@ -59,7 +82,7 @@ def test_kernel_matches_the_dequantized_weight(
     reference_weight = weight.dequantize().double()
     for num_tokens in [*range(1, GEMV_MAX_TOKENS + 1), GEMV_MAX_TOKENS + 1, 40]:
         x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(num_tokens))
-        out = quant_linear_cpu(x, *packed, bits)
+        out = quant_linear_cpu(x, *packed, bits, int8_activations=False)
         assert out.shape == (num_tokens, num_rows) and out.dtype == torch.float32
         error = (out.double() - x.double() @ reference_weight.t()).abs()
         assert (error <= _tolerance(x, weight)).all(), (num_tokens, error.max().item())
@@ -69,7 +92,7 @@ def test_kernel_matches_the_dequantized_weight(
 def test_bfloat16_activations_give_bfloat16_outputs() -> None:
     weight = _weight(24, 128, 4, 64, "int", seed=1)
     x = torch.randn(3, 128).to(torch.bfloat16)
-    out = quant_linear_cpu(x, *pack_weight(weight.codes, weight.scales, weight.zeros, 4), 4)
+    out = quant_linear_cpu(x, *pack_weight(weight.codes, weight.scales, weight.zeros, 4), 4, int8_activations=False)
     reference = x.double() @ weight.dequantize().double().t()
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out.double(), reference, rtol=1e-2, atol=1e-2)
@@ -106,15 +129,17 @@ def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size:
     layer.load_shard("bias", 0, bias)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.kernel.name == "native" and not hasattr(layer, "weight")
-    reference_weight = weight.dequantize().double()  # input features in their original order
+    dequantized = weight.dequantize().double()  # input features in their original order
+    kernel_weight = dequantized if weight.perm is None else dequantized[:, weight.perm]  # in the stored order
     for num_tokens in (1, 7, 16, 33):
         x = torch.randn(2, num_tokens, in_features)  # leading dims are kept
         out = layer(x)
         assert out.shape == (2, num_tokens, num_rows)
-        error = (out.double() - (x.double() @ reference_weight.t() + bias.double())).abs()
-        rows = x.reshape(-1, in_features)
+        rows = native_layer_input(x.reshape(-1, in_features), weight.perm)  # the GEMV rounds x to int8
         kernel_rows = rows if weight.perm is None else rows[:, weight.perm]  # the order the codes are stored in
-        assert (error <= _tolerance(kernel_rows, weight).reshape(error.shape)).all()
+        reference = kernel_rows.double() @ kernel_weight.t() + bias.double()
+        error = (out.reshape(reference.shape).double() - reference).abs()
+        assert (error <= _tolerance(kernel_rows, weight)).all()
 
 
 @needs_kernels
@@ -126,6 +151,6 @@ def test_batches_above_the_gemv_dequantize_tile_by_tile(monkeypatch: pytest.Monk
     packed = pack_weight(weight.codes, weight.scales, weight.zeros, 8)
     x = torch.randn(GEMV_MAX_TOKENS + 3, 128, generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(quant_gemv_cpu, "DEQUANT_TILE_BYTES", 3 * 4 * 128)
-    out = quant_linear_cpu(x, *packed, 8)
+    out = quant_linear_cpu(x, *packed, 8, int8_activations=False)
     error = (out.double() - x.double() @ weight.dequantize().double().t()).abs()
     assert out.shape == (x.shape[0], 20) and (error <= _tolerance(x, weight)).all()

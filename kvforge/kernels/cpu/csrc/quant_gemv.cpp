@@ -13,29 +13,21 @@
 // so out[m, n] = sum_g scales[n, g] * (sum_{k in g} x[m, k] code[n, k]) + offsets[n, g] * xsum[m, g], with
 // xsum[m, g] the sum of x over the group, computed once per call.
 //
-// Decoding vector j of a block is one AND with a mask at bit BITS * j and a conversion to float: the float is
-// code * 2^(BITS j). x is pre-scaled once per call by 2^-(BITS j) per column (exact: a power of two), so the
-// product is code * x. The top vector is shifted down instead (its mask would set the sign bit).
+// Two kernels compute it. With int8_activations (AVX2 only, quant_gemv_int8.cpp), x is rounded to int8 per 32
+// columns and the inner sums are integer dot products: fewer instructions per code than the fp32 kernel below,
+// which is the portable one and the exact one (x as given).
+//
+// fp32 kernel: decoding vector j of a block is one AND with a mask at bit BITS * j and a conversion to float: the
+// float is code * 2^(BITS j). x is pre-scaled once per call by 2^-(BITS j) per column (exact: a power of two), so
+// the product is code * x. The top vector is shifted down instead (its mask would set the sign bit).
 //
 // Work is split over output rows n; each weight row is decoded once per tile of up to 4 rows of x, and
-// several weight rows go together, so that several accumulator chains are in flight.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// several weight rows go together, so that several accumulator chains are in flight (for_each_tile, quant_gemv.h).
+#include "quant_gemv.h"
 
-#include <algorithm>
-#include <cstdint>
-
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
+namespace kvforge_cpu {
 namespace {
 
-constexpr int64_t kBlock = 32;     // columns per step of the K loop: four vectors of 8
-constexpr int64_t kRowBlock = 64;  // weight rows that all tiles of x pass over while they stay in cache
-
-template <int BITS>
-constexpr int64_t block_columns() { return 8 * 32 / BITS; }  // columns of 32 bytes of codes
 template <int BITS>
 constexpr int top_vector() { return 32 / BITS - 1; }
 // 2^-(BITS j): the scale of x's columns under vector j of a block.
@@ -49,11 +41,7 @@ inline Vec vset(float s) { return _mm256_set1_ps(s); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+inline float vsum(Vec v) { return hsum(v); }
 
 using Block = __m256i;
 template <int BITS>
@@ -176,33 +164,12 @@ inline void dot_tile(const GemvArgs& a, int64_t m0, int64_t n0) {
   }
 }
 
-template <int BITS, int MT, int NR>
-void dot_rows(const GemvArgs& a, int64_t m0, int64_t begin, int64_t end) {
-  int64_t n = begin;
-  for (; n + NR <= end; n += NR) dot_tile<BITS, MT, NR>(a, m0, n);
-  for (; n < end; ++n) dot_tile<BITS, MT, 1>(a, m0, n);
-}
-
-// Tiles of 4 rows of x times 2 weight rows (8 accumulator chains: the FMAs, not the decoding, bound these), then
-// the rest; a single row of x goes with 4 weight rows, which decoding bounds. Measured on an AVX2 EPYC.
 template <int BITS>
-void gemv_kernel(const GemvArgs& a) {
-  // NOTE: a chunk of at least ~64k multiply-adds, so that small layers do not pay a thread fork per row.
-  const int64_t grain = std::max<int64_t>(1, 65536 / (a.K * a.M));
-  at::parallel_for(0, a.N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
-      const int64_t n1 = std::min(end, n0 + kRowBlock);
-      int64_t m0 = 0;
-      for (; m0 + 4 <= a.M; m0 += 4) dot_rows<BITS, 4, 2>(a, m0, n0, n1);
-      switch (a.M - m0) {
-        case 3: dot_rows<BITS, 3, 2>(a, m0, n0, n1); break;
-        case 2: dot_rows<BITS, 2, 2>(a, m0, n0, n1); break;
-        case 1: dot_rows<BITS, 1, 4>(a, m0, n0, n1); break;
-        default: break;
-      }
-    }
-  });
-}
+struct FloatTiles {
+  const GemvArgs& a;
+  template <int MT, int NR>
+  void run(int64_t m0, int64_t n0) const { dot_tile<BITS, MT, NR>(a, m0, n0); }
+};
 
 template <int BITS, int J>
 inline void dequantize_vec(float* out, const Block& block, float scale, Vec offset) {
@@ -235,6 +202,8 @@ void dequantize_kernel(float* out, const uint8_t* qweight, const float* scales, 
   });
 }
 
+}  // namespace
+
 void check_layout(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& offsets,
                   int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
@@ -256,6 +225,8 @@ void check_layout(const torch::Tensor& qweight, const torch::Tensor& scales, con
   }
 }
 
+namespace {
+
 // x_lanes [M, K] = x times the lane factor of each column; xsum [M, G] = sums of x over the groups.
 template <int BITS>
 void prepare_x(const float* x, float* x_lanes, float* xsum, int64_t M, int64_t K, int64_t G) {
@@ -273,29 +244,41 @@ void prepare_x(const float* x, float* x_lanes, float* xsum, int64_t M, int64_t K
     }
 }
 
-}  // namespace
-
-// x: [M, K] float32 -> x W^T: [M, N] float32, W in the layout above.
-torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
-                         int64_t bits) {
-  check_layout(qweight, scales, offsets, bits);
-  const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits, G = scales.size(1);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
-              "x must be a float32 [M, ", K, "] CPU tensor");
-  const int64_t M = x.size(0);
+// The fp32 kernel: x [M, K] float32 contiguous -> x W^T [M, N] float32.
+torch::Tensor quant_gemv_float(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                               const torch::Tensor& offsets, int64_t bits) {
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = scales.size(1);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  x = x.contiguous();
   auto x_lanes = torch::empty_like(x);
   auto xsum = torch::empty({M, G}, x.options());
-  if (bits == 8) prepare_x<8>(x.data_ptr<float>(), x_lanes.data_ptr<float>(), xsum.data_ptr<float>(), M, K, G);
-  else prepare_x<4>(x.data_ptr<float>(), x_lanes.data_ptr<float>(), xsum.data_ptr<float>(), M, K, G);
+  const auto prepare = bits == 8 ? prepare_x<8> : prepare_x<4>;
+  prepare(x.data_ptr<float>(), x_lanes.data_ptr<float>(), xsum.data_ptr<float>(), M, K, G);
   const GemvArgs args{x_lanes.data_ptr<float>(), xsum.data_ptr<float>(), qweight.data_ptr<uint8_t>(),
                       scales.data_ptr<float>(), offsets.data_ptr<float>(), out.data_ptr<float>(),
                       M, N, K, G, K / G, qweight.size(1)};
-  if (bits == 8) gemv_kernel<8>(args);
-  else gemv_kernel<4>(args);
+  if (bits == 8) for_each_tile(FloatTiles<8>{args}, M, N, K);
+  else for_each_tile(FloatTiles<4>{args}, M, N, K);
   return out;
+}
+
+}  // namespace
+
+// x: [M, K] float32 -> x W^T: [M, N] float32, W in the layout above; int8_activations: x rounded to int8 per 32
+// columns (AVX2 builds only, see quant_gemv_vectorized).
+torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
+                         int64_t bits, bool int8_activations) {
+  check_layout(qweight, scales, offsets, bits);
+  const int64_t K = qweight.size(1) * 8 / bits;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
+              "x must be a float32 [M, ", K, "] CPU tensor");
+  x = x.contiguous();
+#ifdef __AVX2__
+  if (int8_activations) return quant_gemv_int8(x, qweight, scales, offsets, bits);
+#else
+  TORCH_CHECK(!int8_activations, "int8 activations need the AVX2 build of the CPU kernels");
+#endif
+  return quant_gemv_float(x, qweight, scales, offsets, bits);
 }
 
 // The float32 weight [N, K] the layout stands for (larger batches multiply it with a float GEMM).
@@ -309,8 +292,8 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
   return out;
 }
 
-// Whether the kernels above are the AVX2 ones; elsewhere they are the portable fallback, correct but slower
-// than a float GEMM, and the caller should not pick them.
+// Whether the kernels above are the AVX2 ones (and int8 activations are available); elsewhere they are the portable
+// fallback, correct but slower than a float GEMM, and the caller should not pick them.
 bool quant_gemv_vectorized() {
 #ifdef __AVX2__
   return true;
@@ -319,16 +302,19 @@ bool quant_gemv_vectorized() {
 #endif
 }
 
+}  // namespace kvforge_cpu
+
 // Registered as torch ops (torch.ops.kvforge_cpu.*), so this file needs no share of the module's pybind init.
 // Declared, then implemented for the CPU key only: tracing (torch.compile) sees opaque ops with the fake
 // implementations that kernels/cpu/extension.py registers.
 TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("quant_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor");
+  m.def("quant_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits, bool int8_activations) "
+        "-> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor");
-  m.def("quant_gemv_vectorized() -> bool", &quant_gemv_vectorized);
+  m.def("quant_gemv_vectorized() -> bool", &kvforge_cpu::quant_gemv_vectorized);
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
-  m.impl("quant_gemv", &quant_gemv);
-  m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_gemv", &kvforge_cpu::quant_gemv);
+  m.impl("quant_dequantize", &kvforge_cpu::quant_dequantize);
 }
