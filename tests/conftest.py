@@ -25,3 +25,31 @@ def tiny_llm(tiny_llama_dir):
     from kvforge import LLM
 
     return LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB")
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer():
+    """transformers' tokenizer of the default model, read from its GGUF file (loaded once: ~10 s)."""
+    from pathlib import Path
+
+    import transformers
+
+    from kvforge.loader.default_model import default_model_path
+
+    path = Path(default_model_path())
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' float32 model of the default GGUF file, in eval mode (loaded once: ~30 s)."""
+    from pathlib import Path
+
+    import transformers
+
+    from kvforge.loader.default_model import default_model_path
+
+    path = Path(default_model_path())
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+    return model.eval()

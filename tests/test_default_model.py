@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from kvforge.loader.default_model import default_model_path
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -25,18 +22,8 @@ def default_llm():
     return LLM(kv_cache_memory="256MiB")
 
 
-@pytest.fixture(scope="module")
-def hf_default():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return tokenizer, model.eval()
-
-
-def test_chat_greedy_matches_transformers(default_llm, hf_default):
-    hf_tokenizer, hf_model = hf_default
+def test_chat_greedy_matches_transformers(default_llm, hf_default_tokenizer, hf_default_model):
+    hf_tokenizer, hf_model = hf_default_tokenizer, hf_default_model
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW)  # stops at <|im_end|>, as transformers does
     outputs = default_llm.chat(CONVERSATIONS, params)
     for conversation, output in zip(CONVERSATIONS, outputs):

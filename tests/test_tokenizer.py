@@ -7,7 +7,6 @@ for it with `save_pretrained`.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import gguf
 import pytest
@@ -61,9 +60,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    path = Path(default_model_path())
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def hf_tokenizer(hf_default_tokenizer):
+    return hf_default_tokenizer
 
 
 @pytest.fixture(scope="module")

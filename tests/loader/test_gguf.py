@@ -52,8 +52,8 @@ def smollm():
 
 
 @pytest.fixture(scope="module")
-def smollm_reference():
-    return hf_model(Path(default_model_path()))
+def smollm_reference(hf_default_model):
+    return hf_default_model.config, type(hf_default_model).__name__, hf_default_model.state_dict()
 
 
 def test_default_model_path_points_at_the_shipped_file():

@@ -5,7 +5,7 @@ aborted by a client timeout, bad requests, prompts that share a prefix. Afterwar
 output equals its quiet-run output (each request alone on the idle server), every KV block is free,
 and the process's memory grew by a bounded amount.
 
-KVFORGE_SOAK_SECONDS sets the traffic's duration (default 20 s, what the default suite can afford);
+KVFORGE_SOAK_SECONDS sets the traffic's duration (default 12 s, what the default suite can afford);
 the figures of a longer run are in benchmarks/RESULTS.md.
 """
 
@@ -23,7 +23,7 @@ import psutil
 
 from tests.server.harness import metric, start_tiny_server, wait_idle
 
-SOAK_SECONDS = float(os.environ.get("KVFORGE_SOAK_SECONDS", "20"))
+SOAK_SECONDS = float(os.environ.get("KVFORGE_SOAK_SECONDS", "12"))
 NUM_CLIENTS = 12
 PREFIX = "You are a careful assistant. Answer in one short sentence. Question: "
 QUESTIONS = ["why is the sky blue?", "what is a prime?", "who wrote Hamlet?", "how do bees fly?",
