@@ -137,6 +137,8 @@ inline void dot_tile(const GemvArgs& a, int64_t m0, int64_t n0) {
   const float* x = a.x + m0 * a.K;
   const uint8_t* rows[NR];
   for (int r = 0; r < NR; ++r) rows[r] = a.qweight + (n0 + r) * a.row_bytes;
+  const int64_t ahead = kPrefetchTiles * NR;  // rows
+  prefetch_factors(a.scales, a.offsets, a.G, n0 + ahead, NR);
   Vec total[MT][NR];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < NR; ++r) total[m][r] = vzero();
@@ -145,6 +147,7 @@ inline void dot_tile(const GemvArgs& a, int64_t m0, int64_t n0) {
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < NR; ++r) acc[m][r] = vzero();
     for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; k += kBlock) {
+      for (int r = 0; r < NR; ++r) prefetch(rows[r] + k * BITS / 8 + ahead * a.row_bytes);
       if (BITS == 4 && (k & 32)) fma_columns<BITS, MT, NR, 1>(a, x, rows, k, acc);
       else fma_columns<BITS, MT, NR, 0>(a, x, rows, k, acc);
     }

@@ -18,6 +18,21 @@ namespace kvforge_cpu {
 constexpr int64_t kBlock = 32;     // columns per scale of x (int8 path), and the group-size unit
 constexpr int64_t kRowBlock = 64;  // weight rows that all tiles of x pass over while they stay in cache
 
+// NOTE: the kernels prefetch the weight rows kPrefetchTiles tiles ahead of the tile they multiply (codes, scales and
+// offsets). With the hardware prefetcher alone the int8 GEMV read a model's layers at ~40% of the machine's read
+// bandwidth, with this at ~90% (AVX2 EPYC, 2 threads: python -m kvforge.benchmarks.quant_gemv_cpu).
+constexpr int64_t kPrefetchTiles = 2;
+
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// The scales and offsets of weight rows [n, n + rows), G groups a row.
+inline void prefetch_factors(const float* scales, const float* offsets, int64_t G, int64_t n, int64_t rows) {
+  for (int64_t i = n * G; i < (n + rows) * G; i += 16) {  // 16 floats: a cache line
+    prefetch(scales + i);
+    prefetch(offsets + i);
+  }
+}
+
 template <int BITS>
 constexpr int64_t block_columns() { return 8 * 32 / BITS; }  // columns of 32 bytes of codes
 

@@ -191,6 +191,8 @@ struct Int8Tiles {
       xq[m] = a.xq + (m0 + m) * a.K;
       dx[m] = a.dx + (m0 + m) * x_blocks;
     }
+    const int64_t ahead = kPrefetchTiles * NR;  // rows
+    prefetch_factors(a.scales, a.offsets, a.G, n0 + ahead, NR);
     __m256 acc[MT][NR];
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -200,6 +202,7 @@ struct Int8Tiles {
       const int64_t b = t * block_columns<BITS>() / kBlock;  // the first x block of the codes
       const int32_t g0 = block_group[b], g1 = block_group[b + block_columns<BITS>() / kBlock - 1];
       for (int r = 0; r < NR; ++r) {
+        prefetch(rows[r] + 32 * t + ahead * a.row_bytes);
         const Codes<BITS> codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + 32 * t)));
         const __m256 scale = weight_factors<BITS>(scales[r], g0, g1);
         for (int m = 0; m < MT; ++m) {
