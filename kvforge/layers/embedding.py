@@ -17,6 +17,7 @@ from torch import nn
 
 from kvforge.distributed.communicator import tp_all_reduce, tp_gather
 from kvforge.distributed.parallel_state import get_parallel_state
+from kvforge.kernels.cpu.dense_gemv import dense_linear
 from kvforge.kernels.ops import current_ops
 from kvforge.quantization.quantized_weight import QuantizedWeight
 from kvforge.quantization.weight_only_kernels import WeightOnlyKernel, select_kernel
@@ -36,6 +37,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = state.tp_rank * self.num_local
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
         self.kernel: WeightOnlyKernel | None = None  # the rows kept quantized, in place of weight
+        self.dense_gemv = False  # the float head's decode rows through the CPU GEMV (set at load)
         self.ops = current_ops()
 
     def load(self, tensor: torch.Tensor) -> None:
@@ -84,7 +86,10 @@ class VocabParallelEmbedding(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """As the LM head: fp32 logits [num_tokens, vocab_size], gathered from every rank's rows on
         tensor-parallel index 0 (the rank that samples); None on the others."""
-        local = F.linear(hidden, self.weight) if self.kernel is None else self.kernel.apply(hidden)
+        if self.kernel is None:
+            local = dense_linear(hidden, self.weight, None, self.dense_gemv)
+        else:
+            local = self.kernel.apply(hidden)
         logits = tp_gather(self.parallel, local.float())  # [num_tokens, V_local] each
         return None if logits is None else logits[:, : self.vocab_size]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.distributed.communicator import tp_all_reduce
 from kvforge.distributed.parallel_state import get_parallel_state
+from kvforge.kernels.cpu.dense_gemv import dense_linear
 
 if TYPE_CHECKING:
     from kvforge.quantization.linear_method import LinearMethod
@@ -26,7 +26,8 @@ class Linear(nn.Module):
     `shard_sizes` names the row count of each, and `load_shard` fills one of them.
 
     A quantized layer hands its weight to a LinearMethod (`set_quant_method`), which creates, loads and
-    multiplies it; the float path stays a plain F.linear."""
+    multiplies it; the float path is F.linear, or on the CPU for a few rows the C++ GEMV (dense_gemv, set at
+    load by `use_dense_gemv`)."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -37,6 +38,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.quant_method: LinearMethod | None = None
+        self.dense_gemv = False
 
     def set_quant_method(self, method: LinearMethod) -> None:
         """Before loading: let method replace the float weight with its own tensors."""
@@ -70,7 +72,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is None:
-            return F.linear(x, self.weight, self.bias)
+            return dense_linear(x, self.weight, self.bias, self.dense_gemv)
         return self.quant_method.apply(self, x)
 
 

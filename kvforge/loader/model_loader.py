@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kvforge.config import ModelConfig
+from kvforge.kernels.cpu.dense_gemv import use_dense_gemv
 from kvforge.loader.hub_cache import resolve_model_path
 from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
 from kvforge.models.registry import resolve_model_class
@@ -92,6 +93,7 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
     process_weights_after_loading(model)
     if config.quantize_lm_head and quant_config is not None and quant_config.method == "rtn":
         quantize_vocab_rows(model)
+    use_dense_gemv(model)
     model.eval()
     logger.info("loaded %s (%s) as %s on %s", path.name, model_class.__name__, dtype, device)
     return LoadedModel(model, tokenizer, hf_config, dtype, str(path))

@@ -7,6 +7,7 @@ nodes:
 
     quant_gemv(x [M, K], qweight, scales, offsets, bits, int8_activations) -> [M, N] fp32   (quant_gemv.py)
     quant_dequantize(qweight, scales, offsets, bits) -> [N, K] fp32
+    dense_gemv(x [M, K], weight [N, K]) -> [M, N] fp32 (AVX2 builds)             (dense_gemv.py)
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
         -> [S, H, D]                                                             (paged_attention.py)
     cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (../cache_write.py)
@@ -24,7 +25,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_int8.cpp")]
+_SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_int8.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
@@ -72,6 +73,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvforge_cpu::quant_dequantize")
     def _(qweight, scales, offsets, bits):
         return scales.new_empty(rows_of(qweight, bits), dtype=torch.float32)
+
+    @torch.library.register_fake("kvforge_cpu::dense_gemv")
+    def _(x, weight):
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("kvforge_cpu::paged_decode")
     def _(query, key_cache, value_cache, block_tables, seq_lens, scale, key_scale=None, value_scale=None):
