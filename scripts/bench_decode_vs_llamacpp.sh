@@ -2,7 +2,8 @@
 # kvforge against llama.cpp (built natively: bash ../shared/peers/llama-cpp.sh prints its bin folder) and
 # transformers on the default model's Q4_1 GGUF file, one after another in one run, 2 threads:
 #   single stream: 128-token prompt, 128 new tokens (llama-bench tg128 / pp512; kvforge bench latency with
-#                  the GGUF weights kept, compiled and eager; float32 compiled and eager; transformers float32)
+#                  the GGUF weights kept, compiled and eager; float32 compiled and eager; transformers float32);
+#                  a 512-token prompt (its time to first token against pp512), GGUF kept and float32
 #   batched:       64 x (128 prompt + 128 new) (llama-batched-bench -npl 64; kvforge bench throughput)
 # Usage: bash scripts/bench_decode_vs_llamacpp.sh LLAMA_CPP_BIN_DIR [OUT_DIR]
 set -euo pipefail
@@ -20,6 +21,9 @@ latency=(kvforge bench latency --input-len 128 --output-len 128 --num-requests 3
 "${latency[@]}" --dtype float32 --json "$out/kvforge_fp32.json"
 "${latency[@]}" --dtype float32 --enforce-eager --json "$out/kvforge_fp32_eager.json"
 "${latency[@]}" --dtype float32 --backend hf --json "$out/hf_fp32.json"
+prompt=(kvforge bench latency --input-len 512 --output-len 2 --num-requests 3 --kv-cache-memory 256MiB)
+"${prompt[@]}" --quantization gguf --json "$out/kvforge_pp512_gguf.json"
+"${prompt[@]}" --dtype float32 --json "$out/kvforge_pp512_fp32.json"
 "$bin/llama-batched-bench" -m "$model" -t 2 -c 20000 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 64 -fa off \
   > "$out/llama_batched.txt" 2>&1
 batched=(kvforge bench throughput --num-prompts 64 --input-len 128 128 --output-len 128)
@@ -36,6 +40,9 @@ for name in ("kvforge_gguf", "kvforge_gguf_eager", "kvforge_fp32", "kvforge_fp32
     r = load(name)
     print(f"{name:<20} decode {r['median_decode_tokens_per_s']:7.1f} tokens/s ({r['median_decode_tokens_per_s'] / tg:.2f}x "
           f"llama.cpp), 128-token TTFT {r['median_ttft_s']:.3f} s")
+for name in ("kvforge_pp512_gguf", "kvforge_pp512_fp32"):
+    pp = 512 / load(name)["median_ttft_s"]
+    print(f"{name:<20} 512-token prompt {pp:7.1f} tokens/s ({pp / bench['pp']:.2f}x llama.cpp pp512)")
 rows = [line for line in open(f"{d}/llama_batched.txt") if re.match(r"\|\s+128 \|\s+128 \|\s+64 \|", line)]
 cells = rows[0].split("|") if rows else [""] * 11
 total, decode = (float(cells[i]) if cells[i].strip() else float("nan") for i in (10, 8))

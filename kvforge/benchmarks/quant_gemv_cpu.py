@@ -1,14 +1,16 @@
-"""The CPU's weight-only matmuls at decode sizes: fp32 F.linear against the C++ kernels (csrc/quant_gemv.cpp)
-and torch's prepacked int8pack / int4pack, on the default model's layer shapes (SmolLM2-135M).
+"""The CPU's decode matmuls: fp32 F.linear against the C++ kernels (csrc/dense_gemv.cpp, csrc/quant_gemv.cpp) and
+torch's prepacked int8pack / int4pack, on the default model's layer shapes (SmolLM2-135M).
 
     python -m kvforge.benchmarks.quant_gemv_cpu [--threads 1] [--tokens 1,4,16] [--rounds 10] [--group-size 32]
 
-The C++ kernels run twice, with x in fp32 ("native w8", "native w4") and rounded to int8 per 32 columns
-("... q8x", the layers' default). Three tables: each shape alone, its weights warm in cache; and a whole
-model's worth of layers (30 x qkv, o, gate_up, down) one after the other, and the LM head, whose weights
-stream from memory as they do in decode. Variants take turns (A B C A B C ...) and each keeps its fastest
-round, so load from other processes that comes and goes hurts them alike; times are CPU time of the calling
-thread (wall time with more than one thread).
+"dense" is the float32 GEMV; the quantized C++ kernels run twice, with x in fp32 ("native w8", "native w4") and
+rounded to int8 per 32 columns ("... q8x", the layers' default). Three tables: each shape alone, its weights
+warm in cache; and a whole model's worth of layers (30 x qkv, o, gate_up, down) one after the other, and the LM
+head, whose weights stream from memory as they do in decode. There each variant also gets the GB/s it reads its
+weights at, and the fraction of the machine's copy bandwidth that is (a 1 GiB copy, read + write bytes, timed in
+the same rounds). Variants take turns (A B C A B C ...) and each keeps its fastest round, so load from other
+processes that comes and goes hurts them alike; times are CPU time of the calling thread (wall time with more
+than one thread).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.cpu import packed_gemm
+from kvforge.kernels.cpu.dense_gemv import dense_linear
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight, quant_linear_cpu
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
@@ -37,26 +40,33 @@ def _random_weight(num_rows: int, in_features: int, bits: int, group_size: int,
     return QuantizedWeight(codes, scales, zeros, bits)
 
 
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: torch.Generator
-                 ) -> dict[str, Callable]:  # fmt: skip
-    """One (x -> x W^T) per variant for a random weight of this shape: 4-bit codes in groups of group_size,
-    8-bit ones with one scale per row (w8a16, which int8pack takes) and in groups (GGUF's Q8_0) for the C++ kernels."""
+                 ) -> dict[str, tuple[Callable, int]]:  # fmt: skip
+    """One (x -> x W^T, bytes of the weight it reads) per variant for a random weight of this shape: 4-bit codes in
+    groups of group_size, 8-bit ones with one scale per row (w8a16, which int8pack takes) and in groups (GGUF's
+    Q8_0) for the C++ kernels."""
     weight = torch.randn(num_rows, in_features, generator=generator)
     int8 = _random_weight(num_rows, in_features, 8, in_features, generator)
     int4 = _random_weight(num_rows, in_features, 4, group_size, generator)
-    calls: dict[str, Callable] = {"fp32": lambda x: F.linear(x, weight)}
+    calls: dict[str, tuple[Callable, int]] = {"fp32": (lambda x: F.linear(x, weight), _bytes(weight))}
     if native_kernels_available():
+        calls["dense"] = (lambda x: dense_linear(x, weight, None, gemv=True), _bytes(weight))
         grouped8 = _random_weight(num_rows, in_features, 8, group_size, generator)
         for bits, quantized in ((8, grouped8), (4, int4)):
             packed = pack_weight(quantized.codes, quantized.scales, quantized.zeros, bits)
             for suffix, int8_x in (("", False), (" q8x", True)):
-                calls[f"native w{bits}{suffix}"] = lambda x, p=packed, b=bits, q=int8_x: quant_linear_cpu(x, *p, b, q)
+                calls[f"native w{bits}{suffix}"] = (
+                    lambda x, p=packed, b=bits, q=int8_x: quant_linear_cpu(x, *p, b, q), _bytes(*packed))
     if packed_gemm.int8pack_eligible(int8):
         packed8 = packed_gemm.prepack_int8(int8)
-        calls["int8pack"] = lambda x: packed_gemm.int8pack_linear(x, *packed8)
+        calls["int8pack"] = (lambda x: packed_gemm.int8pack_linear(x, *packed8), _bytes(*packed8))
     if packed_gemm.int4pack_eligible(int4):
         packed4 = packed_gemm.prepack_int4(int4)
-        calls["int4pack"] = lambda x: packed_gemm.int4pack_linear(x, *packed4, group_size)
+        calls["int4pack"] = (lambda x: packed_gemm.int4pack_linear(x, *packed4, group_size), _bytes(*packed4))
     return calls
 
 
@@ -76,18 +86,31 @@ def _print_row(label: str, times: dict[str, float], scale: float, unit: str) -> 
     print(f"{label:<22}" + "  ".join(cells), flush=True)
 
 
+COPY_BYTES = 1 << 30
+
+
 def _streamed(label: str, shapes: list[tuple[int, int]], args: argparse.Namespace, clock: Callable[[], float],
               generator: torch.Generator) -> None:  # fmt: skip
-    """One pass over a weight per shape, in turn, per row of the table (one per token count)."""
+    """One pass over a weight per shape, in turn, per row of the table (one per token count), and the GB/s of
+    each variant against a copy timed in the same rounds."""
     layers = [_layer_calls(n, k, args.group_size, generator) for n, k in shapes]
+    weight_bytes = {name: sum(calls[name][1] for calls in layers) for name in layers[0]}
+    source = torch.empty(COPY_BYTES, dtype=torch.uint8).fill_(1)
+    target = torch.empty_like(source)
     for num_tokens in (int(t) for t in args.tokens.split(",")):
         inputs = {k: torch.randn(num_tokens, k, generator=generator) for _, k in shapes}
         inputs_per_layer = [inputs[k] for _, k in shapes]
         programs = {
-            name: (lambda name=name, xs=inputs_per_layer: [calls[name](x) for calls, x in zip(layers, xs)])
+            name: (lambda name=name, xs=inputs_per_layer: [calls[name][0](x) for calls, x in zip(layers, xs)])
             for name in layers[0]
         }
-        _print_row(f"{label} M={num_tokens}", _fastest(programs, max(3, args.rounds // 3), clock), 1e3, "ms")
+        programs["copy"] = lambda: target.copy_(source)
+        times = _fastest(programs, max(3, args.rounds // 3), clock)
+        copy_gbs = 2 * COPY_BYTES / times.pop("copy") / 1e9
+        _print_row(f"{label} M={num_tokens}", times, 1e3, "ms")
+        cells = [f"{name} {weight_bytes[name] / t / 1e9:5.1f} GB/s ({weight_bytes[name] / t / 1e9 / copy_gbs:4.0%})"
+                 for name, t in times.items()]
+        print(f"{'  reads, copy ' + f'{copy_gbs:.1f}':<22}" + "  ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -108,7 +131,7 @@ def main() -> None:
             calls = _layer_calls(num_rows, in_features, args.group_size, generator)
             for num_tokens in (int(t) for t in args.tokens.split(",")):
                 x = torch.randn(num_tokens, in_features, generator=generator)
-                programs = {name: (lambda c=call, x=x: [c(x) for _ in range(20)]) for name, call in calls.items()}
+                programs = {name: (lambda c=call, x=x: [c(x) for _ in range(20)]) for name, (call, _) in calls.items()}
                 times = _fastest(programs, args.rounds, clock)
                 _print_row(f"{num_rows}x{in_features} M={num_tokens}", times, 1e6 / 20, "us")
         print(f"\n{NUM_LAYERS} layers of the 4 shapes (weights streamed from memory), per pass:")
