@@ -1,9 +1,10 @@
 """Float32 linear layers at decode sizes on the CPU: the C++ GEMV of csrc/dense_gemv.cpp, F.linear above it.
 
 Up to DENSE_GEMV_MAX_TOKENS rows of x, the kernel streams the row-major weight with prefetching; F.linear is the
-reference it is tested against and the path for larger batches (prefill, which is compute-bound). Measured over
-the default model's 30 layers (weights streamed from memory, AVX2 EPYC, 2 threads,
-`python -m kvforge.benchmarks.quant_gemv_cpu`): 1.6x F.linear at one row, 3.4x at four, 1.6x at 16, 1.15x at 32.
+reference it is tested against and the path for larger batches (prefill, which is compute-bound). Over the
+default model's 30 layers, weights streamed from memory (AVX2 EPYC, 2 threads, `python -m
+kvforge.benchmarks.quant_gemv_cpu --threads 2 --tokens 1,16`): 1.7x F.linear at one row, 1.8x at 16; a one-off
+run of 1 to 32 rows had it ahead all the way (1.15x at 32), hence the bound.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ DENSE_GEMV_MAX_TOKENS = 32  # rows of x up to which the kernel beats F.linear
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
     """F.linear(x, weight, bias); with gemv (a float32 CPU layer whose extension is built, decided at load), a few
     rows of x go through the C++ GEMV."""
-    if gemv and x.shape[0] <= DENSE_GEMV_MAX_TOKENS:
+    if gemv and x.dim() == 2 and x.shape[0] <= DENSE_GEMV_MAX_TOKENS:
         out = torch.ops.kvforge_cpu.dense_gemv(x, weight)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)

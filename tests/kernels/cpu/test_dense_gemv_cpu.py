@@ -43,10 +43,10 @@ def test_non_contiguous_rows_of_x_and_bad_weights():
 
 
 @needs_avx2
-def test_bias_and_rows_past_the_gemv_take_f_linear_results():
+def test_bias_leading_dims_and_rows_past_the_gemv_take_f_linear_results():
     weight, bias = torch.randn(50, 96), torch.randn(50)
-    for rows in (1, DENSE_GEMV_MAX_TOKENS, DENSE_GEMV_MAX_TOKENS + 1, 200):
-        x = torch.randn(rows, 96)
+    for shape in ((1, 96), (DENSE_GEMV_MAX_TOKENS, 96), (DENSE_GEMV_MAX_TOKENS + 1, 96), (200, 96), (2, 3, 96)):
+        x = torch.randn(shape)
         _close(dense_linear(x, weight, bias, gemv=True), F.linear(x, weight, bias))
 
 

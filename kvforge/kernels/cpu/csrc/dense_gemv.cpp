@@ -1,9 +1,10 @@
 // The decode GEMV of float32 layers: x [M, K] times a row-major float32 weight W [N, K], out = x W^T [M, N], for the
 // few rows of a decode step (the reference is F.linear; kernels/cpu/dense_gemv.py routes the rows to it).
 //
-// At one row of x, F.linear streams W at ~40% of the machine's read bandwidth (AVX2 EPYC, 2 threads); this kernel
-// walks W in the tiles of quant_gemv.h (several weight rows at once, each read once per tile of x rows) and
-// prefetches kPrefetchTiles tiles ahead, which brings the stream near the read bandwidth.
+// At one row of x, F.linear streams a model's layers at ~43% of the machine's copy bandwidth (AVX2 EPYC, 2 threads);
+// this kernel walks W in the tiles of quant_gemv.h (several weight rows at once, each read once per tile of x
+// rows) and prefetches kPrefetchTiles tiles ahead: ~72% over the layers, the full copy rate on a large LM head
+// (python -m kvforge.benchmarks.quant_gemv_cpu).
 //
 //   weight row n:  [ k 0..7 | 8..15 | ... ]  one 8-float vector at a time, an FMA chain per (row of x, row of W);
 //                  the columns past the last whole vector (K % 8) are added one by one.
