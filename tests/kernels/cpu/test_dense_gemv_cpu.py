@@ -1,5 +1,6 @@
 """The float32 decode GEMV (csrc/dense_gemv.cpp) against F.linear: alone, inside a Linear and a float LM head, and
-in a loaded model, whose greedy tokens it must not change."""
+compiled. Loaded float32 models decode through it in the tests against transformers (tests/models,
+tests/test_default_model.py)."""
 
 from __future__ import annotations
 
