@@ -12,12 +12,13 @@ PREFIX = "kvforge:"
 STEP = "step"  # one engine step (rank 0) or one batch through a worker (other ranks)
 BATCH = "batch"  # one SchedulerOutput through this rank's model runner
 MODEL = "model"  # the model's forward and its LM head: everything inside is model time
+MODEL_PYTHON = "model.python"  # the model range's own self time: Python between the ops of named classes
 
 HOST_CLASSES = ("host.schedule", "host.prepare", "host.sample", "host.detokenize", "host.update", "host.outputs",
                 "host.other")
 MODEL_CLASSES = ("embedding", "gemm.qkv", "gemm.o", "gemm.mlp", "gemm.lm_head", "gemm.compiled",
                  "attention.prefill", "attention.decode", "cache_write", "norm", "rotary", "activation",
-                 "moe.routing", "moe.experts", "fused", "model.other")
+                 "moe.routing", "moe.experts", "fused", MODEL_PYTHON, "model.other")
 PARALLEL_CLASSES = ("communication", "pipeline_wait")
 ALL_CLASSES = HOST_CLASSES + MODEL_CLASSES + PARALLEL_CLASSES
 GEMM_CLASSES = ("gemm.qkv", "gemm.o", "gemm.mlp", "gemm.lm_head")

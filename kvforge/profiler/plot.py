@@ -17,6 +17,7 @@ GROUPS = {
     "norm/rotary/act": ("norm", "rotary", "activation", "embedding"),
     "MoE": ("moe.routing", "moe.experts"),
     "fused (compiled)": ("fused",),
+    "model Python": ("model.python",),
     "model other": ("model.other",),
     "communication": ("communication",),
     "pipeline wait": ("pipeline_wait",),

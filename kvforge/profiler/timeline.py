@@ -2,8 +2,10 @@
 
 Each step range (kvforge:step) is cut into the self time of every event in it: the time an event
 spends outside its children. That self time counts for the class of the innermost range around it
-that names one; what no class claims is host.other outside the model and model.other inside. So the
-classes of a step add up to its wall time, and those inside kvforge:model ranges to its model time.
+that names one; what no class claims is host.other outside the model and model.other inside. The model
+range's own self time is model.python: the forward's interpreter time between the ops of named classes
+(module calls, the layer loop, argument checks). So the classes of a step add up to its wall time, and
+those inside kvforge:model ranges to its model time.
 
     kvforge:step ───────────────────────────────────────────────────────────────
       host.schedule   kvforge:batch ─────────────────────────────   host.detokenize
@@ -19,6 +21,7 @@ from kvforge.profiler.op_classes import (
     BATCH,
     COMPILED_WORK,
     MODEL,
+    MODEL_PYTHON,
     PREFIX,
     STEP,
     class_in_compiled,
@@ -84,7 +87,8 @@ def _split(step_event, kind: str) -> _Split:
     while stack:
         event, label, in_model, in_graph = stack.pop()
         name = event.name
-        if name == _MODEL and not in_model:
+        opens_model = name == _MODEL and not in_model
+        if opens_model:
             split.model_s += _duration_s(event)
             in_model = True
         if opens_compiled_region(name):
@@ -93,7 +97,10 @@ def _split(step_event, kind: str) -> _Split:
         label = class_in_compiled(name) if in_graph else class_of_event(name) or label
         children = event.cpu_children
         own = _duration_s(event) - sum(_duration_s(child) for child in children)
-        cls = resolve(label, kind) if label else ("model.other" if in_model else "host.other")
+        if opens_model:
+            cls = MODEL_PYTHON
+        else:
+            cls = resolve(label, kind) if label else ("model.other" if in_model else "host.other")
         split.add(cls, own, _kernel_s(event))
         stack.extend((child, label, in_model, in_graph) for child in children)
     return split
