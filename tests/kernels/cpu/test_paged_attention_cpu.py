@@ -9,9 +9,9 @@ import torch
 
 import kvforge.kernels.cpu.paged_attention as paged_attention_cpu_module
 from kvforge.kernels.cpu.extension import cpu_kernels
-from kvforge.kernels.cpu.paged_attention import DECODE_GROUP, paged_attention_cpu
+from kvforge.kernels.cpu.paged_attention import DECODE_GROUP, paged_attention_cpu, paged_decode_cpu
 from kvforge.kernels.paged_attention import paged_attention_ref
-from tests.kernels.attention_batches import TOLERANCE, make_paged_batch
+from tests.kernels.attention_batches import TOLERANCE, dequantized_reference, make_paged_batch, quantize_batch_cache
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["cpp-decode", "sdpa-decode"])
@@ -44,3 +44,27 @@ def test_mixed_batch_matches_reference(
         torch.testing.assert_close(paged_attention_cpu(*decode_only.args(), scale).float(),
                                    paged_attention_ref(*decode_only.args(), scale).float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("code_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["float", "int8", "fp8"])
+@pytest.mark.parametrize("seq_lens", [[1500], [700, 0, 65], [64, 129]], ids=["one-long", "padding-row", "edges"])
+def test_few_long_decodes_split_their_context_and_match_the_reference(seq_lens, code_dtype) -> None:
+    """Fewer (sequence, kv head) pairs than the threads can share: the kernel cuts each context into parts and
+    merges their softmaxes. Every slot outside the contexts is NaN (its scale, in a quantized cache), so reading
+    past a context shows."""
+    assert cpu_kernels() is not None, "the C++ CPU kernels failed to build"
+    batch = make_paged_batch([1] * len(seq_lens), [max(n, 1) for n in seq_lens], num_heads=6, num_kv_heads=2,
+                             head_dim=64, block_size=16, dtype=torch.float32)
+    scale = 64**-0.5
+    key_scale = value_scale = None
+    if code_dtype is None:
+        expected = paged_attention_ref(*batch.args(), scale)  # (it reads padded slots before masking them)
+        batch.poison_unused_slots()
+    else:  # NaN scales outside the contexts
+        batch, key_scale, value_scale = quantize_batch_cache(batch, code_dtype)
+        expected = dequantized_reference(batch, key_scale, value_scale, scale)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)  # 0: a decode bucket's padding row, which outputs zeros
+    got = paged_decode_cpu(batch.query, batch.key_cache, batch.value_cache, batch.block_tables, lens, scale,
+                           key_scale, value_scale)
+    expected = torch.where(lens[:, None, None] > 0, expected, 0.0)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])

@@ -1,7 +1,11 @@
 // Paged decode attention for the CPU: one query token per sequence, keys and values read straight
 // from the paged cache through the block table (no gathered copy), softmax in fp32.
 //
-// Work item = (sequence, kv head): the `group` query heads that share a kv head walk its context once.
+// Work item = (sequence, kv head, part of the context): the `group` query heads that share a kv head walk the
+// part's tokens once. A sequence's context is cut into parts only when there are too few (sequence, kv head)
+// pairs to keep every thread busy (one stream of a 3-kv-head model on 2 threads: 3 items, one thread idle half
+// the time). Each part keeps its own softmax max m_p, sum l_p and unnormalized output acc_p; the parts then merge:
+//     M = max_p m_p      out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p
 //
 // A quantized cache holds int8 or fp8 (e4m3) codes C and one float scale per (token, kv head). Each cached
 // row is widened to floats once for the whole group, and its scale is factored out of the head_dim loops:
@@ -60,59 +64,169 @@ inline void axpy(float a, const float* v, float* acc, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += a * v[d];
 }
 
-// T: query and output dtype; C: cache element dtype (T itself, or codes with k_scale/v_scale non-null:
+// exp(x) for x <= 0 (a score minus its row's max), in a form the compiler vectorizes (std::exp is a call per
+// element): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (relative error under 1e-7),
+// times 2^n built in the exponent bits. x is clamped at -87, where float's normal range ends (exp(-87) ~ 1.6e-38
+// is nothing beside the row's largest term, 1).
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.f ? -87.f : x;
+  const float n = (clamped * 1.44269504088896341f + 12582912.f) - 12582912.f;  // nearest integer (1.5 * 2^23)
+  const float r = (clamped - n * 0.693145751953125f) - n * 1.42860682030941723e-06f;  // ln2 in two parts
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+inline void prefetch_rows(const void* first, int64_t rows, int64_t stride_bytes, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r, p += stride_bytes)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+// The cache and the geometry every work item reads.
+template <typename C>
+struct Paged {
+  const C* key_cache;
+  const C* value_cache;
+  const float* key_scale;    // null for a float cache
+  const float* value_scale;
+  const int32_t* block_tables;
+  int64_t num_kv_heads, head_dim, block_size, max_blocks;
+
+  int64_t token_stride() const { return num_kv_heads * head_dim; }  // between consecutive slots of the cache
+};
+
+// Tokens [t_begin, t_end) of one (sequence, kv head): q [group, head_dim] (already scaled) against them. Writes
+// the part's max m[g] and sum l[g] of exp(score - m), and acc [group, head_dim] = sum_t exp(score - m) v_t.
+template <int HD, typename C>
+void attend_part(const Paged<C>& c, const float* q, int64_t group, int64_t seq, int64_t kv_head, int64_t t_begin,
+                 int64_t t_end, float* m, float* l, float* acc, std::vector<float>& scores, float* row) {
+  const int64_t len = t_end - t_begin, D = HD ? HD : c.head_dim, bs = c.block_size, stride = c.token_stride();
+  const int32_t* table = c.block_tables + seq * c.max_blocks;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C)), stride_bytes = stride * sizeof(C);
+  scores.assign(group * len, 0.f);
+  // slot of token t: its block's first slot plus its offset; a part starts on a block boundary
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+    const int64_t slot0 = static_cast<int64_t>(table[t0 / bs]) * bs, t1 = std::min(t0 + bs, t_end);
+    if (t0 + bs < t_end)  // the next block's rows, while this one's are multiplied
+      prefetch_rows(c.key_cache + (static_cast<int64_t>(table[t0 / bs + 1]) * bs) * stride + kv_head * D,
+                    std::min(bs, t_end - t0 - bs), stride_bytes, row_bytes);
+    const C* k = c.key_cache + slot0 * stride + kv_head * D;
+    for (int64_t t = t0; t < t1; ++t, k += stride) {
+      const float k_scale = c.key_scale ? c.key_scale[(slot0 + t - t0) * c.num_kv_heads + kv_head] : 1.f;
+      const float* k_row = widen_row(k, row, D);
+      for (int64_t g = 0; g < group; ++g) scores[g * len + t - t_begin] = k_scale * dot(q + g * D, k_row, D);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * len;
+    float max_score = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : max_score)
+    for (int64_t t = 0; t < len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = exp_nonpositive(s[t] - max_score);
+      sum += s[t];
+    }
+    m[g] = max_score;
+    l[g] = sum;
+  }
+  std::fill(acc, acc + group * D, 0.f);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+    const int64_t slot0 = static_cast<int64_t>(table[t0 / bs]) * bs, t1 = std::min(t0 + bs, t_end);
+    if (t0 + bs < t_end)
+      prefetch_rows(c.value_cache + (static_cast<int64_t>(table[t0 / bs + 1]) * bs) * stride + kv_head * D,
+                    std::min(bs, t_end - t0 - bs), stride_bytes, row_bytes);
+    const C* v = c.value_cache + slot0 * stride + kv_head * D;
+    for (int64_t t = t0; t < t1; ++t, v += stride) {
+      const float v_scale = c.value_scale ? c.value_scale[(slot0 + t - t0) * c.num_kv_heads + kv_head] : 1.f;
+      const float* v_row = widen_row(v, row, D);
+      for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t - t_begin] * v_scale, v_row, acc + g * D, D);
+    }
+  }
+}
+
+// Tokens a part holds: a whole number of blocks, few enough parts that each is worth a work item, and enough
+// that every thread gets about kItemsPerThread items. 0: one part per sequence.
+constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kMinPartTokens = 64;
+
+int64_t part_tokens(int64_t pairs, int64_t max_len, int64_t block_size) {
+  const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  if (pairs >= wanted || max_len <= kMinPartTokens) return 0;
+  const int64_t parts = (wanted + pairs - 1) / pairs;
+  const int64_t tokens = std::max(kMinPartTokens, (max_len + parts - 1) / parts);
+  return (tokens + block_size - 1) / block_size * block_size;
+}
+
+// T: query and output dtype; C: cache element dtype (T itself, or codes with key_scale/value_scale non-null:
 // [num_blocks * block_size, num_kv_heads] floats).
 template <typename T, typename C>
-void decode_kernel(T* out, const T* query, const C* key_cache, const C* value_cache, const float* key_scale,
-                   const float* value_scale, const int32_t* block_tables, const int32_t* seq_lens, int64_t num_seqs,
-                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                   int64_t max_blocks, float scale) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of the cache
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq_lens, int64_t num_seqs,
+                   int64_t num_heads, float scale) {
+  const int64_t kvh = c.num_kv_heads, D = c.head_dim, group = num_heads / kvh;
+  const int64_t max_len = num_seqs ? *std::max_element(seq_lens, seq_lens + num_seqs) : 0;
+  const int64_t part = part_tokens(num_seqs * kvh, max_len, c.block_size);
+  const int64_t max_parts = part ? (max_len + part - 1) / part : 1;
+  // per (sequence, kv head, part): m and l [group], acc [group, D]; the merge reads them when a sequence has parts
+  std::vector<float> part_m, part_l, part_acc;
+  if (max_parts > 1) {
+    part_m.resize(num_seqs * kvh * max_parts * group);
+    part_l.resize(part_m.size());
+    part_acc.resize(part_m.size() * D);
+  }
+  at::parallel_for(0, num_seqs * kvh * max_parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * D), acc(group * D), row(D), scores, m(group), l(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t len = seq_lens[seq];
-      T* o = out + (seq * num_heads + kv_head * group) * head_dim;
+      const int64_t pair = item / max_parts, p = item % max_parts, seq = pair / kvh, kv_head = pair % kvh;
+      const int64_t len = seq_lens[seq], parts = part ? (len + part - 1) / part : 1;
+      T* o = out + (seq * num_heads + kv_head * group) * D;
       if (len <= 0) {  // a padding row of a decode bucket: nothing to attend to
-        std::fill(o, o + group * head_dim, static_cast<T>(0));
+        if (p == 0) std::fill(o, o + group * D, static_cast<T>(0));
         continue;
       }
-      const int32_t* table = block_tables + seq * max_blocks;
-      for (int64_t i = 0; i < group * head_dim; ++i)
-        q[i] = static_cast<float>(query[(seq * num_heads + kv_head * group) * head_dim + i]) * scale;
-      scores.assign(group * len, 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {  // block by block: no division per token
-        const int64_t slot0 = static_cast<int64_t>(table[t0 / block_size]) * block_size;
-        const C* k = key_cache + slot0 * token_stride + kv_head * head_dim;
-        for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t, k += token_stride) {
-          const float k_scale = key_scale ? key_scale[(slot0 + t - t0) * num_kv_heads + kv_head] : 1.f;
-          const float* k_row = widen_row(k, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * len + t] = k_scale * dot(q.data() + g * head_dim, k_row, head_dim);
-        }
-      }
+      if (p >= parts) continue;  // a shorter sequence than the longest
+      for (int64_t i = 0; i < group * D; ++i)
+        q[i] = static_cast<float>(query[(seq * num_heads + kv_head * group) * D + i]) * scale;
+      const int64_t t_begin = part ? p * part : 0, t_end = part ? std::min(len, t_begin + part) : len;
+      const bool whole = parts == 1;
+      float* acc_out = whole ? acc.data() : part_acc.data() + item * group * D;
+      float* m_out = whole ? m.data() : part_m.data() + item * group;
+      float* l_out = whole ? l.data() : part_l.data() + item * group;
+      const auto attend = D == 64 ? attend_part<64, C> : D == 128 ? attend_part<128, C> : attend_part<0, C>;
+      attend(c, q.data(), group, seq, kv_head, t_begin, t_end, m_out, l_out, acc_out, scores, row.data());
+      if (!whole) continue;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<T>(acc[g * D + d] / l[g]);
+    }
+  });
+  if (max_parts == 1) return;
+  at::parallel_for(0, num_seqs * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(D);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t seq = pair / kvh, kv_head = pair % kvh, len = seq_lens[seq];
+      const int64_t parts = (len + part - 1) / part;
+      if (parts <= 1) continue;  // written by its item
+      T* o = out + (seq * num_heads + kv_head * group) * D;
       for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * len;
-        const float max_score = *std::max_element(row, row + len);
+        float top = -INFINITY;
+        for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_m[(pair * max_parts + p) * group + g]);
         float denom = 0.f;
-        for (int64_t t = 0; t < len; ++t) denom += (row[t] = std::exp(row[t] - max_score));
-        const float inv = 1.f / denom;
-        for (int64_t t = 0; t < len; ++t) row[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t slot0 = static_cast<int64_t>(table[t0 / block_size]) * block_size;
-        const C* v = value_cache + slot0 * token_stride + kv_head * head_dim;
-        for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t, v += token_stride) {
-          const float v_scale = value_scale ? value_scale[(slot0 + t - t0) * num_kv_heads + kv_head] : 1.f;
-          const float* v_row = widen_row(v, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g)
-            axpy(scores[g * len + t] * v_scale, v_row, acc.data() + g * head_dim, head_dim);
+        std::fill(sum.begin(), sum.end(), 0.f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t at = (pair * max_parts + p) * group + g;
+          const float w = std::exp(part_m[at] - top);
+          denom += w * part_l[at];
+          axpy(w, part_acc.data() + at * D, sum.data(), D);
         }
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<T>(sum[d] / denom);
       }
-      for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
 }
@@ -121,10 +235,11 @@ template <typename T, typename C>
 void launch(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
             const torch::Tensor& value_cache, const float* key_scale, const float* value_scale,
             const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale) {
-  decode_kernel<T, C>(out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<C>(), value_cache.data_ptr<C>(),
-                      key_scale, value_scale, block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                      query.size(0), query.size(1), key_cache.size(2), query.size(2), key_cache.size(1),
-                      block_tables.size(1), static_cast<float>(scale));
+  const Paged<C> cache{key_cache.data_ptr<C>(), value_cache.data_ptr<C>(), key_scale, value_scale,
+                       block_tables.data_ptr<int32_t>(), key_cache.size(2), query.size(2), key_cache.size(1),
+                       block_tables.size(1)};
+  decode_kernel<T, C>(out.data_ptr<T>(), query.data_ptr<T>(), cache, seq_lens.data_ptr<int32_t>(), query.size(0),
+                      query.size(1), static_cast<float>(scale));
 }
 
 }  // namespace
