@@ -102,28 +102,36 @@ struct Paged {
   int64_t token_stride() const { return num_kv_heads * head_dim; }  // between consecutive slots of the cache
 };
 
+// visit(t, slot, row) for tokens [t_begin, t_end) of one kv head's rows in cache (keys or values), block by block
+// through the sequence's block table, the next block's rows prefetched while this one's are used. A part starts on a
+// block boundary, so token t's slot is its block's first slot plus its offset.
+template <typename C, class Visit>
+inline void walk_rows(const Paged<C>& c, const C* cache, const int32_t* table, int64_t kv_head, int64_t D,
+                      int64_t t_begin, int64_t t_end, Visit visit) {
+  const int64_t bs = c.block_size, stride = c.token_stride();
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+    const int64_t slot0 = static_cast<int64_t>(table[t0 / bs]) * bs, t1 = std::min(t0 + bs, t_end);
+    if (t1 < t_end)
+      prefetch_rows(cache + static_cast<int64_t>(table[t0 / bs + 1]) * bs * stride + kv_head * D,
+                    std::min(bs, t_end - t1), stride * static_cast<int64_t>(sizeof(C)), D * sizeof(C));
+    const C* row = cache + slot0 * stride + kv_head * D;
+    for (int64_t t = t0; t < t1; ++t, row += stride) visit(t, slot0 + t - t0, row);
+  }
+}
+
 // Tokens [t_begin, t_end) of one (sequence, kv head): q [group, head_dim] (already scaled) against them. Writes
 // the part's max m[g] and sum l[g] of exp(score - m), and acc [group, head_dim] = sum_t exp(score - m) v_t.
 template <int HD, typename C>
 void attend_part(const Paged<C>& c, const float* q, int64_t group, int64_t seq, int64_t kv_head, int64_t t_begin,
                  int64_t t_end, float* m, float* l, float* acc, std::vector<float>& scores, float* row) {
-  const int64_t len = t_end - t_begin, D = HD ? HD : c.head_dim, bs = c.block_size, stride = c.token_stride();
+  const int64_t len = t_end - t_begin, D = HD ? HD : c.head_dim;
   const int32_t* table = c.block_tables + seq * c.max_blocks;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C)), stride_bytes = stride * sizeof(C);
   scores.assign(group * len, 0.f);
-  // slot of token t: its block's first slot plus its offset; a part starts on a block boundary
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
-    const int64_t slot0 = static_cast<int64_t>(table[t0 / bs]) * bs, t1 = std::min(t0 + bs, t_end);
-    if (t0 + bs < t_end)  // the next block's rows, while this one's are multiplied
-      prefetch_rows(c.key_cache + (static_cast<int64_t>(table[t0 / bs + 1]) * bs) * stride + kv_head * D,
-                    std::min(bs, t_end - t0 - bs), stride_bytes, row_bytes);
-    const C* k = c.key_cache + slot0 * stride + kv_head * D;
-    for (int64_t t = t0; t < t1; ++t, k += stride) {
-      const float k_scale = c.key_scale ? c.key_scale[(slot0 + t - t0) * c.num_kv_heads + kv_head] : 1.f;
-      const float* k_row = widen_row(k, row, D);
-      for (int64_t g = 0; g < group; ++g) scores[g * len + t - t_begin] = k_scale * dot(q + g * D, k_row, D);
-    }
-  }
+  walk_rows(c, c.key_cache, table, kv_head, D, t_begin, t_end, [&](int64_t t, int64_t slot, const C* k) {
+    const float k_scale = c.key_scale ? c.key_scale[slot * c.num_kv_heads + kv_head] : 1.f;
+    const float* k_row = widen_row(k, row, D);
+    for (int64_t g = 0; g < group; ++g) scores[g * len + t - t_begin] = k_scale * dot(q + g * D, k_row, D);
+  });
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * len;
     float max_score = -INFINITY, sum = 0.f;
@@ -138,18 +146,11 @@ void attend_part(const Paged<C>& c, const float* q, int64_t group, int64_t seq, 
     l[g] = sum;
   }
   std::fill(acc, acc + group * D, 0.f);
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
-    const int64_t slot0 = static_cast<int64_t>(table[t0 / bs]) * bs, t1 = std::min(t0 + bs, t_end);
-    if (t0 + bs < t_end)
-      prefetch_rows(c.value_cache + (static_cast<int64_t>(table[t0 / bs + 1]) * bs) * stride + kv_head * D,
-                    std::min(bs, t_end - t0 - bs), stride_bytes, row_bytes);
-    const C* v = c.value_cache + slot0 * stride + kv_head * D;
-    for (int64_t t = t0; t < t1; ++t, v += stride) {
-      const float v_scale = c.value_scale ? c.value_scale[(slot0 + t - t0) * c.num_kv_heads + kv_head] : 1.f;
-      const float* v_row = widen_row(v, row, D);
-      for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t - t_begin] * v_scale, v_row, acc + g * D, D);
-    }
-  }
+  walk_rows(c, c.value_cache, table, kv_head, D, t_begin, t_end, [&](int64_t t, int64_t slot, const C* v) {
+    const float v_scale = c.value_scale ? c.value_scale[slot * c.num_kv_heads + kv_head] : 1.f;
+    const float* v_row = widen_row(v, row, D);
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t - t_begin] * v_scale, v_row, acc + g * D, D);
+  });
 }
 
 // Tokens a part holds: a whole number of blocks, few enough parts that each is worth a work item, and enough
