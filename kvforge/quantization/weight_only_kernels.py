@@ -6,6 +6,8 @@ Each kernel is a small module holding the weight in the layout it streams best:
     apply(x)           x [M, K] float -> x W^T [M, N] in x's dtype
     gather_rows(ids)   rows W[ids] [len(ids), K] float32 (an embedding lookup that dequantizes only those rows)
 
+    panels     the C++ AVX-512 VNNI kernel (kernels/cpu/quant_panels.py): 4- and 8-bit codes, any zero points,
+               x rounded to int8 per 32 columns at every batch size, 16 weight rows interleaved per panel
     native     the C++ AVX2 kernels (kernels/cpu/quant_gemv.py): 4- and 8-bit codes, any zero points; the
                decode GEMV rounds x to int8 per 32 columns, as llama.cpp does
     int8pack   torch's _weight_int8pack_mm: symmetric per-row 8-bit codes
@@ -23,6 +25,7 @@ from torch import nn
 
 from kvforge.kernels.cpu import packed_gemm
 from kvforge.kernels.cpu.quant_gemv import pack_weight, quant_linear_cpu
+from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panel_rows
 from kvforge.kernels.ops import OpTable
 from kvforge.kernels.quant_gemm import dequantize_ref, pack_codes
 from kvforge.quantization.quantized_weight import QuantizedWeight
@@ -41,6 +44,23 @@ class WeightOnlyKernel(nn.Module):
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+class PanelKernel(WeightOnlyKernel):
+    name = "panels"
+
+    def prepare(self, weight: QuantizedWeight) -> None:
+        self.bits, self.out_features = weight.bits, weight.codes.shape[0]
+        codes, scales, offsets = pack_panels(weight.codes, weight.scales, weight.zeros, weight.bits)
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("offsets", offsets, persistent=False)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return panel_linear(x, self.codes, self.scales, self.offsets, self.bits, self.out_features)
+
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return panel_rows(self.codes, self.scales, self.offsets, self.bits, ids)
 
 
 class NativeKernel(WeightOnlyKernel):
@@ -121,8 +141,10 @@ def select_kernel(weight: QuantizedWeight, device: torch.device, dtype: torch.dt
     """The fastest kernel for weight on device, prepared and moved there. needs_rows: the weight is also
     looked up by row (a tied embedding), which int4pack's layout cannot do."""
     on_cpu = device.type == "cpu" and ops.backend == "torch"
-    if on_cpu and packed_gemm.native_eligible(weight):
-        kernel: WeightOnlyKernel = NativeKernel()
+    if on_cpu and packed_gemm.panels_eligible(weight):
+        kernel: WeightOnlyKernel = PanelKernel()
+    elif on_cpu and packed_gemm.native_eligible(weight):
+        kernel = NativeKernel()
     elif on_cpu and packed_gemm.int8pack_eligible(weight):
         kernel = Int8PackKernel()
     elif on_cpu and not needs_rows and packed_gemm.int4pack_eligible(weight):

@@ -14,7 +14,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from kvforge.kernels.cpu.quant_gemv import native_kernels_available
 from kvforge.llm import LLM
 from kvforge.loader.gguf import load_gguf
 from kvforge.quantization.gguf_quants import GGUFMethod
@@ -134,10 +133,14 @@ def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
     text = "The lighthouse keeper climbed the stairs every evening to light the lamp before the ships came."
     token_ids = dense.get_tokenizer().encode(text)
     dense_logits, kept_logits = dense.engine.score(token_ids), kept.engine.score(token_ids)
-    # the same weights: float32 rounding apart, unless int4pack rounds activations to bfloat16
-    bf16 = any(layer.mlp.down_proj.kernel.name == "int4pack" for layer in model.layers)
-    assert (kept_logits - dense_logits).abs().max() <= (3e-2 if bf16 else 1e-4) * dense_logits.abs().max()
-    assert (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean() >= 0.95
+    # the same weights: float32 rounding apart, unless int4pack rounds activations to bfloat16 or the panel kernel
+    # (AVX-512 VNNI) rounds them to int8 per 32 columns in the prompt too (as llama.cpp does): measured 3.4% there
+    kernel = model.layers[0].mlp.down_proj.kernel.name
+    tolerance = {"int4pack": 3e-2, "panels": 6e-2}.get(kernel, 1e-4)
+    assert (kept_logits - dense_logits).abs().max() <= tolerance * dense_logits.abs().max()
+    # NOTE: the panel kernel flips one of the 17 greedy tokens (a near tie); mean perplexity over the shipped texts
+    # 15.233 -> 15.277 (+0.3%) with it against the AVX2 kernels, `kvforge eval perplexity --quantization gguf`
+    assert (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean() >= (0.9 if kernel == "panels" else 0.95)
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     dense_answer, kept_answer = (llm.chat(question, params)[0].outputs[0].text for llm in (dense, kept))
@@ -146,14 +149,15 @@ def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
     # to int8 per 32 columns, as llama.cpp does, and both then answer alike. llama.cpp's answer on this file:
     # llama-server -m <the file> -t 2, then /v1/chat/completions with this question, temperature 0, 16 tokens
     # -> "L'Étoile, la Marseillaise, la femme au" (the two part at the 12th token, another near tie). Without the
-    # AVX2 kernels the GEMV multiplies float activations: then the kept weights answer as the dense ones.
-    int8_activations = native_kernels_available()
-    assert kept_answer.startswith("L'Étoile, la Marseillaise, la femme" if int8_activations else dense_answer)
+    # AVX2 kernels the GEMV multiplies float activations, and with AVX-512 VNNI the panel kernel rounds the prompt's
+    # activations to int8 too: in both the kept weights answer as the dense ones (measured).
+    assert kept_answer.startswith("L'Étoile, la Marseillaise, la femme" if kernel == "native" else dense_answer)
 
 
 def test_vocabulary_tensors_stay_quantized_unless_switched_off(tiny_path: Path, tiny_llms: tuple[LLM, LLM]) -> None:
     """The file's Q8_0 embedding and Q4_0 head stay in their blocks (the head through the GEMV); switched off,
-    both are float again and the logits are the same up to float32 rounding."""
+    both are float again and the logits are the same up to float32 rounding (of x rounded to int8 where the head runs
+    on the panel kernel)."""
     kept = tiny_llms[1].engine.local_model
     assert kept.embed_tokens.kernel.bits == 8 and kept.lm_head.kernel.bits == 4
     assert not hasattr(kept.embed_tokens, "weight") and not hasattr(kept.lm_head, "weight")
@@ -161,8 +165,11 @@ def test_vocabulary_tensors_stay_quantized_unless_switched_off(tiny_path: Path, 
     model = float_vocab.engine.local_model
     assert model.embed_tokens.kernel is None and model.lm_head.kernel is None
     token_ids = list(range(3, 40))
-    torch.testing.assert_close(tiny_llms[1].engine.score(token_ids), float_vocab.engine.score(token_ids),
-                               rtol=1e-4, atol=1e-4)
+    kept_logits, float_logits = tiny_llms[1].engine.score(token_ids), float_vocab.engine.score(token_ids)
+    if kept.lm_head.kernel.name == "panels":  # it rounds the head's input to int8 per 32 columns (AVX-512 VNNI)
+        assert (kept_logits - float_logits).abs().max() <= 2e-2 * float_logits.abs().max()
+    else:
+        torch.testing.assert_close(kept_logits, float_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_rtn_quantizes_the_vocabulary_rows_to_int8(tiny_llama_dir) -> None:

@@ -84,8 +84,8 @@ def test_merged_layer_computes_with_the_gguf_weights(num_tokens: int, shard_type
     reference = torch.from_numpy(np.concatenate([dequantize(d, q) for d, q in zip(shards, shard_types)]))
     x = torch.randn(num_tokens, 128)
     # NOTE: the CPU's int4pack rounds activations and scales to bfloat16; the other kernels are exact
-    # up to float32 rounding, of x rounded to int8 in the native GEMV.
-    expected = (native_layer_input(x) if layer.kernel.name == "native" else x) @ reference.t() + bias
+    # up to float32 rounding, of x rounded to int8 in the native GEMV and the panel kernel.
+    expected = native_layer_input(x, kernel=layer.kernel.name) @ reference.t() + bias
     tolerance = 2e-2 if layer.kernel.name == "int4pack" else 1e-5
     scale = (x.abs() @ reference.abs().t()).max()
     assert (layer(x) - expected).abs().max() <= tolerance * scale

@@ -7,6 +7,9 @@ nodes:
 
     quant_gemv(x [M, K], qweight, scales, offsets, bits, int8_activations) -> [M, N] fp32   (quant_gemv.py)
     quant_dequantize(qweight, scales, offsets, bits) -> [N, K] fp32
+    quant_gemv_isa() -> "avx512-vnni" | "avx2" | "portable"  (the build's instruction set, logged at load)
+    quant_gemm_panels(x [M, K], codes, scales, offsets, bits, out_features) -> [M, N] fp32   (quant_panels.py,
+        AVX-512 VNNI builds)
     dense_gemv(x [M, K], weight [N, K]) -> [M, N] fp32 (AVX2 builds)             (dense_gemv.py)
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
         -> [S, H, D]                                                             (paged_attention.py)
@@ -25,7 +28,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_int8.cpp")]
+_SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_int8.cpp",
+                                         "quant_panels.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
@@ -56,6 +60,9 @@ def cpu_kernels() -> ModuleType | None:
         logger.warning("CPU kernels unavailable (%s); using the torch attention and quantized-matmul paths", err)
         return None
     _register_fakes()
+    import torch
+
+    logger.info("CPU kernels built for this machine: %s", torch.ops.kvforge_cpu.quant_gemv_isa())
     return module
 
 
@@ -69,6 +76,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvforge_cpu::quant_gemv")
     def _(x, qweight, scales, offsets, bits, int8_activations):
         return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("kvforge_cpu::quant_gemm_panels")
+    def _(x, codes, scales, offsets, bits, out_features):
+        return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
     @torch.library.register_fake("kvforge_cpu::quant_dequantize")
     def _(qweight, scales, offsets, bits):

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.cpu.quant_gemv import layout_fits, native_kernels_available
+from kvforge.kernels.cpu.quant_panels import panel_layout_fits, panels_available
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 INT8PACK_MAX_TOKENS = 16  # above this many rows, dequantize + F.linear beats int8pack
@@ -46,6 +47,12 @@ INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 
 def _has_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
+
+
+def panels_eligible(weight: QuantizedWeight) -> bool:
+    """The AVX-512 VNNI panel kernel takes 4- and 8-bit codes with any zero points, in groups of whole 32-column
+    blocks."""
+    return panels_available() and panel_layout_fits(weight.bits, weight.codes.shape[1], weight.group_size)
 
 
 def native_eligible(weight: QuantizedWeight) -> bool:

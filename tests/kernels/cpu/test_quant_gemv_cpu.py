@@ -15,6 +15,7 @@ from kvforge.kernels.cpu.quant_gemv import (
     pack_weight,
     quant_linear_cpu,
 )
+from kvforge.kernels.cpu.quant_panels import panels_available
 from kvforge.layers.linear import Linear
 from kvforge.quantization.linear_method import WeightOnlyMethod
 from kvforge.quantization.quantized_weight import QuantizedWeight
@@ -46,16 +47,22 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (q * dx).reshape(x.shape)
 
 
-def native_layer_input(x: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] as a native layer multiplies it, in x's column order: up to GEMV_MAX_TOKENS rows rounded to int8 per
-    32 columns of the order the codes are stored in (x[:, perm] with act-order), x itself above."""
-    if x.shape[0] > GEMV_MAX_TOKENS:
+def native_layer_input(x: torch.Tensor, perm: torch.Tensor | None = None, kernel: str = "native") -> torch.Tensor:
+    """x [M, K] as a layer's CPU kernel multiplies it, in x's column order: the native GEMV (up to GEMV_MAX_TOKENS
+    rows) and the panel kernel (every row) round x to int8 per 32 columns of the order the codes are stored in
+    (x[:, perm] with act-order); the other kernels take x itself."""
+    if kernel not in ("native", "panels") or (kernel == "native" and x.shape[0] > GEMV_MAX_TOKENS):
         return x
     if perm is None:
         return int8_rows(x)
     seen = torch.empty_like(x)
     seen[:, perm] = int8_rows(x[:, perm])
     return seen
+
+
+def cpu_kernel_name() -> str:
+    """The kernel a weight-only layer on this machine's CPU gets when its layout fits the C++ kernels."""
+    return "panels" if panels_available() else "native"
 
 
 def _tolerance(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -128,14 +135,14 @@ def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size:
     layer.set_quant_method(_GivenWeight(weight))
     layer.load_shard("bias", 0, bias)
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.kernel.name == "native" and not hasattr(layer, "weight")
+    assert layer.kernel.name == cpu_kernel_name() and not hasattr(layer, "weight")
     dequantized = weight.dequantize().double()  # input features in their original order
     kernel_weight = dequantized if weight.perm is None else dequantized[:, weight.perm]  # in the stored order
     for num_tokens in (1, 7, 16, 33):
         x = torch.randn(2, num_tokens, in_features)  # leading dims are kept
         out = layer(x)
         assert out.shape == (2, num_tokens, num_rows)
-        rows = native_layer_input(x.reshape(-1, in_features), weight.perm)  # the GEMV rounds x to int8
+        rows = native_layer_input(x.reshape(-1, in_features), weight.perm, layer.kernel.name)  # x rounded to int8
         kernel_rows = rows if weight.perm is None else rows[:, weight.perm]  # the order the codes are stored in
         reference = kernel_rows.double() @ kernel_weight.t() + bias.double()
         error = (out.reshape(reference.shape).double() - reference).abs()

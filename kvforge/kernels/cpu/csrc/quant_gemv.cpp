@@ -305,6 +305,15 @@ bool quant_gemv_vectorized() {
 #endif
 }
 
+// The instruction set of the int8-activation kernels ("avx512-vnni", "avx2"), or "portable" where there are none.
+std::string quant_gemv_isa() {
+#ifdef __AVX2__
+  return quant_gemv_int8_isa();
+#else
+  return "portable";
+#endif
+}
+
 }  // namespace kvforge_cpu
 
 // Registered as torch ops (torch.ops.kvforge_cpu.*), so this file needs no share of the module's pybind init.
@@ -315,6 +324,7 @@ TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
         "-> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor");
   m.def("quant_gemv_vectorized() -> bool", &kvforge_cpu::quant_gemv_vectorized);
+  m.def("quant_gemv_isa() -> str", &kvforge_cpu::quant_gemv_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {

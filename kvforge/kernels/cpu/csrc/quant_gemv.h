@@ -54,6 +54,8 @@ void check_layout(const torch::Tensor& qweight, const torch::Tensor& scales, con
 // checked by the caller; defined in AVX2 builds only.
 torch::Tensor quant_gemv_int8(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
                               const torch::Tensor& offsets, int64_t bits);
+// The instruction set quant_gemv_int8 was built for: "avx512-vnni" or "avx2".
+const char* quant_gemv_int8_isa();
 
 // out[m0 .. m0 + MT, n0 .. n0 + NR] for n0 = begin, begin + NR, ..., then single weight rows up to end.
 template <int MT, int NR, class Tiles>

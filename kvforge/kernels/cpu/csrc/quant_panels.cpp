@@ -1,0 +1,219 @@
+// Weight-only quantized matmul over row panels with int8 activations and AVX-512 VNNI, for any number of rows of x
+// (decode, batched decode, prefill chunks). Layout (made and pictured in kvforge/kernels/cpu/quant_panels.py):
+//
+//   codes    uint8 [P, K / 32, V, 16, 4]   P panels of 16 weight rows; per 32-column block, V vectors of 64 bytes,
+//                                          each 4 bytes of every row of the panel (an int32 lane per row):
+//                                            8 bits (V = 8): vector j, row r, byte c = code[r, 32 b + 4 j + c]
+//                                            4 bits (V = 4): low nibble code[r, 32 b + 8 j + c], high nibble
+//                                                            code[r, 32 b + 8 j + 4 + c]
+//   scales   float [P, G, 16], offsets float [P, G, 16]   (per group, the panel's 16 rows side by side)
+//
+//   W[n, k] = code[n, k] * scales[n, g] + offsets[n, g]
+//
+// x is rounded to int8 per 32 columns (dx = max |x| / 127, q = round(x / dx), as quant_gemv_int8.cpp), in its own
+// column order. One _mm512_dpbusd_epi32 multiplies 4 columns of all 16 rows by 4 broadcast bytes of q and adds them
+// into the rows' int32 lanes, so a block of 32 columns is 8 instructions for 16 x 32 products, and the float work,
+//
+//   out[m, rows] += float(isum[m, rows]) * scales[g, rows] * dx[m, b]        once per block
+//   out[m, rows] += offsets[g, rows] * xsum[m, g]                            once per group
+//
+// is one conversion and two multiply-adds per 512 products (a float GEMM needs 32 FMAs for them). Each weight vector
+// is loaded once per tile of up to 4 rows of x and two panels, which covers 32 weight rows.
+#include "quant_gemv.h"
+
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVFORGE_PANELS_VNNI 1
+#endif
+
+namespace kvforge_cpu {
+
+#ifdef KVFORGE_PANELS_VNNI
+namespace {
+
+constexpr int64_t kPanel = 16;  // weight rows per panel: one int32 lane each of a 512-bit vector
+
+template <int BITS>
+constexpr int64_t vectors_per_block() { return 32 * BITS / 8 / 4; }  // of 64 bytes
+
+struct PanelArgs {
+  const int8_t* xq;  // [M, K]
+  const float* dx;   // [M, K / 32]
+  const float* xsum; // [M, G]
+  const uint8_t* codes;
+  const float* scales;   // [P, G, 16]
+  const float* offsets;  // [P, G, 16]
+  float* out;            // [M, N]
+  int64_t M, N, K, G;
+};
+
+inline __m512i broadcast4(const int8_t* q) {
+  int32_t word;
+  std::memcpy(&word, q, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
+
+// out[m0 .. m0 + MT, rows of panels p0 .. p0 + NP).
+template <int BITS, int MT, int NP>
+void panel_tile(const PanelArgs& a, int64_t m0, int64_t p0) {
+  constexpr int64_t V = vectors_per_block<BITS>(), block_bytes = 64 * V;
+  const int64_t blocks = a.K / kBlock, blocks_per_group = blocks / a.G, panel_bytes = blocks * block_bytes;
+  __m512 acc[MT][NP];
+  for (int m = 0; m < MT; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 scale[NP];
+    for (int p = 0; p < NP; ++p) {
+      const int64_t at = ((p0 + p) * a.G + g) * kPanel;
+      scale[p] = _mm512_loadu_ps(a.scales + at);
+      const __m512 offset = _mm512_loadu_ps(a.offsets + at);
+      for (int m = 0; m < MT; ++m)
+        acc[m][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), acc[m][p]);
+    }
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m512i sums[MT][NP];
+      for (int m = 0; m < MT; ++m)
+        for (int p = 0; p < NP; ++p) sums[m][p] = _mm512_setzero_si512();
+      for (int64_t j = 0; j < V; ++j)
+        for (int p = 0; p < NP; ++p) {
+          const uint8_t* vec = a.codes + (p0 + p) * panel_bytes + b * block_bytes + 64 * j;
+          prefetch(vec + 2 * block_bytes);
+          const __m512i words = _mm512_loadu_si512(vec);
+          if (BITS == 8) {
+            for (int m = 0; m < MT; ++m)
+              sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], words, broadcast4(a.xq + (m0 + m) * a.K + 32 * b + 4 * j));
+          } else {
+            const __m512i low = _mm512_and_si512(words, _mm512_set1_epi8(0x0F));
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(words, 4), _mm512_set1_epi8(0x0F));
+            for (int m = 0; m < MT; ++m) {
+              const int8_t* q = a.xq + (m0 + m) * a.K + 32 * b + 8 * j;
+              sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], low, broadcast4(q));
+              sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], high, broadcast4(q + 4));
+            }
+          }
+        }
+      for (int m = 0; m < MT; ++m) {
+        const __m512 d = _mm512_set1_ps(a.dx[(m0 + m) * blocks + b]);
+        for (int p = 0; p < NP; ++p)
+          acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m][p]), _mm512_mul_ps(scale[p], d), acc[m][p]);
+      }
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = (p0 + p) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n);
+    const __mmask16 mask = valid >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n, mask, acc[m][p]);
+  }
+}
+
+// Panels p0 .. p1 against every row of x, tiles of 4 rows of x by 2 panels, then the remainders.
+template <int BITS, int NP>
+void panel_rows(const PanelArgs& a, int64_t p0) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= a.M; m0 += 4) panel_tile<BITS, 4, NP>(a, m0, p0);
+  switch (a.M - m0) {
+    case 3: panel_tile<BITS, 3, NP>(a, m0, p0); break;
+    case 2: panel_tile<BITS, 2, NP>(a, m0, p0); break;
+    case 1: panel_tile<BITS, 1, NP>(a, m0, p0); break;
+    default: break;
+  }
+}
+
+template <int BITS>
+void panel_gemm(const PanelArgs& a, int64_t P) {
+  // NOTE: a chunk of at least ~64k multiply-adds, so that small layers do not pay a thread fork per panel.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * a.K * a.M));
+  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+    int64_t p = begin;
+    for (; p + 2 <= end; p += 2) panel_rows<BITS, 2>(a, p);
+    if (p < end) panel_rows<BITS, 1>(a, p);
+  });
+}
+
+// q (in x's column order), dx and xsum of x [M, K].
+void quantize_rows(const float* x, int8_t* xq, float* dx, float* xsum, int64_t M, int64_t K, int64_t G) {
+  const int64_t blocks = K / kBlock, blocks_per_group = blocks / G;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        const float* v = x + m * K + b * kBlock;
+        __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.f;
+        dx[m * blocks + b] = d;
+        int8_t* q = xq + m * K + b * kBlock;
+        if (d == 0.f) {
+          std::memset(q, 0, kBlock);
+          continue;
+        }
+        // NOTE: x / dx and round half to even, as torch.round(x / dx) (the tests' reference), not x * (1 / dx).
+        const __m512 dv = _mm512_set1_ps(d);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(lo, dv), _MM_FROUND_TO_NEAREST_INT));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(hi, dv), _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+        sum += d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      }
+      xsum[m * G + g] = sum;
+    }
+}
+
+}  // namespace
+#endif
+
+// x [M, K] float32 -> x W^T [M, out_features] float32, W in the panel layout above.
+torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                                int64_t bits, int64_t out_features) {
+#ifdef KVFORGE_PANELS_VNNI
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
+              "codes must be a contiguous uint8 [P, panel bytes]");
+  const int64_t P = codes.size(0), K = codes.size(1) * 8 / bits / kPanel;
+  TORCH_CHECK(K % kBlock == 0 && K > 0, "panel rows of ", K, " columns are not whole 32-column blocks");
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
+                    t->size(2) == kPanel && t->size(1) == scales.size(1),
+                "scales and offsets must be contiguous float32 [P, G, 16] with P = ", P);
+  const int64_t G = scales.size(1);
+  TORCH_CHECK(G > 0 && (K / kBlock) % G == 0, "groups must be whole 32-column blocks: K = ", K, ", G = ", G);
+  TORCH_CHECK(out_features > (P - 1) * kPanel && out_features <= P * kPanel, "out_features ", out_features,
+              " does not fill ", P, " panels");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
+              "x must be a float32 [M, ", K, "] CPU tensor");
+  x = x.contiguous();
+  const int64_t M = x.size(0);
+  auto out = torch::empty({M, out_features}, x.options());
+  if (M == 0) return out;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * (K / kBlock)), xsum(M * G);
+  quantize_rows(x.data_ptr<float>(), xq.data(), dx.data(), xsum.data(), M, K, G);
+  const PanelArgs args{xq.data(), dx.data(), xsum.data(), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                       offsets.data_ptr<float>(), out.data_ptr<float>(), M, out_features, K, G};
+  if (bits == 8) panel_gemm<8>(args, P);
+  else panel_gemm<4>(args, P);
+  return out;
+#else
+  TORCH_CHECK(false, "the panel kernels need a build with AVX-512 VNNI");
+#endif
+}
+
+bool quant_panels_available() {
+#ifdef KVFORGE_PANELS_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace kvforge_cpu
+
+TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
+  m.def("quant_gemm_panels(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int out_features) "
+        "-> Tensor");
+  m.def("quant_panels_available() -> bool", &kvforge_cpu::quant_panels_available);
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("quant_gemm_panels", &kvforge_cpu::quant_gemm_panels); }
