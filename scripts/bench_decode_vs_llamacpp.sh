@@ -4,7 +4,7 @@
 #   single stream: 128-token prompt, 128 new tokens (llama-bench tg128 / pp512; kvforge bench latency with
 #                  the GGUF weights kept, compiled and eager; float32 compiled and eager; transformers float32);
 #                  a 512-token prompt (its time to first token against pp512), GGUF kept and float32
-#   batched:       64 x (128 prompt + 128 new) (llama-batched-bench -npl 64; kvforge bench throughput)
+#   batched:       64 x (128 prompt + 128 new), then 16 x (llama-batched-bench -npl 16,64; kvforge bench throughput)
 # Usage: bash scripts/bench_decode_vs_llamacpp.sh LLAMA_CPP_BIN_DIR [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +24,13 @@ latency=(kvforge bench latency --input-len 128 --output-len 128 --num-requests 3
 prompt=(kvforge bench latency --input-len 512 --output-len 2 --num-requests 3 --kv-cache-memory 256MiB)
 "${prompt[@]}" --quantization gguf --json "$out/kvforge_pp512_gguf.json"
 "${prompt[@]}" --dtype float32 --json "$out/kvforge_pp512_fp32.json"
-"$bin/llama-batched-bench" -m "$model" -t 2 -c 20000 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 64 -fa off \
+"$bin/llama-batched-bench" -m "$model" -t 2 -c 20000 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 16,64 -fa off \
   > "$out/llama_batched.txt" 2>&1
-batched=(kvforge bench throughput --num-prompts 64 --input-len 128 128 --output-len 128)
-"${batched[@]}" --quantization gguf --json "$out/kvforge_batched_gguf.json"
-"${batched[@]}" --dtype float32 --json "$out/kvforge_batched_fp32.json"
+for streams in 64 16; do
+  batched=(kvforge bench throughput --num-prompts "$streams" --input-len 128 128 --output-len 128)
+  "${batched[@]}" --quantization gguf --json "$out/kvforge_batched${streams}_gguf.json"
+  "${batched[@]}" --dtype float32 --json "$out/kvforge_batched${streams}_fp32.json"
+done
 python - "$out" <<'PY'
 import json, re, sys
 d = sys.argv[1]
@@ -43,11 +45,13 @@ for name in ("kvforge_gguf", "kvforge_gguf_eager", "kvforge_fp32", "kvforge_fp32
 for name in ("kvforge_pp512_gguf", "kvforge_pp512_fp32"):
     pp = 512 / load(name)["median_ttft_s"]
     print(f"{name:<20} 512-token prompt {pp:7.1f} tokens/s ({pp / bench['pp']:.2f}x llama.cpp pp512)")
-rows = [line for line in open(f"{d}/llama_batched.txt") if re.match(r"\|\s+128 \|\s+128 \|\s+64 \|", line)]
-cells = rows[0].split("|") if rows else [""] * 11
-total, decode = (float(cells[i]) if cells[i].strip() else float("nan") for i in (10, 8))
-print(f"llama-batched-bench 64 x (128 + 128): {total:.1f} total tokens/s ({decode:.1f} decode)")
-for name in ("kvforge_batched_gguf", "kvforge_batched_fp32"):
-    r = load(name)
-    print(f"{name:<20} {r['total_tokens_per_s']:7.1f} total tokens/s ({r['total_tokens_per_s'] / total:.2f}x)")
+for streams in (64, 16):
+    rows = [line for line in open(f"{d}/llama_batched.txt") if re.match(rf"\|\s+128 \|\s+128 \|\s+{streams} \|", line)]
+    cells = rows[0].split("|") if rows else [""] * 11
+    total, decode = (float(cells[i]) if cells[i].strip() else float("nan") for i in (10, 8))
+    print(f"llama-batched-bench {streams} x (128 + 128): {total:.1f} total tokens/s ({decode:.1f} decode)")
+    for name in (f"kvforge_batched{streams}_gguf", f"kvforge_batched{streams}_fp32"):
+        r = load(name)
+        print(f"{name:<22} {r['total_tokens_per_s']:7.1f} total tokens/s ({r['total_tokens_per_s'] / total:.2f}x), "
+              f"compiled before {r.get('compile_s', float('nan')):.0f} s")
 PY

@@ -19,6 +19,7 @@ from kvforge.engine.speculation import Speculation
 from kvforge.engine.stats import CacheStats, EngineStats
 from kvforge.executor.executor import create_executor
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
+from kvforge.kernels.cpu.extension import cpu_kernels_isa
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 from kvforge.spec_decode.policy import SpeculationPolicy, StepCosts
@@ -78,6 +79,8 @@ class LLMEngine:
 
     def _log_cache(self, dtype: torch.dtype, bytes_per_token: int) -> None:
         logger.info("attention backend: %s", self.attention_backend)
+        if torch.device(self.device).type == "cpu":
+            logger.info("CPU kernels: %s", cpu_kernels_isa())
         kv_dtype = self.config.cache.kv_cache_dtype
         if kv_dtype == "auto":
             kv_dtype = str(dtype).removeprefix("torch.")

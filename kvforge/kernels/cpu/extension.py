@@ -7,7 +7,7 @@ nodes:
 
     quant_gemv(x [M, K], qweight, scales, offsets, bits, int8_activations) -> [M, N] fp32   (quant_gemv.py)
     quant_dequantize(qweight, scales, offsets, bits) -> [N, K] fp32
-    quant_gemv_isa() -> "avx512-vnni" | "avx2" | "portable"  (the build's instruction set, logged at load)
+    quant_gemv_isa() -> "avx512-vnni" | "avx2" | "portable"  (the build's instruction set, logged at engine start)
     quant_gemm_panels(x [M, K], codes, scales, offsets, bits, out_features) -> [M, N] fp32   (quant_panels.py,
         AVX-512 VNNI builds)
     dense_gemv(x [M, K], weight [N, K]) -> [M, N] fp32 (AVX2 builds)             (dense_gemv.py)
@@ -60,10 +60,16 @@ def cpu_kernels() -> ModuleType | None:
         logger.warning("CPU kernels unavailable (%s); using the torch attention and quantized-matmul paths", err)
         return None
     _register_fakes()
+    return module
+
+
+def cpu_kernels_isa() -> str:
+    """What a CPU engine logs at start: the instruction set the kernels were built for (-march=native picks it)"""
+    if cpu_kernels() is None:
+        return "not built (torch fallbacks)"
     import torch
 
-    logger.info("CPU kernels built for this machine: %s", torch.ops.kvforge_cpu.quant_gemv_isa())
-    return module
+    return torch.ops.kvforge_cpu.quant_gemv_isa()
 
 
 def _register_fakes() -> None:
