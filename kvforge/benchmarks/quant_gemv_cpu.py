@@ -66,7 +66,8 @@ def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: to
     if panels_available():
         for bits, quantized in ((8, grouped8), (4, int4)):
             panels = pack_panels(quantized.codes, quantized.scales, quantized.zeros, bits)
-            calls[f"panels w{bits}"] = (lambda x, p=panels, b=bits: panel_linear(x, *p, b, num_rows), _bytes(*panels))
+            calls[f"panels w{bits}"] = (lambda x, p=panels, b=bits: panel_linear(x, *p, b, num_rows),
+                                        _bytes(*panels[:3]))
     if packed_gemm.int8pack_eligible(int8):
         packed8 = packed_gemm.prepack_int8(int8)
         calls["int8pack"] = (lambda x: packed_gemm.int8pack_linear(x, *packed8), _bytes(*packed8))

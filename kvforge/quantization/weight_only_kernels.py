@@ -51,16 +51,16 @@ class PanelKernel(WeightOnlyKernel):
 
     def prepare(self, weight: QuantizedWeight) -> None:
         self.bits, self.out_features = weight.bits, weight.codes.shape[0]
-        codes, scales, offsets = pack_panels(weight.codes, weight.scales, weight.zeros, weight.bits)
+        codes, scales, offsets, self.factor = pack_panels(weight.codes, weight.scales, weight.zeros, weight.bits)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("offsets", offsets, persistent=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return panel_linear(x, self.codes, self.scales, self.offsets, self.bits, self.out_features)
+        return panel_linear(x, self.codes, self.scales, self.offsets, self.factor, self.bits, self.out_features)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return panel_rows(self.codes, self.scales, self.offsets, self.bits, ids)
+        return panel_rows(self.codes, self.scales, self.offsets, self.factor, self.bits, ids)
 
 
 class NativeKernel(WeightOnlyKernel):

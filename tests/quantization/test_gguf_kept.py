@@ -139,19 +139,20 @@ def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
     tolerance = {"int4pack": 3e-2, "panels": 6e-2}.get(kernel, 1e-4)
     assert (kept_logits - dense_logits).abs().max() <= tolerance * dense_logits.abs().max()
     # NOTE: the panel kernel flips one of the 17 greedy tokens (a near tie); mean perplexity over the shipped texts
-    # 15.233 -> 15.277 (+0.3%) with it against the AVX2 kernels, `kvforge eval perplexity --quantization gguf`
+    # 15.233 -> 15.242 (+0.06%) with it against the AVX2 kernels, `kvforge eval perplexity --quantization gguf`
     assert (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean() >= (0.9 if kernel == "panels" else 0.95)
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     dense_answer, kept_answer = (llm.chat(question, params)[0].outputs[0].text for llm in (dense, kept))
     assert dense_answer.startswith("The capital of France is Paris")
-    # NOTE: the first token is a near tie in float32 ("The" 25.33, "L" 25.24): decode's GEMV rounds activations
-    # to int8 per 32 columns, as llama.cpp does, and both then answer alike. llama.cpp's answer on this file:
-    # llama-server -m <the file> -t 2, then /v1/chat/completions with this question, temperature 0, 16 tokens
-    # -> "L'Étoile, la Marseillaise, la femme au" (the two part at the 12th token, another near tie). Without the
-    # AVX2 kernels the GEMV multiplies float activations, and with AVX-512 VNNI the panel kernel rounds the prompt's
-    # activations to int8 too: in both the kept weights answer as the dense ones (measured).
-    assert kept_answer.startswith("L'Étoile, la Marseillaise, la femme" if kernel == "native" else dense_answer)
+    # NOTE: the first token is a near tie in float32 ("The" 25.33, "L" 25.24), which rounding activations to int8
+    # per 32 columns (as llama.cpp does) tips either way. llama.cpp's answer on this file: llama-server -m <the file>
+    # -t 2, then /v1/chat/completions with this question, temperature 0, 16 tokens -> "L'Étoile, la Marseillaise,
+    # la femme au". Measured here: the AVX2 GEMV (int8 activations in decode) "L'Étoile, la Marseillaise, la femme";
+    # the AVX-512 VNNI panel kernel (int8 activations in the prompt too) "L'Étoile, la Cité, la Nation"; float
+    # activations (no C++ kernels) the dense answer.
+    expected = {"native": ("L'Étoile, la Marseillaise, la femme",), "panels": ("L'Étoile, la", dense_answer)}
+    assert kept_answer.startswith(expected.get(kernel, (dense_answer,)))
 
 
 def test_vocabulary_tensors_stay_quantized_unless_switched_off(tiny_path: Path, tiny_llms: tuple[LLM, LLM]) -> None:

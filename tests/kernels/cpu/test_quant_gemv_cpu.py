@@ -65,14 +65,15 @@ def cpu_kernel_name() -> str:
     return "panels" if panels_available() else "native"
 
 
-def _tolerance(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def _tolerance(x: torch.Tensor, weight: QuantizedWeight, kernel: str = "native") -> torch.Tensor:
     """fp32 rounding of the kernel's sums: a few ulps of the sum of the magnitudes of the terms it adds,
-    code * scale * x and the group offsets zero * scale * x."""
+    code * scale * x and the group offsets zero * scale * x; the panel kernel's half scales and offsets move each
+    term by up to 2^-11 more."""
     group = weight.group_size
     scales = weight.scales.repeat_interleave(group, dim=1)
     zeros = weight.zeros.repeat_interleave(group, dim=1)
     magnitude = x.abs().double() @ ((weight.codes.double() + zeros.abs().double()) * scales.double()).t()
-    return 5e-7 * magnitude + 1e-6
+    return (5e-7 + (2**-11 if kernel == "panels" else 0)) * magnitude + 1e-6
 
 
 @needs_kernels
@@ -146,7 +147,7 @@ def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size:
         kernel_rows = rows if weight.perm is None else rows[:, weight.perm]  # the order the codes are stored in
         reference = kernel_rows.double() @ kernel_weight.t() + bias.double()
         error = (out.reshape(reference.shape).double() - reference).abs()
-        assert (error <= _tolerance(kernel_rows, weight)).all()
+        assert (error <= _tolerance(kernel_rows, weight, layer.kernel.name)).all()
 
 
 @needs_kernels

@@ -6,9 +6,9 @@
 //                                            8 bits (V = 8): vector j, row r, byte c = code[r, 32 b + 4 j + c]
 //                                            4 bits (V = 4): low nibble code[r, 32 b + 8 j + c], high nibble
 //                                                            code[r, 32 b + 8 j + 4 + c]
-//   scales   float [P, G, 16], offsets float [P, G, 16]   (per group, the panel's 16 rows side by side)
+//   scales   half [P, G, 16], offsets half [P, G, 16]   (per group, the panel's 16 rows side by side, times 2^e)
 //
-//   W[n, k] = code[n, k] * scales[n, g] + offsets[n, g]
+//   W[n, k] = (code[n, k] * scales[n, g] + offsets[n, g]) * factor,   factor = 2^-e
 //
 // x is rounded to int8 per 32 columns (dx = max |x| / 127, q = round(x / dx), as quant_gemv_int8.cpp), in its own
 // column order. One _mm512_dpbusd_epi32 multiplies 4 columns of all 16 rows by 4 broadcast bytes of q and adds them
@@ -17,8 +17,9 @@
 //   out[m, rows] += float(isum[m, rows]) * scales[g, rows] * dx[m, b]        once per block
 //   out[m, rows] += offsets[g, rows] * xsum[m, g]                            once per group
 //
-// is one conversion and two multiply-adds per 512 products (a float GEMM needs 32 FMAs for them). Each weight vector
-// is loaded once per tile of up to 4 rows of x and two panels, which covers 32 weight rows.
+// is one conversion and two multiply-adds per 512 products (a float GEMM needs 32 FMAs for them), and factor is
+// applied once per output. Each weight vector is loaded once per tile of up to 4 rows of x and two panels, which
+// covers 32 weight rows.
 #include "quant_gemv.h"
 
 #include <cstring>
@@ -43,11 +44,16 @@ struct PanelArgs {
   const float* dx;   // [M, K / 32]
   const float* xsum; // [M, G]
   const uint8_t* codes;
-  const float* scales;   // [P, G, 16]
-  const float* offsets;  // [P, G, 16]
-  float* out;            // [M, N]
+  const at::Half* scales;   // [P, G, 16]
+  const at::Half* offsets;  // [P, G, 16]
+  float* out;               // [M, N]
   int64_t M, N, K, G;
+  float factor;
 };
+
+inline __m512 load_halves(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 inline __m512i broadcast4(const int8_t* q) {
   int32_t word;
@@ -67,8 +73,8 @@ void panel_tile(const PanelArgs& a, int64_t m0, int64_t p0) {
     __m512 scale[NP];
     for (int p = 0; p < NP; ++p) {
       const int64_t at = ((p0 + p) * a.G + g) * kPanel;
-      scale[p] = _mm512_loadu_ps(a.scales + at);
-      const __m512 offset = _mm512_loadu_ps(a.offsets + at);
+      scale[p] = load_halves(a.scales + at);
+      const __m512 offset = load_halves(a.offsets + at);
       for (int m = 0; m < MT; ++m)
         acc[m][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), acc[m][p]);
     }
@@ -101,10 +107,12 @@ void panel_tile(const PanelArgs& a, int64_t m0, int64_t p0) {
       }
     }
   }
+  const __m512 factor = _mm512_set1_ps(a.factor);
   for (int p = 0; p < NP; ++p) {
     const int64_t n = (p0 + p) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n);
     const __mmask16 mask = valid >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-    for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n, mask, acc[m][p]);
+    for (int m = 0; m < MT; ++m)
+      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n, mask, _mm512_mul_ps(acc[m][p], factor));
   }
 }
 
@@ -166,7 +174,7 @@ void quantize_rows(const float* x, int8_t* xq, float* dx, float* xsum, int64_t M
 
 // x [M, K] float32 -> x W^T [M, out_features] float32, W in the panel layout above.
 torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                                int64_t bits, int64_t out_features) {
+                                int64_t bits, int64_t out_features, double factor) {
 #ifdef KVFORGE_PANELS_VNNI
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
@@ -174,9 +182,9 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor codes, torch::Ten
   const int64_t P = codes.size(0), K = codes.size(1) * 8 / bits / kPanel;
   TORCH_CHECK(K % kBlock == 0 && K > 0, "panel rows of ", K, " columns are not whole 32-column blocks");
   for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
                     t->size(2) == kPanel && t->size(1) == scales.size(1),
-                "scales and offsets must be contiguous float32 [P, G, 16] with P = ", P);
+                "scales and offsets must be contiguous float16 [P, G, 16] with P = ", P);
   const int64_t G = scales.size(1);
   TORCH_CHECK(G > 0 && (K / kBlock) % G == 0, "groups must be whole 32-column blocks: K = ", K, ", G = ", G);
   TORCH_CHECK(out_features > (P - 1) * kPanel && out_features <= P * kPanel, "out_features ", out_features,
@@ -190,8 +198,9 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor codes, torch::Ten
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * (K / kBlock)), xsum(M * G);
   quantize_rows(x.data_ptr<float>(), xq.data(), dx.data(), xsum.data(), M, K, G);
-  const PanelArgs args{xq.data(), dx.data(), xsum.data(), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                       offsets.data_ptr<float>(), out.data_ptr<float>(), M, out_features, K, G};
+  const PanelArgs args{xq.data(), dx.data(), xsum.data(), codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                       offsets.data_ptr<at::Half>(), out.data_ptr<float>(), M, out_features, K, G,
+                       static_cast<float>(factor)};
   if (bits == 8) panel_gemm<8>(args, P);
   else panel_gemm<4>(args, P);
   return out;
@@ -211,8 +220,8 @@ bool quant_panels_available() {
 }  // namespace kvforge_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("quant_gemm_panels(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int out_features) "
-        "-> Tensor");
+  m.def("quant_gemm_panels(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int out_features, "
+        "float factor) -> Tensor");
   m.def("quant_panels_available() -> bool", &kvforge_cpu::quant_panels_available);
 }
 
