@@ -20,6 +20,7 @@ from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.kv_cache_memory import kv_cache_budget, num_blocks_for_budget
 from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
+from kvforge.kernels.cpu.extension import keep_python_memory
 from kvforge.kernels.ops import building_with_ops, op_table
 from kvforge.loader.model_loader import LoadedModel, load_model
 
@@ -35,6 +36,8 @@ class Worker:
         backend = config.device.attention_backend
         if backend == "auto" and device.type == "cpu":
             backend = "torch"  # a GPU machine told to run on its CPU
+        if device.type == "cpu":
+            keep_python_memory()
         self.ops = op_table(None if backend == "auto" else backend)
         self.attention_backend = self.ops.backend
         with building_with_ops(self.ops):

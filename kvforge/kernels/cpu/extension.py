@@ -14,6 +14,7 @@ nodes:
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
         -> [S, H, D]                                                             (paged_attention.py)
     cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (../cache_write.py)
+    cache_python_arenas()   CPython's freed arenas and stack chunks kept for reuse (csrc/python_arenas.cpp)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_int8.cpp",
-                                         "quant_panels.cpp")]
+                                         "quant_panels.cpp", "python_arenas.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
@@ -61,6 +62,15 @@ def cpu_kernels() -> ModuleType | None:
         return None
     _register_fakes()
     return module
+
+
+def keep_python_memory() -> None:
+    """What a CPU worker does at start: CPython's freed arenas and stack chunks are cached instead of unmapped
+    (each munmap flushes the TLB of the process's OpenMP threads; csrc/python_arenas.cpp has the measurement)."""
+    if cpu_kernels() is not None:
+        import torch
+
+        torch.ops.kvforge_cpu.cache_python_arenas()
 
 
 def cpu_kernels_isa() -> str:
