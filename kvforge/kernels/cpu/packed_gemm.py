@@ -49,7 +49,8 @@ F.linear in the same rounds:
     LM head 49152 x 576 64      17.5 ms        27.6 ms           6.4 ms        6.4 ms
 
 so there the panel kernel is 2.4-4x the float GEMM from 16 rows up, where the other quantized paths are
-slower than it, and at least as fast as the AVX2 GEMV for one row.
+slower than it, and about as fast as the AVX2 GEMV for one row (4.9 against 5.2 ms over the layers, 0.9 against
+0.8 ms for a 4-bit head).
 """
 
 from __future__ import annotations
