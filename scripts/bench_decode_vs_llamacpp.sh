@@ -6,6 +6,9 @@
 #                  a 512-token prompt (its time to first token against pp512), GGUF kept and float32
 #   batched:       64 x (128 prompt + 128 new), then 16 x (llama-batched-bench -npl 16,64; kvforge bench throughput)
 # Usage: bash scripts/bench_decode_vs_llamacpp.sh LLAMA_CPP_BIN_DIR [OUT_DIR]
+# Where the native build dies on prompts (a VM that reports AMX but does not enable its tiles: "Illegal
+# instruction"), build the same sources with the CPU's flags and AMX off and give that folder (benchmarks/RESULTS.md
+# has the cmake line), and time the native build's decode apart: "$native_bin/llama-bench" -m MODEL -t 2 -p 0 -n 128
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
