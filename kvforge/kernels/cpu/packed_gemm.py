@@ -34,23 +34,21 @@ F.linear), so fp32 inputs are rounded to bfloat16 on the way in. For int8 weight
 dequantizing to the activation dtype and calling F.linear is faster (and exact); int4 stays on
 int4pack, whose packed layout has no cheaper dequantization.
 
-On an AVX-512 VNNI machine (Intel Xeon, Sapphire Rapids class, 2 vCPUs, 26 GB/s copy), the same command with
-`--threads 2 --tokens 1,16,64 --rounds 6`, 2026-12-02 (commit 5fe0bcb, float32 scales then), fastest round, against fp32
-F.linear in the same rounds:
+On an AVX-512 VNNI machine (Intel Xeon, Sapphire Rapids class, 2 vCPUs, 26-27 GB/s copy), the same command with
+`--threads 2 --tokens 1,16,64 --rounds 6`, 2026-12-02 (commit 1597585: half scales), fastest round:
 
     shape (N x K)        M   fp32 F.linear   native int4 q8x   panels int8   panels int4
-    3072 x 576           1       142 us          41 us            24 us         20 us
-    3072 x 576          16       431 us         376 us           103 us        107 us
-    3072 x 576          64      1069 us        1430 us           406 us        405 us
-    30 layers            1      19.5 ms         5.2 ms           6.8 ms        4.9 ms   (panels int4: 64% of copy)
-    30 layers           16      44.7 ms        25.3 ms          12.4 ms       11.4 ms
-    30 layers           64      80.6 ms        98.9 ms          32.1 ms       33.9 ms
-    LM head 49152 x 576  1       4.4 ms         0.8 ms           1.3 ms        0.9 ms   (panels int8: 103% of copy)
-    LM head 49152 x 576 64      17.5 ms        27.6 ms           6.4 ms        6.4 ms
+    3072 x 576           1       128 us          36 us            21 us         18 us
+    3072 x 576          16       388 us         361 us            98 us        100 us
+    3072 x 576          64       975 us        1462 us           429 us        363 us
+    30 layers            1      16.8 ms         4.7 ms           5.5 ms        3.9 ms   (panels: 82% / 63% of copy)
+    30 layers           16      40.1 ms        23.7 ms          10.8 ms        9.2 ms
+    30 layers           64      66.3 ms        79.8 ms          36.7 ms       36.8 ms
+    LM head 49152 x 576  1       4.2 ms         0.8 ms           1.1 ms        0.7 ms   (panels: 107% / 97% of copy)
+    LM head 49152 x 576 64      16.6 ms        22.7 ms           5.9 ms        6.0 ms
 
-so there the panel kernel is 2.4-4x the float GEMM from 16 rows up, where the other quantized paths are
-slower than it, and about as fast as the AVX2 GEMV for one row (4.9 against 5.2 ms over the layers, 0.9 against
-0.8 ms for a 4-bit head).
+so there the panel kernel is 1.8-4.3x the float GEMM from 16 rows up, where the other quantized paths are
+slower than it, and faster than the AVX2 GEMV for one row (3.9 against 4.7 ms over the layers).
 """
 
 from __future__ import annotations
