@@ -101,10 +101,12 @@ def panel_linear(
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: per 32 columns, dx = max |x| / 127 and q = round(x / dx), then dx * q."""
+    """x as the kernels with int8 activations (this one, the AVX2 GEMV) see it: per 32 columns, dx = max |x| / 127
+    and q = round(x / dx), then dx * q."""
     blocks = x.float().reshape(x.shape[0], -1, BLOCK)
     dx = blocks.abs().amax(dim=-1, keepdim=True) / 127
     q = torch.where(dx > 0, torch.round(blocks / torch.where(dx > 0, dx, 1)), 0)
+    assert q.abs().max() <= 127
     return (q * dx).reshape(x.shape)
 
 

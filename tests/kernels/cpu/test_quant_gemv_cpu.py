@@ -15,7 +15,7 @@ from kvforge.kernels.cpu.quant_gemv import (
     pack_weight,
     quant_linear_cpu,
 )
-from kvforge.kernels.cpu.quant_panels import panels_available
+from kvforge.kernels.cpu.quant_panels import int8_rows, panels_available
 from kvforge.layers.linear import Linear
 from kvforge.quantization.linear_method import WeightOnlyMethod
 from kvforge.quantization.quantized_weight import QuantizedWeight
@@ -36,15 +36,6 @@ def _weight(num_rows: int, in_features: int, bits: int, group_size: int, zeros: 
     else:
         zero_points = (torch.rand(num_rows, num_groups, generator=gen) - 0.5) * 4 * 2**bits
     return QuantizedWeight(codes, scales, zero_points, bits)
-
-
-def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the int8-activation GEMV sees it: per 32 columns, dx = max |x| / 127 and q = round(x / dx), then dx * q."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    dx = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    q = torch.where(dx > 0, torch.round(blocks / torch.where(dx > 0, dx, 1)), 0)
-    assert q.abs().max() <= 127
-    return (q * dx).reshape(x.shape)
 
 
 def native_layer_input(x: torch.Tensor, perm: torch.Tensor | None = None, kernel: str = "native") -> torch.Tensor:

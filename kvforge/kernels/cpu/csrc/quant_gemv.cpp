@@ -305,10 +305,13 @@ bool quant_gemv_vectorized() {
 #endif
 }
 
-// The instruction set of the int8-activation kernels ("avx512-vnni", "avx2"), or "portable" where there are none.
+// The instruction set the int8-activation kernels were built for: "avx512-vnni" (the panel kernel,
+// quant_panels.cpp), "avx2" (the GEMV, quant_gemv_int8.cpp), or "portable" where there are none.
 std::string quant_gemv_isa() {
-#ifdef __AVX2__
-  return quant_gemv_int8_isa();
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return "avx512-vnni";
+#elif defined(__AVX2__)
+  return "avx2";
 #else
   return "portable";
 #endif

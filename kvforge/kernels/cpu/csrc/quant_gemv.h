@@ -1,6 +1,6 @@
 // Shared by the two decode GEMVs over the packed weight layout: quant_gemv.cpp (fp32 activations, every machine)
 // and quant_gemv_int8.cpp (activations rounded to int8, AVX2 only). The layout is pictured in quant_gemv.cpp and
-// kvforge/kernels/cpu/quant_gemv.py.
+// kvforge/kernels/cpu/quant_gemv.py. The panel kernel (quant_panels.cpp) takes its rounding of x from here too.
 #pragma once
 
 #include <torch/extension.h>
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -44,6 +45,43 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// The largest of the 8 lanes of v.
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// x rounded to int8 per 32 columns (quant_gemv_int8.cpp, quant_panels.cpp): q of 32 columns of x (in column order)
+// and their dx = max |x| / 127; returns the sum of q.
+inline int32_t quantize_block(const float* x, int8_t* q, float* dx) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
+  }
+  *dx = hmax(amax) / 127.f;
+  if (*dx == 0.f) {
+    std::memset(q, 0, kBlock);
+    return 0;
+  }
+  const __m256 d = _mm256_set1_ps(*dx);
+  alignas(32) int32_t codes[kBlock];
+  for (int i = 0; i < 4; ++i) {
+    // NOTE: x / dx and round half to even, as torch.round(x / dx) (the tests' reference), not x * (1 / dx).
+    const __m256 rounded = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), _mm256_cvtps_epi32(rounded));
+  }
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kBlock; ++k) {
+    q[k] = static_cast<int8_t>(codes[k]);
+    sum += codes[k];
+  }
+  return sum;
+}
+
 #endif
 
 // Raises unless qweight, scales and offsets are the layout of 4- or 8-bit codes in groups of whole 32-column blocks.
@@ -54,8 +92,6 @@ void check_layout(const torch::Tensor& qweight, const torch::Tensor& scales, con
 // checked by the caller; defined in AVX2 builds only.
 torch::Tensor quant_gemv_int8(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
                               const torch::Tensor& offsets, int64_t bits);
-// The instruction set quant_gemv_int8 was built for: "avx512-vnni" or "avx2".
-const char* quant_gemv_int8_isa();
 
 // out[m0 .. m0 + MT, n0 .. n0 + NR] for n0 = begin, begin + NR, ..., then single weight rows up to end.
 template <int MT, int NR, class Tiles>

@@ -147,23 +147,8 @@ void quantize_rows(const float* x, int8_t* xq, float* dx, float* xsum, int64_t M
     for (int64_t g = 0; g < G; ++g) {
       float sum = 0.f;
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-        const float* v = x + m * K + b * kBlock;
-        __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float d = amax / 127.f;
-        dx[m * blocks + b] = d;
-        int8_t* q = xq + m * K + b * kBlock;
-        if (d == 0.f) {
-          std::memset(q, 0, kBlock);
-          continue;
-        }
-        // NOTE: x / dx and round half to even, as torch.round(x / dx) (the tests' reference), not x * (1 / dx).
-        const __m512 dv = _mm512_set1_ps(d);
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(lo, dv), _MM_FROUND_TO_NEAREST_INT));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(hi, dv), _MM_FROUND_TO_NEAREST_INT));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
-        sum += d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+        const int32_t q_sum = quantize_block(x + m * K + b * kBlock, xq + m * K + b * kBlock, dx + m * blocks + b);
+        sum += dx[m * blocks + b] * static_cast<float>(q_sum);
       }
       xsum[m * G + g] = sum;
     }
