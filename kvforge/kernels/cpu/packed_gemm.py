@@ -48,7 +48,8 @@ On an AVX-512 VNNI machine (Intel Xeon, Sapphire Rapids class, 2 vCPUs, 26-27 GB
     LM head 49152 x 576 64      16.6 ms        22.7 ms           5.9 ms        6.0 ms
 
 so there the panel kernel is 1.8-4.3x the float GEMM from 16 rows up, where the other quantized paths are
-slower than it, and faster than the AVX2 GEMV for one row (3.9 against 4.7 ms over the layers).
+slower than it, and faster than the int8 GEMV for one row (3.9 against 4.7 ms over the layers). ("native int4 q8x"
+was timed with an AVX-512 VNNI step the GEMV had then, removed since: on these machines no layer reaches the GEMV.)
 """
 
 from __future__ import annotations
