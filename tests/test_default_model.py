@@ -19,9 +19,10 @@ NUM_NEW = 24
 
 @pytest.fixture(scope="module")
 def default_llm():
-    # NOTE: one bucket: the four conversations and the single requests below all decode in one compiled graph
-    # (single requests on padding rows), so the module compiles the default model once (~30 s with a cold cache)
-    return LLM(kv_cache_memory="256MiB", compile_buckets=(4,))
+    # NOTE: two buckets: the four conversations decode in the graph of 4 (Python's wrapper), the single requests
+    # below in the graph of 1 (the C++ wrapper), so the module compiles the default model twice (~40 + ~100 s with
+    # a cold cache)
+    return LLM(kv_cache_memory="256MiB", compile_buckets=(1, 4))
 
 
 def test_chat_greedy_matches_transformers(default_llm, hf_default_tokenizer, hf_default_model):

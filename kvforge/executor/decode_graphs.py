@@ -17,7 +17,8 @@ Each bucket's graph (model forward + LM head: fp32 logits [b, vocab]) is compile
 first step that needs it; norms, rotary, SiLU-and-mul and residual adds fuse, while the cache write,
 attention and quantized matmuls stay opaque ops. Since its inputs (the static buffers, the caches and the
 parameters) are the same tensors every step, a replay calls Inductor's graph on them directly: dynamo runs
-only to compile. Inductor's on-disk caches make a second start of the same model compile nothing new.
+only to compile. On the CPU, the graphs of small batches call their kernels from Inductor's C++ wrapper, the
+others from its Python one. Inductor's on-disk caches make a second start of the same model compile nothing new.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from torch import nn
 from kvforge.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+# NOTE: on the CPU, graphs of up to this many sequences get Inductor's C++ wrapper: it calls the kernels and the
+# opaque ops from C++, where Python's wrapper spends a few microseconds an op (~330 calls a step of the default
+# model). Measured on the default model with the GGUF weights (Xeon VNNI VM, 2 threads, processes in turn):
+# batch 1, 123-125 -> 134-158 tokens/s; batch 4, 309-328 -> 307-341 (noise). A cold compile of a bucket takes
+# 37-41 -> 97-108 s, a warm one (Inductor's on-disk cache) 9 s either way.
+CPP_WRAPPER_MAX_BATCH = 1
 
 
 class DecodeGraphs:
@@ -63,6 +71,8 @@ class DecodeGraphs:
         self._compiled = functools.partial(compiled, self)
         self._graph: tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]] | None = None  # the last compiled
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> its ready graph
+        self._building = 0  # the bucket being compiled
+        self.wrappers: dict[int, str] = {}  # bucket -> the wrapper Inductor built for its graph: "C++" or "Python"
         self.failed = False  # a bucket could not be compiled: every step runs eagerly from then on
 
     @property
@@ -89,6 +99,7 @@ class DecodeGraphs:
         metadata = self._metadata(bucket)
         ids, positions = self.input_ids[:bucket], self.positions[:bucket]
         # NOTE: one graph per bucket of one compiled function: allow as many recompiles as there are buckets
+        self._building = bucket  # for the backend, which dynamo calls with the graph alone
         with torch._dynamo.config.patch(recompile_limit=len(self.buckets), accumulated_recompile_limit=10**6):
             self._compiled(ids, positions, metadata)
         assert self._graph is not None, "dynamo ran the bucket's step without compiling it"
@@ -103,7 +114,8 @@ class DecodeGraphs:
 
         if self.device.type == "cuda":
             replay = _capture(replay, self.device)
-        logger.info("compiled the decode step for batch %d in %.1f s", bucket, time.perf_counter() - start)
+        logger.info("compiled the decode step for batch %d in %.1f s (%s wrapper)", bucket,
+                    time.perf_counter() - start, self.wrappers[bucket])
         return replay
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -147,7 +159,8 @@ class DecodeGraphs:
                   ) -> Callable[..., list[torch.Tensor]]:
         """The torch.compile backend: Inductor, keeping what it compiled and the tensors it took (the replays
         pass the same ones). Shape and alignment asserts are off: the inputs are static, and the opaque ops'
-        fake implementations are tested against the kernels (measured: ~1.5 ms a step of the default model)."""
+        fake implementations are tested against the kernels (measured: ~1.5 ms a step of the default model).
+        Small CPU batches get the C++ wrapper (CPP_WRAPPER_MAX_BATCH), or Python's where it cannot be built."""
         from torch._inductor.compile_fx import compile_fx
 
         # dynamo raises what a backend raises as BackendCompilerFailed: the engine then runs eagerly
@@ -155,8 +168,20 @@ class DecodeGraphs:
             raise TypeError("a decode step's graph takes tensors only (static shapes)")
         if len(graph.graph.output_node().args[0]) != 1:
             raise TypeError("a decode step's graph returns its logits only")
-        with torch._inductor.config.patch(size_asserts=False, alignment_asserts=False):
-            compiled = compile_fx(graph, example_inputs)
+        batch = self._building
+        wrappers = ("C++", "Python") if self.device.type == "cpu" and batch <= CPP_WRAPPER_MAX_BATCH else ("Python",)
+        for wrapper in wrappers:
+            try:
+                with torch._inductor.config.patch(size_asserts=False, alignment_asserts=False,
+                                                  cpp_wrapper=wrapper == "C++"):
+                    compiled = compile_fx(graph, example_inputs)
+                self.wrappers[batch] = wrapper
+                break
+            except Exception as err:  # noqa: BLE001 -- the Python wrapper compiles whatever Inductor compiles
+                if wrapper == wrappers[-1]:
+                    raise
+                logger.warning("cannot build the C++ wrapper of the decode step for batch %d (%s); using Python's",
+                               batch, str(err).splitlines()[0] if str(err) else type(err).__name__)
         self._graph = compiled, list(example_inputs)
         return compiled
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
+from kvforge.executor.decode_graphs import CPP_WRAPPER_MAX_BATCH
 from kvforge.kernels.cpu.extension import cpu_kernels
 from tests.models.test_moe_vs_transformers import build_moe_model
 from tests.tiny_models import save_model, save_tokenizer
@@ -52,7 +53,10 @@ def test_compiled_llama_matches_eager_across_buckets(tiny_llama_dir) -> None:
     llm, compiled = _generate(folder, prompts, params, compile_after=0, **options)
     _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
     _assert_same(compiled, eager)
-    assert llm.engine.runner.decode_graphs.compiled_buckets == BUCKETS
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs.compiled_buckets == BUCKETS
+    # small batches call their kernels from C++, the rest from Python: both match eager above
+    assert graphs.wrappers == {b: "C++" if b <= CPP_WRAPPER_MAX_BATCH else "Python" for b in BUCKETS}
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_usable_blocks
 
 
@@ -116,12 +120,12 @@ def test_compiled_families_match_eager(tiny_folder: str) -> None:
     context by the longest sequence): it cannot be traced, and its decode steps run eagerly, unchanged."""
     prompts = _prompts(3, 300)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (4, 7, 9)]
-    options = dict(kv_cache_memory="4MiB", compile_buckets=(2, 4))
+    options = dict(kv_cache_memory="4MiB", compile_buckets=(1, 2, 4))  # 1: the C++ wrapper, 2 and 4: Python's
     llm, compiled = _generate(tiny_folder, prompts, params, compile_after=0, **options)
     _, eager = _generate(tiny_folder, prompts, params, enforce_eager=True, **options)
     _assert_same(compiled, eager)
     traced = "deepseek" not in tiny_folder
-    assert llm.engine.runner.decode_graphs.compiled_buckets == ((2, 4) if traced else ())
+    assert llm.engine.runner.decode_graphs.compiled_buckets == ((1, 2, 4) if traced else ())
 
 
 @pytest.mark.gpu

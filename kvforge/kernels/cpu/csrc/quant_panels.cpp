@@ -20,6 +20,11 @@
 // is one conversion and two multiply-adds per 512 products (a float GEMM needs 32 FMAs for them), and factor is
 // applied once per output. Each weight vector is loaded once per tile of up to 4 rows of x and two panels, which
 // covers 32 weight rows.
+//
+// NOTE: each load prefetches the same vector of the next tile (NP panels on), and each group the next tile's
+// scales and offsets: 30 layers of 4-bit weights at one row of x, 4.10 -> 3.58 ms and 2.92 -> 2.50 ms (two builds
+// side by side, twice; Xeon VNNI VM, 2 threads), against prefetching 2 blocks ahead in the same panel; 8-bit alike
+// within noise, 16 and 64 rows 4-5% faster. 4 panels a tile at one row, or 2 tiles ahead, measured no better.
 #include "quant_gemv.h"
 
 #include <cstring>
@@ -73,6 +78,8 @@ void panel_tile(const PanelArgs& a, int64_t m0, int64_t p0) {
     __m512 scale[NP];
     for (int p = 0; p < NP; ++p) {
       const int64_t at = ((p0 + p) * a.G + g) * kPanel;
+      prefetch(a.scales + at + NP * a.G * kPanel);  // the next tile's, as its codes below
+      prefetch(a.offsets + at + NP * a.G * kPanel);
       scale[p] = load_halves(a.scales + at);
       const __m512 offset = load_halves(a.offsets + at);
       for (int m = 0; m < MT; ++m)
@@ -85,7 +92,7 @@ void panel_tile(const PanelArgs& a, int64_t m0, int64_t p0) {
       for (int64_t j = 0; j < V; ++j)
         for (int p = 0; p < NP; ++p) {
           const uint8_t* vec = a.codes + (p0 + p) * panel_bytes + b * block_bytes + 64 * j;
-          prefetch(vec + 2 * block_bytes);
+          prefetch(vec + NP * panel_bytes);  // the same vector of the next tile
           const __m512i words = _mm512_loadu_si512(vec);
           if (BITS == 8) {
             for (int m = 0; m < MT; ++m)
