@@ -193,7 +193,9 @@ class Sampler:
                 logits = logits.clone() if logits is raw_logits else logits
                 logits[row, banned] = float("-inf")
         logits = apply_penalties(logits, batch)
-        greedy_ids = logits.argmax(dim=-1)
+        # NOTE: max's indices, the first of equal maxima as argmax's: on the CPU argmax's loop is scalar, 82 against
+        # 32 us over the default model's 49152 logits (Xeon VNNI VM)
+        greedy_ids = logits.max(dim=-1).indices
         if all(t == 0.0 for t in batch.temperatures):
             return greedy_ids, None
         temperatures = torch.tensor(batch.temperatures, device=logits.device)
