@@ -22,9 +22,10 @@
 // covers 32 weight rows.
 //
 // NOTE: each load prefetches the same vector of the next tile (NP panels on), and each group the next tile's
-// scales and offsets: 30 layers of 4-bit weights at one row of x, 4.10 -> 3.58 ms and 2.92 -> 2.50 ms (two builds
-// side by side, twice; Xeon VNNI VM, 2 threads), against prefetching 2 blocks ahead in the same panel; 8-bit alike
-// within noise, 16 and 64 rows 4-5% faster. 4 panels a tile at one row, or 2 tiles ahead, measured no better.
+// scales and offsets, against 2 blocks ahead in the same panel: 30 layers of 4-bit weights at one row of x, each
+// build streaming its own copy from memory, 3.80 -> 3.56 ms, and 4.20 -> 3.95 ms after a 512 MiB flush (two builds
+// side by side; Xeon VNNI VM, 2 threads); 16 and 64 rows 4-5% faster (weights warm), 8-bit alike. 4 panels a tile at
+// one row, 2 tiles ahead, or separate sums for the low and high nibbles measured no better.
 #include "quant_gemv.h"
 
 #include <cstring>
