@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("count", "total", "children")
 
     def __init__(self) -> None:
         self.count = 0
+        self.total = 0  # the sum of the children's counts
         self.children: dict[int, _Node] = {}
 
 
@@ -43,11 +44,13 @@ class SuffixTrie:
             if child is None:
                 child = node.children[token_id] = _Node()
             child.count += 1
+            node.total += 1
             extended.append(child)
         child = self.root.children.get(token_id)
         if child is None:
             child = self.root.children[token_id] = _Node()
         child.count += 1
+        self.root.total += 1
         return extended + [child]
 
     def add(self, token_ids: Sequence[int]) -> None:
@@ -62,6 +65,7 @@ class SuffixTrie:
             for token_id in token_ids[start : start + self.max_depth]:
                 child = node.children[token_id]
                 child.count -= 1
+                node.total -= 1
                 if child.count == 0:
                     del node.children[token_id]
                     break
@@ -85,9 +89,8 @@ def _continue(node: _Node, max_num_tokens: int, min_token_prob: float) -> tuple[
     """The most frequent continuation from node and its score (the expected number of accepted tokens)."""
     draft, prob, score = [], 1.0, 0.0
     while node.children and len(draft) < max_num_tokens:
-        total = sum(child.count for child in node.children.values())
         token_id, child = max(node.children.items(), key=lambda item: item[1].count)
-        prob *= child.count / total
+        prob *= child.count / node.total
         if prob < min_token_prob:
             break
         draft.append(token_id)
@@ -130,6 +133,8 @@ class SuffixProposer:
         matches = self._local_matches(request_id, token_ids) + self.global_trie.find(token_ids)
         for length, node in matches:
             limit = min(max_num_tokens, max(1, int(length * self.spec_factor)))
+            if limit <= best_score:  # a score is at most its draft's length: this match cannot win
+                continue
             draft, score = _continue(node, limit, self.min_token_prob)
             if score > best_score:
                 best, best_score = draft, score
