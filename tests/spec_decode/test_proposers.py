@@ -54,3 +54,17 @@ def test_suffix_trie_removal_leaves_nothing_behind():
     trie.remove([1, 2, 1, 2, 3])
     trie.remove([2, 3, 4])
     assert trie.root.children == {}
+
+
+def test_suffix_shares_after_forgetting_a_request_are_those_of_the_requests_kept():
+    """A draft's shares (each child's count over its siblings') after the oldest finished request is dropped
+    equal those of a proposer that only ever saw the requests kept."""
+    kept = [[5, 6, 7, 5, 6, 8], [5, 6, 8, 1]]
+    evicting = SuffixProposer(max_depth=6, min_token_prob=0.6, spec_factor=2.0, max_cached_requests=2)
+    fresh = SuffixProposer(max_depth=6, min_token_prob=0.6, spec_factor=2.0, max_cached_requests=2)
+    evicting.finish("dropped", [5, 6, 7, 5, 6, 7, 5, 6, 7])  # makes 7 the favourite after (5, 6)
+    for i, tokens in enumerate(kept):
+        evicting.finish(f"kept{i}", tokens)
+        fresh.finish(f"kept{i}", tokens)
+    # after (5, 6): 8 twice of three; 0.67 >= 0.6, then 1 (its only child) keeps the share
+    assert evicting.propose("q", [5, 6], 3).token_ids == fresh.propose("q", [5, 6], 3).token_ids == [8, 1]
