@@ -20,19 +20,12 @@ if TYPE_CHECKING:
 
 
 class _Node:
-    __slots__ = ("count", "total", "children", "favourite")
+    __slots__ = ("count", "total", "children")
 
     def __init__(self) -> None:
         self.count = 0
         self.total = 0  # the sum of the children's counts
         self.children: dict[int, _Node] = {}
-        self.favourite: tuple[int, _Node] | None = None  # the most frequent child, while no count changes
-
-    def most_frequent(self) -> tuple[int, _Node]:
-        """(token id, node) of the child with the highest count, the first of equal ones."""
-        if self.favourite is None:
-            self.favourite = max(self.children.items(), key=lambda item: item[1].count)
-        return self.favourite
 
 
 class SuffixTrie:
@@ -52,14 +45,12 @@ class SuffixTrie:
                 child = node.children[token_id] = _Node()
             child.count += 1
             node.total += 1
-            node.favourite = None
             extended.append(child)
         child = self.root.children.get(token_id)
         if child is None:
             child = self.root.children[token_id] = _Node()
         child.count += 1
         self.root.total += 1
-        self.root.favourite = None
         return extended + [child]
 
     def add(self, token_ids: Sequence[int]) -> None:
@@ -75,7 +66,6 @@ class SuffixTrie:
                 child = node.children[token_id]
                 child.count -= 1
                 node.total -= 1
-                node.favourite = None
                 if child.count == 0:
                     del node.children[token_id]
                     break
@@ -99,7 +89,7 @@ def _continue(node: _Node, max_num_tokens: int, min_token_prob: float) -> tuple[
     """The most frequent continuation from node and its score (the expected number of accepted tokens)."""
     draft, prob, score = [], 1.0, 0.0
     while node.children and len(draft) < max_num_tokens:
-        token_id, child = node.most_frequent()
+        token_id, child = max(node.children.items(), key=lambda item: item[1].count)
         prob *= child.count / node.total
         if prob < min_token_prob:
             break
