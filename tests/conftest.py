@@ -11,6 +11,27 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 import pytest  # noqa: E402
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the GPU cross-compilation now, at low priority, when a collected test reads its results."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return
+    if any(item.path.name == "test_cross_compile.py" and "results" in getattr(item, "fixturenames", ())
+           for item in session.items):  # fmt: skip
+        from tests.tools.cross_compile_run import CROSS_COMPILE_RUN, CrossCompileRun
+
+        session.config.stash[CROSS_COMPILE_RUN] = CrossCompileRun()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.tools.cross_compile_run import CROSS_COMPILE_RUN
+
+    run = session.config.stash.get(CROSS_COMPILE_RUN, None)
+    if run is not None:
+        run.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random Llama checkpoint folder with a BPE tokenizer and chat template; returns (folder, model)."""

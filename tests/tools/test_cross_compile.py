@@ -9,7 +9,6 @@ kernels as a GPU build sees them until a device runs them.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,39 +17,25 @@ from pathlib import Path
 import pytest
 
 from kvforge.tools.cross_compile import TARGETS, cases
+from tests.tools.cross_compile_run import CROSS_COMPILE_RUN, CrossCompileRun
 
 pytest.importorskip("triton")
 
-NVIDIA = [arch for arch in TARGETS if arch.startswith("sm_")]
-AMD = [arch for arch in TARGETS if arch.startswith("gfx")]
 FP8_KV_CASES = {"attention hd128 fp8 KV", "cache write fp8 KV"}
 NO_FP8_KV = {"sm_80", "gfx90a", "gfx1100"}  # no fp8 e4m3 (fn, or fnuz on gfx942) there
 # Known and documented in the tuning table: MLA's 16-head x 512 latent accumulator on 32-wide RDNA3 waves.
 KNOWN_SPILLS = {("gfx1100", "mla decode 1 seqs"), ("gfx1100", "mla decode 64 seqs")}
 
 
-def _compile(archs: list[str], out: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvforge.cli", "compile-kernels", "--arch", *archs, "--json", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-
-
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Every case for every target; NVIDIA and AMD in two processes side by side."""
-    folder = tmp_path_factory.mktemp("cross_compile")
-    runs = [(_compile(archs, folder / f"{name}.json"), folder / f"{name}.json") for name, archs in
-            (("nvidia", NVIDIA), ("amd", AMD))]  # fmt: skip
-    found = []
-    for process, out in runs:
-        log, _ = process.communicate(timeout=900)
-        assert out.exists(), log[-3000:]
-        found += json.loads(out.read_text())
-    return found
+def results(request: pytest.FixtureRequest) -> list[dict]:
+    """Every case for every target, from the compile processes that tests/conftest.py started with the session
+    (or started here, when the session did not)."""
+    run = request.config.stash.get(CROSS_COMPILE_RUN, None)
+    if run is None:
+        run = CrossCompileRun()
+        request.addfinalizer(run.stop)
+    return run.results()
 
 
 def test_every_case_compiles_for_every_target(results: list[dict]) -> None:
