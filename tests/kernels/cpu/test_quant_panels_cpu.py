@@ -19,9 +19,10 @@ from tests.kernels.cpu.test_quant_gemv_cpu import _tolerance, _weight
 
 pytestmark = pytest.mark.skipif(not panels_available(), reason="the panel kernel needs AVX-512 VNNI")
 
-# (rows, columns, group size): rows that do not fill the last panel (37, 13, 9, 75), one panel, groups of one block,
-# of a whole row, of three blocks (96), and the default model's shapes.
-SHAPES = [(37, 128, 32), (16, 256, 256), (13, 576, 192), (9, 192, 96), (75, 576, 64), (40, 1536, 32)]
+# (rows, columns, group size): rows that do not fill the last panel (37, 13, 9, 75, 110), one panel, groups of one
+# block, of a whole row, of three blocks (96), the default model's shapes, and 7 panels in one thread's share (a tile of
+# 4 panels, one of 2 and one of 1 at one row of x).
+SHAPES = [(37, 128, 32), (16, 256, 256), (13, 576, 192), (9, 192, 96), (75, 576, 64), (40, 1536, 32), (110, 576, 32)]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

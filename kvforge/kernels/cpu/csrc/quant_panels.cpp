@@ -18,14 +18,19 @@
 //   out[m, rows] += offsets[g, rows] * xsum[m, g]                            once per group
 //
 // is one conversion and two multiply-adds per 512 products (a float GEMM needs 32 FMAs for them), and factor is
-// applied once per output. Each weight vector is loaded once per tile of up to 4 rows of x and two panels, which
-// covers 32 weight rows.
+// applied once per output. Each weight vector is loaded once per tile of up to 4 rows of x and two panels (32 weight
+// rows; four panels when x has one row).
 //
-// NOTE: each load prefetches the same vector of the next tile (NP panels on), and each group the next tile's
+// NOTE: each load prefetches the same vector kPrefetchTiles tiles on (NP panels a tile), and each group that tile's
 // scales and offsets, against 2 blocks ahead in the same panel: 30 layers of 4-bit weights at one row of x, each
 // build streaming its own copy from memory, 3.80 -> 3.56 ms, and 4.20 -> 3.95 ms after a 512 MiB flush (two builds
-// side by side; Xeon VNNI VM, 2 threads); 16 and 64 rows 4-5% faster (weights warm), 8-bit alike. 4 panels a tile at
-// one row, 2 tiles ahead, or separate sums for the low and high nibbles measured no better.
+// side by side; Xeon VNNI VM, 2 threads); 16 and 64 rows 4-5% faster (weights warm), 8-bit alike.
+// NOTE: the prefetches go to L2 (prefetcht1), 4 tiles ahead, and one row of x takes tiles of 4 panels: a load that
+// waits for L1's few miss buffers stalls the stream, and at one row the work between loads is short. Builds side by
+// side, each streaming its own 30 layers (Zen 4 EPYC VM, 2 threads, fastest of 21-31 rounds): 4-bit, one row
+// 3.38 -> 2.92 ms (60% -> 69% of copy); 8-bit, one row 6.75 -> 5.08 ms; 16 rows unchanged (8.2 ms: compute-bound,
+// ~50 of the 64 multiply-adds a cycle one core's vpdpbusd zmm gives). Hint T1 and T2 measured alike, 4 and 8 tiles
+// ahead alike; the next tile alone, or T0, 13-22% slower; separate sums for the low and high nibbles no faster.
 #include "quant_gemv.h"
 
 #include <cstring>
@@ -41,6 +46,9 @@ namespace kvforge_cpu {
 namespace {
 
 constexpr int64_t kPanel = 16;  // weight rows per panel: one int32 lane each of a 512-bit vector
+constexpr int64_t kPrefetchTiles = 4;
+
+inline void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 template <int BITS>
 constexpr int64_t vectors_per_block() { return 32 * BITS / 8 / 4; }  // of 64 bytes
@@ -79,8 +87,8 @@ void panel_tile(const PanelArgs& a, int64_t m0, int64_t p0) {
     __m512 scale[NP];
     for (int p = 0; p < NP; ++p) {
       const int64_t at = ((p0 + p) * a.G + g) * kPanel;
-      prefetch(a.scales + at + NP * a.G * kPanel);  // the next tile's, as its codes below
-      prefetch(a.offsets + at + NP * a.G * kPanel);
+      prefetch_to_l2(a.scales + at + kPrefetchTiles * NP * a.G * kPanel);  // as the codes below
+      prefetch_to_l2(a.offsets + at + kPrefetchTiles * NP * a.G * kPanel);
       scale[p] = load_halves(a.scales + at);
       const __m512 offset = load_halves(a.offsets + at);
       for (int m = 0; m < MT; ++m)
@@ -93,7 +101,7 @@ void panel_tile(const PanelArgs& a, int64_t m0, int64_t p0) {
       for (int64_t j = 0; j < V; ++j)
         for (int p = 0; p < NP; ++p) {
           const uint8_t* vec = a.codes + (p0 + p) * panel_bytes + b * block_bytes + 64 * j;
-          prefetch(vec + NP * panel_bytes);  // the same vector of the next tile
+          prefetch_to_l2(vec + kPrefetchTiles * NP * panel_bytes);  // the same vector, kPrefetchTiles tiles on
           const __m512i words = _mm512_loadu_si512(vec);
           if (BITS == 8) {
             for (int m = 0; m < MT; ++m)
@@ -124,7 +132,7 @@ void panel_tile(const PanelArgs& a, int64_t m0, int64_t p0) {
   }
 }
 
-// Panels p0 .. p1 against every row of x, tiles of 4 rows of x by 2 panels, then the remainders.
+// Panels p0 .. p0 + NP against every row of x, tiles of 4 rows of x, then the remainder.
 template <int BITS, int NP>
 void panel_rows(const PanelArgs& a, int64_t p0) {
   int64_t m0 = 0;
@@ -143,6 +151,8 @@ void panel_gemm(const PanelArgs& a, int64_t P) {
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * a.K * a.M));
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
     int64_t p = begin;
+    if (a.M == 1)
+      for (; p + 4 <= end; p += 4) panel_rows<BITS, 4>(a, p);
     for (; p + 2 <= end; p += 2) panel_rows<BITS, 2>(a, p);
     if (p < end) panel_rows<BITS, 1>(a, p);
   });
