@@ -3,8 +3,8 @@ torch's prepacked int8pack / int4pack, on the default model's layer shapes (Smol
 
     python -m kvforge.benchmarks.quant_gemv_cpu [--threads 1] [--tokens 1,4,16] [--rounds 10] [--group-size 32]
 
-"dense" is the float32 GEMV; the quantized C++ kernels run twice, with x in fp32 ("native w8", "native w4") and
-rounded to int8 per 32 columns ("... q8x", the layers' default on AVX2), and on AVX-512 VNNI machines the panel
+"dense" is the float32 GEMV and "onednn" oneDNN's float32 matmul (the layers' path above 8 rows); the quantized
+C++ kernels run twice, with x in fp32 ("native w8", "native w4") and rounded to int8 per 32 columns ("... q8x", the layers' default on AVX2), and on AVX-512 VNNI machines the panel
 kernel ("panels w8", "panels w4": x rounded to int8 at every row count, the layers' default there). Three tables:
 each shape alone, its weights warm in cache; and a whole model's worth of layers (30 x qkv, o, gate_up, down) one
 after the other, and the LM head, whose weights stream from memory as they do in decode. There each variant also
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.cpu import packed_gemm
-from kvforge.kernels.cpu.dense_gemv import dense_linear
+from kvforge.kernels.cpu.dense_gemv import ONEDNN
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panels_available
 from kvforge.quantization.quantized_weight import QuantizedWeight
@@ -57,7 +57,9 @@ def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: to
     grouped8 = _random_weight(num_rows, in_features, 8, group_size, generator)
     calls: dict[str, tuple[Callable, int]] = {"fp32": (lambda x: F.linear(x, weight), _bytes(weight))}
     if native_kernels_available():
-        calls["dense"] = (lambda x: dense_linear(x, weight, None, gemv=True), _bytes(weight))
+        calls["dense"] = (lambda x: torch.ops.kvforge_cpu.dense_gemv(x, weight), _bytes(weight))
+        if ONEDNN:
+            calls["onednn"] = (lambda x: torch.ops.kvforge_cpu.onednn_linear(x, weight, None), _bytes(weight))
         for bits, quantized in ((8, grouped8), (4, int4)):
             packed = pack_weight(quantized.codes, quantized.scales, quantized.zeros, bits)
             for suffix, int8_x in (("", False), (" q8x", True)):

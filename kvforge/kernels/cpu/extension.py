@@ -11,6 +11,7 @@ nodes:
     quant_gemm_panels(x [M, K], codes, scales, offsets, bits, out_features, factor) -> [M, N] fp32   (quant_panels.py,
         AVX-512 VNNI builds)
     dense_gemv(x [M, K], weight [N, K]) -> [M, N] fp32 (AVX2 builds)             (dense_gemv.py)
+    onednn_linear(x [M, K], weight [N, K], bias) -> [M, N] fp32  (oneDNN's matmul; torch builds with mkldnn)
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
         -> [S, H, D]                                                             (paged_attention.py)
     cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (../cache_write.py)
@@ -103,6 +104,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvforge_cpu::dense_gemv")
     def _(x, weight):
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("kvforge_cpu::onednn_linear")
+    def _(x, weight, bias):
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("kvforge_cpu::paged_decode")

@@ -1,6 +1,6 @@
-"""The float32 decode GEMV (csrc/dense_gemv.cpp) against F.linear: alone, inside a Linear and a float LM head, and
-compiled. Loaded float32 models decode through it in the tests against transformers (tests/models,
-tests/test_default_model.py)."""
+"""The float32 decode GEMV (csrc/dense_gemv.cpp) and the oneDNN matmul above it against F.linear: alone, inside a
+Linear and a float LM head, and compiled. Loaded float32 models decode through them in the tests against transformers
+(tests/models, tests/test_default_model.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels.cpu.dense_gemv import DENSE_GEMV_MAX_TOKENS, dense_linear, use_dense_gemv
+from kvforge.kernels.cpu.dense_gemv import DENSE_GEMV_MAX_TOKENS, ONEDNN, dense_linear, use_dense_gemv
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available
 from kvforge.layers.embedding import VocabParallelEmbedding
 from kvforge.layers.linear import Linear
@@ -30,6 +30,23 @@ def test_gemv_equals_f_linear(rows, out_features, in_features):
     x = torch.randn(rows, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen)
     _close(torch.ops.kvforge_cpu.dense_gemv(x, weight), F.linear(x, weight))
+
+
+needs_onednn = pytest.mark.skipif(not ONEDNN, reason="torch built without oneDNN")
+
+
+@needs_avx2
+@needs_onednn
+@pytest.mark.parametrize("rows", [DENSE_GEMV_MAX_TOKENS + 1, 16, 64, 200])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (577, 1536), (7, 13), (1, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_past_the_gemv_take_onednn_equal_to_f_linear(rows, out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    _close(torch.ops.kvforge_cpu.onednn_linear(x, weight, b), F.linear(x, weight, b))
+    _close(torch.ops.kvforge_cpu.onednn_linear(x[::2], weight, b), F.linear(x[::2], weight, b))  # strided rows
 
 
 @needs_avx2
@@ -72,7 +89,8 @@ def test_other_dtypes_keep_f_linear():
 
 @needs_avx2
 def test_compiled_gemv_matches_eager():
-    weight = torch.randn(40, 64)
-    x = torch.randn(2, 64)
-    compiled = torch.compile(lambda t: dense_linear(t, weight, None, gemv=True), fullgraph=True)
-    _close(compiled(x), F.linear(x, weight))
+    weight, bias = torch.randn(40, 64), torch.randn(40)
+    compiled = torch.compile(lambda t: dense_linear(t * 2, weight, bias, gemv=True) + 1, fullgraph=True)
+    for rows in (2, 24):  # the GEMV, oneDNN
+        x = torch.randn(rows, 64)
+        _close(compiled(x), F.linear(x * 2, weight, bias) + 1)

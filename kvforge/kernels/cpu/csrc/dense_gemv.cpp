@@ -71,8 +71,27 @@ torch::Tensor dense_gemv(torch::Tensor x, const torch::Tensor& weight) {
 #endif
 }
 
+// x [M, K] W^T + bias by oneDNN's matmul on the plain row-major weight: the op torch registers for its own compiled
+// CPU graphs (mkldnn::_linear_pointwise), which Inductor cannot lower on a weight it did not pack, called here so that
+// a compiled step sees one opaque op. Above a few rows it beats F.linear's BLAS on every layer shape of the default
+// model (kernels/cpu/dense_gemv.py has the figures).
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
 }  // namespace kvforge_cpu
 
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) { m.def("dense_gemv(Tensor x, Tensor weight) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
+  m.def("dense_gemv(Tensor x, Tensor weight) -> Tensor");
+  m.def("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("dense_gemv", &kvforge_cpu::dense_gemv); }
+TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
+  m.impl("dense_gemv", &kvforge_cpu::dense_gemv);
+  m.impl("onednn_linear", &kvforge_cpu::onednn_linear);
+}
