@@ -4,8 +4,9 @@ torch's prepacked int8pack / int4pack, on the default model's layer shapes (Smol
     python -m kvforge.benchmarks.quant_gemv_cpu [--threads 1] [--tokens 1,4,16] [--rounds 10] [--group-size 32]
 
 "dense" is the float32 GEMV and "onednn" oneDNN's float32 matmul (the layers' path above 8 rows); the quantized
-C++ kernels run twice, with x in fp32 ("native w8", "native w4") and rounded to int8 per 32 columns ("... q8x", the layers' default on AVX2), and on AVX-512 VNNI machines the panel
-kernel ("panels w8", "panels w4": x rounded to int8 at every row count, the layers' default there). Three tables:
+C++ kernels run twice, with x in fp32 ("native w8", "native w4") and rounded to int8 per 32 columns ("... q8x", the
+layers' default on AVX2), and on AVX-512 VNNI machines the panel kernel ("panels w8", "panels w4": x rounded to int8
+at every row count, the layers' default there). Three tables:
 each shape alone, its weights warm in cache; and a whole model's worth of layers (30 x qkv, o, gate_up, down) one
 after the other, and the LM head, whose weights stream from memory as they do in decode. There each variant also
 gets the GB/s it reads its weights at, and the fraction of the machine's copy bandwidth that is (a 1 GiB copy, read
