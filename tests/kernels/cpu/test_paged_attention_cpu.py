@@ -48,14 +48,18 @@ def test_mixed_batch_matches_reference(
 
 @pytest.mark.parametrize("code_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["float", "int8", "fp8"])
 @pytest.mark.parametrize("seq_lens", [[1500], [700, 0, 65], [64, 129]], ids=["one-long", "padding-row", "edges"])
-def test_few_long_decodes_split_their_context_and_match_the_reference(seq_lens, code_dtype) -> None:
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 16), (7, 40, 16), (5, 128, 32), (1, 256, 8)],
+                         ids=["g3-d64", "g7-d40", "g5-d128", "g1-d256"])
+def test_few_long_decodes_split_their_context_and_match_the_reference(seq_lens, code_dtype, group, head_dim,
+                                                                       block_size) -> None:
     """Fewer (sequence, kv head) pairs than the threads can share: the kernel cuts each context into parts and
     merges their softmaxes. Every slot outside the contexts is NaN (its scale, in a quantized cache), so reading
-    past a context shows."""
+    past a context shows. Head groups and head dims that fill the kernel's register blocks partly (a group of 7
+    is a block of 4 heads and one of 3; a head dim of 40 pads to 48) and tiles smaller and larger than a block."""
     assert cpu_kernels() is not None, "the C++ CPU kernels failed to build"
-    batch = make_paged_batch([1] * len(seq_lens), [max(n, 1) for n in seq_lens], num_heads=6, num_kv_heads=2,
-                             head_dim=64, block_size=16, dtype=torch.float32)
-    scale = 64**-0.5
+    batch = make_paged_batch([1] * len(seq_lens), [max(n, 1) for n in seq_lens], num_heads=2 * group, num_kv_heads=2,
+                             head_dim=head_dim, block_size=block_size, dtype=torch.float32)
+    scale = head_dim**-0.5
     key_scale = value_scale = None
     if code_dtype is None:
         expected = paged_attention_ref(*batch.args(), scale)  # (it reads padded slots before masking them)
