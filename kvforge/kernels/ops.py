@@ -28,6 +28,12 @@ import torch
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kvforge.kernels.cache_write import reshape_and_cache_cpu, reshape_and_cache_ref, reshape_and_cache_triton
 from kvforge.kernels.cpu.extension import cpu_kernels
+from kvforge.kernels.cpu.layer_ops import (
+    fused_add_rms_norm_cpu,
+    rms_norm_cpu,
+    rotary_embedding_cpu,
+    silu_and_mul_cpu,
+)
 from kvforge.kernels.cpu.paged_attention import paged_attention_cpu, paged_decode_cpu
 from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_triton
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton
@@ -245,12 +251,15 @@ TRITON_OPS = OpTable(
 
 @functools.cache
 def _cpu_ops() -> OpTable:
-    """The torch backend with the C++ CPU kernels for the cache write and decode attention, where they build:
-    both trace (no host sync), so a compiled decode step holds them as opaque ops."""
+    """The torch backend with the C++ CPU kernels, where they build: the cache write and decode attention trace
+    (no host sync), so a compiled decode step holds them as opaque ops; the norms, activation and rotary run their
+    kernels in eager steps and their references under tracing (kernels/cpu/layer_ops.py)."""
     if cpu_kernels() is None:
         return TORCH_OPS
     return dataclasses.replace(TORCH_OPS, traces=True, reshape_and_cache=reshape_and_cache_cpu,
-                               paged_decode=_paged_decode_cpu)
+                               paged_decode=_paged_decode_cpu, rms_norm=rms_norm_cpu,
+                               fused_add_rms_norm=fused_add_rms_norm_cpu, rotary_embedding=rotary_embedding_cpu,
+                               silu_and_mul=silu_and_mul_cpu)
 
 
 def op_table(backend: str | None = None) -> OpTable:

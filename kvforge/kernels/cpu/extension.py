@@ -15,6 +15,9 @@ nodes:
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
         -> [S, H, D]                                                             (paged_attention.py)
     cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (../cache_write.py)
+    rms_norm(x [T, H], weight, eps) -> [T, H]; fused_add_rms_norm(x, residual, weight, eps) -> (out, residual);
+        silu_and_mul(x [T, 2d]) -> [T, d]; rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+        -> (query, key)                                                          (layer_ops.py, eager steps)
     cache_python_arenas()   CPython's freed arenas and stack chunks kept for reuse (csrc/python_arenas.cpp)
 """
 
@@ -30,8 +33,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_int8.cpp",
-                                         "quant_panels.cpp", "python_arenas.cpp")]
+_SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "layer_ops.cpp", "paged_decode.cpp", "quant_gemv.cpp",
+                                         "quant_gemv_int8.cpp", "quant_panels.cpp", "python_arenas.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
@@ -117,3 +120,19 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvforge_cpu::cache_write")
     def _(rows, cache, slot_mapping):
         return None
+
+    @torch.library.register_fake("kvforge_cpu::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("kvforge_cpu::fused_add_rms_norm")
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("kvforge_cpu::silu_and_mul")
+    def _(x):
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("kvforge_cpu::rotary_embedding")
+    def _(positions, query, key, cos_sin_cache, is_neox):
+        return query.new_empty(query.shape), key.new_empty(key.shape)

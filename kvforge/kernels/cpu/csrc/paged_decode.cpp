@@ -30,6 +30,8 @@
 #include <utility>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
 // fp8 e4m3 codes are widened through a 256-entry table, built once from c10's conversion.
@@ -97,25 +99,6 @@ inline vec16 lane_sums(const vec16* p) {
   for (int i = 0; i < 4; ++i) b[i] = fold<4>(a[2 * i], a[2 * i + 1]);
   for (int i = 0; i < 2; ++i) c[i] = fold<2>(b[2 * i], b[2 * i + 1]);
   return fold<1>(c[0], c[1]);
-}
-
-// exp(x) for x <= 0 (a score minus its row's max), in a form the compiler vectorizes (std::exp is a call per
-// element): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (relative error under 1e-7),
-// times 2^n built in the exponent bits. x is clamped at -87, where float's normal range ends (exp(-87) ~ 1.6e-38
-// is nothing beside the row's largest term, 1).
-__attribute__((always_inline)) inline float exp_nonpositive(float x) {
-  const float clamped = x < -87.f ? -87.f : x;
-  const float n = (clamped * 1.44269504088896341f + 12582912.f) - 12582912.f;  // nearest integer (1.5 * 2^23)
-  const float r = (clamped - n * 0.693145751953125f) - n * 1.42860682030941723e-06f;  // ln2 in two parts
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
 inline void prefetch_rows(const void* first, int64_t rows, int64_t stride_bytes, int64_t row_bytes) {
@@ -239,7 +222,7 @@ void attend_part(const Paged<C>& c, const float* q, int64_t group, int64_t seq, 
     for (int64_t t = 0; t < len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) {
-      s[t] = exp_nonpositive(s[t] - max_score);
+      s[t] = kvforge_cpu::exp_clamped(s[t] - max_score);
       sum += s[t];
     }
     m[g] = max_score;
