@@ -315,28 +315,29 @@ void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq
     }
   });
   if (max_parts == 1) return;
-  at::parallel_for(0, num_seqs * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sum(D);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t seq = pair / kvh, kv_head = pair % kvh, len = seq_lens[seq];
-      const int64_t parts = (len + part - 1) / part;
-      if (parts <= 1) continue;  // written by its item
-      T* o = out + (seq * num_heads + kv_head * group) * D;
-      for (int64_t g = 0; g < group; ++g) {
-        float top = -INFINITY;
-        for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_m[(pair * max_parts + p) * group + g]);
-        float denom = 0.f;
-        std::fill(sum.begin(), sum.end(), 0.f);
-        for (int64_t p = 0; p < parts; ++p) {
-          const int64_t at = (pair * max_parts + p) * group + g;
-          const float w = std::exp(part_m[at] - top);
-          denom += w * part_l[at];
-          axpy(w, part_acc.data() + at * Dp, sum.data(), D);
-        }
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<T>(sum[d] / denom);
+  // The merge, on this thread: parts exist only when (sequence, kv head) pairs are few, so it is a few rows of
+  // work, less than the fork and join of a second parallel region (1 sequence of 214 tokens, 30 layers, caches
+  // warm in L3: 0.60 -> 0.43 ms).
+  std::vector<float> sum(D);
+  for (int64_t pair = 0; pair < num_seqs * kvh; ++pair) {
+    const int64_t seq = pair / kvh, kv_head = pair % kvh, len = seq_lens[seq];
+    const int64_t parts = (len + part - 1) / part;
+    if (parts <= 1) continue;  // written by its item
+    T* o = out + (seq * num_heads + kv_head * group) * D;
+    for (int64_t g = 0; g < group; ++g) {
+      float top = -INFINITY;
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_m[(pair * max_parts + p) * group + g]);
+      float denom = 0.f;
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t at = (pair * max_parts + p) * group + g;
+        const float w = std::exp(part_m[at] - top);
+        denom += w * part_l[at];
+        axpy(w, part_acc.data() + at * Dp, sum.data(), D);
       }
+      for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<T>(sum[d] / denom);
     }
-  });
+  }
 }
 
 template <typename T, typename C>
