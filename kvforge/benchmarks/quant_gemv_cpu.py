@@ -3,7 +3,8 @@ torch's prepacked int8pack / int4pack, on the default model's layer shapes (Smol
 
     python -m kvforge.benchmarks.quant_gemv_cpu [--threads 1] [--tokens 1,4,16] [--rounds 10] [--group-size 32]
 
-"dense" is the float32 GEMV and "onednn" oneDNN's float32 matmul (the layers' path above 8 rows); the quantized
+"dense" is the float32 GEMV (the layers' path up to 3 rows), "onednn" oneDNN's float32 matmul on the row-major
+weight and "onednn packed" on a copy in its blocked layout (the layers' path above 3 rows); the quantized
 C++ kernels run twice, with x in fp32 ("native w8", "native w4") and rounded to int8 per 32 columns ("... q8x", the
 layers' default on AVX2), and on AVX-512 VNNI machines the panel kernel ("panels w8", "panels w4": x rounded to int8
 at every row count, the layers' default there). Three tables:
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.cpu import packed_gemm
-from kvforge.kernels.cpu.dense_gemv import ONEDNN
+from kvforge.kernels.cpu.dense_gemv import ONEDNN, pack_for_onednn
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panels_available
 from kvforge.quantization.quantized_weight import QuantizedWeight
@@ -61,6 +62,9 @@ def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: to
         calls["dense"] = (lambda x: torch.ops.kvforge_cpu.dense_gemv(x, weight), _bytes(weight))
         if ONEDNN:
             calls["onednn"] = (lambda x: torch.ops.kvforge_cpu.onednn_linear(x, weight, None), _bytes(weight))
+            packed_weight = pack_for_onednn(weight)
+            calls["onednn packed"] = (lambda x: torch.ops.kvforge_cpu.onednn_linear(x, packed_weight, None),
+                                      _bytes(weight))
         for bits, quantized in ((8, grouped8), (4, int4)):
             packed = pack_weight(quantized.codes, quantized.scales, quantized.zeros, bits)
             for suffix, int8_x in (("", False), (" q8x", True)):

@@ -37,7 +37,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = state.tp_rank * self.num_local
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
         self.kernel: WeightOnlyKernel | None = None  # the rows kept quantized, in place of weight
-        self.dense_gemv = False  # the float head's decode rows through the CPU GEMV (set at load)
+        self.dense_gemv = False  # the float head's rows through the CPU GEMV and oneDNN (set at load)
+        self.onednn_weight: torch.Tensor | None = None  # the weight packed for oneDNN (set with dense_gemv)
         self.ops = current_ops()
 
     def load(self, tensor: torch.Tensor) -> None:
@@ -87,7 +88,7 @@ class VocabParallelEmbedding(nn.Module):
         """As the LM head: fp32 logits [num_tokens, vocab_size], gathered from every rank's rows on
         tensor-parallel index 0 (the rank that samples); None on the others."""
         if self.kernel is None:
-            local = dense_linear(hidden, self.weight, None, self.dense_gemv)
+            local = dense_linear(hidden, self.weight, None, self.dense_gemv, self.onednn_weight)
         else:
             local = self.kernel.apply(hidden)
         logits = tp_gather(self.parallel, local.float())  # [num_tokens, V_local] each

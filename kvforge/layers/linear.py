@@ -39,6 +39,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.quant_method: LinearMethod | None = None
         self.dense_gemv = False
+        self.onednn_weight: torch.Tensor | None = None  # the weight packed for oneDNN (set at load with dense_gemv)
 
     def set_quant_method(self, method: LinearMethod) -> None:
         """Before loading: let method replace the float weight with its own tensors."""
@@ -72,7 +73,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is None:
-            return dense_linear(x, self.weight, self.bias, self.dense_gemv)
+            return dense_linear(x, self.weight, self.bias, self.dense_gemv, self.onednn_weight)
         return self.quant_method.apply(self, x)
 
 

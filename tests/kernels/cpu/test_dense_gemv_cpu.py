@@ -94,3 +94,22 @@ def test_compiled_gemv_matches_eager():
     for rows in (2, 24):  # the GEMV, oneDNN
         x = torch.randn(rows, 64)
         _close(compiled(x), F.linear(x * 2, weight, bias) + 1)
+
+
+@needs_avx2
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
+def test_packed_weight_matches_f_linear_eager_and_compiled():
+    """Above the GEMV's rows, a layer multiplies by its weight packed in oneDNN's layout, in eager and compiled
+    code alike (the packed tensor passes through the graph into the opaque op)."""
+    model = torch.nn.ModuleList([Linear(64, [40], bias=True)])
+    for param in model.parameters():
+        param.data.normal_()
+    use_dense_gemv(model)
+    linear = model[0]
+    assert linear.onednn_weight is not None and linear.onednn_weight.is_mkldnn
+    compiled = torch.compile(lambda t: linear(t * 2) + 1, fullgraph=True)
+    for rows in (DENSE_GEMV_MAX_TOKENS + 1, 64, 300):
+        x = torch.randn(rows, 64)
+        expected = F.linear(x, linear.weight, linear.bias)
+        _close(linear(x), expected)
+        _close(compiled(x / 2) - 1, expected)

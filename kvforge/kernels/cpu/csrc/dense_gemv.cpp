@@ -71,9 +71,10 @@ torch::Tensor dense_gemv(torch::Tensor x, const torch::Tensor& weight) {
 #endif
 }
 
-// x [M, K] W^T + bias by oneDNN's matmul on the plain row-major weight: the op torch registers for its own compiled
-// CPU graphs (mkldnn::_linear_pointwise), which Inductor cannot lower on a weight it did not pack, called here so that
-// a compiled step sees one opaque op. Above a few rows it beats F.linear's BLAS on every layer shape of the default
+// x [M, K] W^T + bias by oneDNN's matmul on the row-major weight or on a copy packed in oneDNN's blocked layout
+// (dense_gemv.py: pack_for_onednn): the op torch registers for its own compiled CPU graphs
+// (mkldnn::_linear_pointwise), which Inductor cannot lower on a weight it did not pack, called here so that a
+// compiled step sees one opaque op. Above a few rows it beats F.linear's BLAS on every layer shape of the default
 // model (kernels/cpu/dense_gemv.py has the figures).
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& bias) {
   static const auto op =
@@ -95,3 +96,6 @@ TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
   m.impl("dense_gemv", &kvforge_cpu::dense_gemv);
   m.impl("onednn_linear", &kvforge_cpu::onednn_linear);
 }
+
+// A weight packed by mkldnn::_reorder_linear_weight is an opaque oneDNN tensor, whose calls dispatch here.
+TORCH_LIBRARY_IMPL(kvforge_cpu, MkldnnCPU, m) { m.impl("onednn_linear", &kvforge_cpu::onednn_linear); }
