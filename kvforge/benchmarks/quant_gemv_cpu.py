@@ -3,8 +3,8 @@ torch's prepacked int8pack / int4pack, on the default model's layer shapes (Smol
 
     python -m kvforge.benchmarks.quant_gemv_cpu [--threads 1] [--tokens 1,4,16] [--rounds 10] [--group-size 32]
 
-"dense" is the float32 GEMV (the layers' path up to 3 rows), "onednn" oneDNN's float32 matmul on the row-major
-weight and "onednn packed" on a copy in its blocked layout (the layers' path above 3 rows); the quantized
+"dense" is the float32 GEMV (the layers' path up to 4 rows), "onednn" oneDNN's float32 matmul on the row-major
+weight and "onednn packed" on a copy in its blocked layout (the layers' path above 4 rows); the quantized
 C++ kernels run twice, with x in fp32 ("native w8", "native w4") and rounded to int8 per 32 columns ("... q8x", the
 layers' default on AVX2), and on AVX-512 VNNI machines the panel kernel ("panels w8", "panels w4": x rounded to int8
 at every row count, the layers' default there). Three tables:
