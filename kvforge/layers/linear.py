@@ -26,8 +26,8 @@ class Linear(nn.Module):
     `shard_sizes` names the row count of each, and `load_shard` fills one of them.
 
     A quantized layer hands its weight to a LinearMethod (`set_quant_method`), which creates, loads and
-    multiplies it; the float path is F.linear, or on the CPU for a few rows the C++ GEMV (dense_gemv, set at
-    load by `use_dense_gemv`)."""
+    multiplies it; the float path is F.linear, or on the CPU the C++ GEMV for a few rows and oneDNN on a packed
+    copy of the weight above them (dense_gemv and onednn_weight, set at load by `use_dense_gemv`)."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
