@@ -47,6 +47,7 @@ class MemoryEstimate:
 
     weights: float
     buffers: float  # rotary cos/sin tables
+    packed_weights: float  # float32 on the CPU: the layers' and head's weights packed for oneDNN, a second copy
     activations: float
     kv_cache: float
     kv_bytes_per_token: float
@@ -54,7 +55,12 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.weights + self.buffers + self.activations + self.kv_cache
+        return self.fixed + self.kv_cache
+
+    @property
+    def fixed(self) -> float:
+        """Memory that does not depend on the KV cache size."""
+        return self.weights + self.buffers + self.packed_weights + self.activations
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,18 +129,19 @@ def estimate_split(
     problem = split_problem(shape, tp, pp)
     if problem is not None:
         return SplitEstimate(tp, pp, problem)
-    stages = build_stages(shape, tp, pp, precision, options.max_num_batched_tokens, options.max_num_seqs)
+    stages = build_stages(shape, tp, pp, precision, options.max_num_batched_tokens, options.max_num_seqs,
+                          packs=device.host and precision.weight_bytes == 4)
     usable = device.memory_bytes * options.gpu_memory_utilization
     budgets = [options.kv_cache_memory or usable - stage.fixed_bytes for stage in stages]
     kv_tokens = max(0, min(int(budget // stage.kv_bytes_per_token) for budget, stage in zip(budgets, stages)))
     fullest = max(stages, key=lambda stage: stage.fixed_bytes + kv_tokens * stage.kv_bytes_per_token)
-    memory = MemoryEstimate(fullest.weight_bytes, fullest.buffer_bytes, fullest.activation_bytes,
+    memory = MemoryEstimate(fullest.weight_bytes, fullest.buffer_bytes, fullest.packed_bytes, fullest.activation_bytes,
                             kv_tokens * fullest.kv_bytes_per_token, fullest.kv_bytes_per_token, kv_tokens)  # fmt: skip
     max_batch = kv_tokens // options.context_len
     batch = options.batch_size or max(1, min(max_batch, options.max_num_seqs))
     estimate = SplitEstimate(tp, pp, None, memory, max_batch, min(kv_tokens, shape.max_position), batch)
     problem = _memory_problem(memory, usable, options, max_batch, batch)
-    if memory.weights + memory.buffers + memory.activations > usable:
+    if memory.fixed > usable:
         return replace(estimate, problem=problem)
     roofline = Roofline(shape, device, precision, tp)
     return replace(
@@ -146,7 +153,7 @@ def estimate_split(
 def _memory_problem(memory: MemoryEstimate, usable: float, options: PlanOptions, max_batch: int, batch: int
                     ) -> str | None:  # fmt: skip
     gib = 2**30
-    fixed = memory.weights + memory.buffers + memory.activations
+    fixed = memory.fixed
     if fixed > usable:
         return (f"weights and activations need {fixed / gib:.1f} GiB per device, "
                 f"{usable / gib:.1f} GiB usable")  # fmt: skip

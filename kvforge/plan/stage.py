@@ -30,6 +30,7 @@ class Stage:
     expert_bytes: float  # the routed experts among them (a decode step reads those its tokens chose)
     lookup_bytes: float  # the embedding table when it is only looked up (a row per token is read)
     buffer_bytes: float  # rotary tables
+    packed_bytes: float  # float32 on the CPU: the copy of each layer matrix and the LM head packed for oneDNN
     activation_bytes: float  # the largest step's intermediates (max_num_batched_tokens, max_num_seqs)
     kv_bytes_per_token: float  # this rank's KV cache per token
     active_params: float  # parameters each token multiplies with on this rank, LM head aside
@@ -46,7 +47,7 @@ class Stage:
     @property
     def fixed_bytes(self) -> float:
         """Memory that does not depend on the KV cache size."""
-        return self.weight_bytes + self.buffer_bytes + self.activation_bytes
+        return self.weight_bytes + self.buffer_bytes + self.packed_bytes + self.activation_bytes
 
 
 def kv_head_fraction(shape: ModelShape, tp: int) -> float:
@@ -62,14 +63,16 @@ def layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
 
 
 def build_stages(
-    shape: ModelShape, tp: int, pp: int, precision: Precision, max_num_batched_tokens: int, max_num_seqs: int
+    shape: ModelShape, tp: int, pp: int, precision: Precision, max_num_batched_tokens: int, max_num_seqs: int,
+    packs: bool = False,
 ) -> list[Stage]:
-    """Every pipeline stage of a TP x PP split, as its tensor-parallel rank 0 sees it."""
-    return [_stage(shape, tp, pp, s, precision, max_num_batched_tokens, max_num_seqs) for s in range(pp)]
+    """Every pipeline stage of a TP x PP split, as its tensor-parallel rank 0 sees it. packs: the float layers and
+    head also hold a copy packed for oneDNN (a CPU engine's float32 weights, kernels/cpu/dense_gemv.py)."""
+    return [_stage(shape, tp, pp, s, precision, max_num_batched_tokens, max_num_seqs, packs) for s in range(pp)]
 
 
 def _stage(
-    shape: ModelShape, tp: int, pp: int, index: int, p: Precision, num_tokens: int, num_seqs: int
+    shape: ModelShape, tp: int, pp: int, index: int, p: Precision, num_tokens: int, num_seqs: int, packs: bool
 ) -> Stage:
     start, end = layer_range(shape.num_layers, pp, index)
     layers = shape.layers[start:end]
@@ -81,12 +84,15 @@ def _stage(
     final_norm = shape.final_norm * p.activation_bytes if is_last else 0.0
     head_is_embedding = shape.tied_embeddings and pp == 1
     layer_bytes = sum(_layer_bytes(layer, tp, kv_fraction, p) for layer in layers)
+    matrices = sum(layer.sharded / tp + layer.kv * kv_fraction + layer.replicated for layer in layers)
+    packed = (matrices + (vocab_rows if is_last else 0)) * p.weight_bytes if packs else 0.0
     return Stage(
         index=index, first_layer=start, end_layer=end,
         weight_bytes=layer_bytes + embedding + lm_head + final_norm,
         expert_bytes=sum(layer.experts for layer in layers) / tp * p.weight_bytes,
         lookup_bytes=0.0 if head_is_embedding else embedding,
         buffer_bytes=float(sum(layer.buffer_bytes for layer in layers) + shape.global_buffer_bytes),
+        packed_bytes=packed,
         activation_bytes=_activation_bytes(shape, tp, is_last, p, num_tokens, num_seqs),
         kv_bytes_per_token=sum(_layer_kv_bytes(layer, kv_fraction, p) for layer in layers),
         active_params=sum(_layer_active_params(shape, layer, tp, kv_fraction) for layer in layers),

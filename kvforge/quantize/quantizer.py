@@ -10,6 +10,7 @@ from torch import nn
 from tqdm import tqdm
 
 from kvforge.engine.llm_engine import LLMEngine
+from kvforge.kernels.cpu.dense_gemv import drop_packed_weights
 from kvforge.layers.linear import Linear
 from kvforge.quantization import quantizable_linears
 from kvforge.quantization.config import QuantConfig
@@ -96,6 +97,7 @@ def quantize_engine_model(
     values; AWQ also rewrites float weights in place (norms, the up half of gate_up)."""
     options.config()  # validates bits and group size for the method
     model = engine.local_model
+    drop_packed_weights(model)  # the layers' weights change below, and the forward passes must see them
     layers = quantizable_linears(model)
     check_group_size(layers, options.group_size)
     if options.method == "rtn":
@@ -166,6 +168,7 @@ def _smoothquant(weight: torch.Tensor, act_abs_max: torch.Tensor) -> Int8Weight:
 def fake_quantize(engine: LLMEngine, results: dict[str, QuantizedWeight | Int8Weight]) -> None:
     """Replace each float weight by its dequantized value: the in-memory twin of the quantized model."""
     layers = quantizable_linears(engine.local_model)
+    drop_packed_weights(engine.local_model)
     with torch.no_grad():
         for name, result in results.items():
             layers[name].weight.copy_(result.dequantize())

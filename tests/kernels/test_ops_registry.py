@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kvforge.kernels import ops
+from kvforge.kernels.cpu.extension import cpu_kernels
+from kvforge.kernels.cpu.layer_ops import rms_norm_cpu
 from kvforge.kernels.cpu.paged_attention import paged_attention_cpu
 from kvforge.kernels.rms_norm import rms_norm_ref
 from kvforge.platforms import backend as backend_module
@@ -20,14 +22,15 @@ def test_cpu_default_binds_the_torch_paths_directly() -> None:
         pytest.skip("the default is triton on a GPU")
     table = ops.op_table()
     assert table.backend == "torch"
-    assert table.rms_norm is rms_norm_ref
+    # the C++ norm where the CPU kernels build (it runs the reference under tracing), else the reference itself
+    assert table.rms_norm is (rms_norm_cpu if cpu_kernels() is not None else rms_norm_ref)
     assert table.paged_attention is paged_attention_cpu
 
 
 def test_op_table_per_backend(device: torch.device) -> None:
     triton_ops, torch_ops = ops.op_table("triton"), ops.op_table("torch")
     assert triton_ops.paged_attention is torch.ops.kvforge.paged_attention
-    assert torch_ops.rms_norm is rms_norm_ref
+    assert torch_ops.rms_norm in (rms_norm_ref, rms_norm_cpu)
     x = torch.randn(3, 64, device=device)
     weight = torch.randn(64, device=device)
     torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))

@@ -58,12 +58,23 @@ def use_dense_gemv(model: nn.Module) -> None:
     """Route the rows of the model's float32 CPU layers (Linear, the float LM head: modules with `dense_gemv` and
     `onednn_weight` attributes) through the GEMV and oneDNN, where the AVX2 extension is built; elsewhere they keep
     F.linear. NOTE: the packed copy of each weight is memory beside the weight itself (the GEMV reads the
-    row-major one): it doubles a float32 model's weights, for 1.4-1.6x faster layers at 8-64 rows (table above)."""
+    row-major one): it doubles a float32 model's weights, for 1.4-1.6x faster layers at 8-64 rows (table above).
+    Code that later writes a weight in place calls `drop_packed_weights` first."""
     layers = [module for module in model.modules() if hasattr(module, "dense_gemv") and _fits(module)]
+    heads = {id(module.lm_head) for module in model.modules() if getattr(module, "lm_head", None) is not None}
     if layers and native_kernels_available():  # NOTE: only then, so that a GPU model never builds the extension
         for module in layers:
             module.dense_gemv = True
-            module.onednn_weight = pack_for_onednn(module.weight) if ONEDNN else None
+            multiplies = not hasattr(module, "compute_logits") or id(module) in heads  # not an untied input table
+            module.onednn_weight = pack_for_onednn(module.weight) if ONEDNN and multiplies else None
+
+
+def drop_packed_weights(model: nn.Module) -> None:
+    """Before code that writes the model's weights in place (the quantization tools): the layers then multiply by
+    their row-major weights, so the new values count (a packed copy would keep the old ones)."""
+    for module in model.modules():
+        if getattr(module, "onednn_weight", None) is not None:
+            module.onednn_weight = None
 
 
 def _fits(module: nn.Module) -> bool:

@@ -19,8 +19,8 @@ Tensor = torch.Tensor
 
 
 def _eager_rows(x: Tensor) -> bool:
-    """x is run by a kernel: not traced, and its rows have at least one element."""
-    return not torch.compiler.is_compiling() and x.dim() >= 1 and x.shape[-1] > 0
+    """x is run by a kernel: not traced, on the CPU, and its rows have at least one element."""
+    return not torch.compiler.is_compiling() and x.is_cpu and x.dim() >= 1 and x.shape[-1] > 0
 
 
 def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -46,7 +46,7 @@ def silu_and_mul_cpu(x: Tensor) -> Tensor:
 
 def rotary_embedding_cpu(positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool
                          ) -> tuple[Tensor, Tensor]:
-    if (torch.compiler.is_compiling() or query.dim() != 3 or key.dim() != 3 or query.stride(-1) != 1
+    if (torch.compiler.is_compiling() or not query.is_cpu or query.dim() != 3 or key.dim() != 3 or query.stride(-1) != 1
             or key.stride(-1) != 1 or key.dtype != query.dtype or cos_sin_cache.dtype != torch.float32):
         return rotary_embedding_ref(positions, query, key, cos_sin_cache, is_neox)
     return torch.ops.kvforge_cpu.rotary_embedding(positions.reshape(-1), query, key, cos_sin_cache.contiguous(),

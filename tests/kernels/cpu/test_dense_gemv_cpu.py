@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels.cpu.dense_gemv import DENSE_GEMV_MAX_TOKENS, ONEDNN, dense_linear, use_dense_gemv
+from kvforge.kernels.cpu.dense_gemv import (
+    DENSE_GEMV_MAX_TOKENS,
+    ONEDNN,
+    dense_linear,
+    drop_packed_weights,
+    use_dense_gemv,
+)
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available
 from kvforge.layers.embedding import VocabParallelEmbedding
 from kvforge.layers.linear import Linear
@@ -113,3 +119,25 @@ def test_packed_weight_matches_f_linear_eager_and_compiled():
         expected = F.linear(x, linear.weight, linear.bias)
         _close(linear(x), expected)
         _close(compiled(x / 2) - 1, expected)
+
+
+@needs_avx2
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
+def test_only_a_table_used_as_the_head_is_packed_and_writers_drop_the_copies():
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens, self.lm_head = VocabParallelEmbedding(100, 64), VocabParallelEmbedding(100, 64)
+
+    model = Model()
+    for param in model.parameters():
+        param.data.normal_()
+    use_dense_gemv(model)
+    assert model.embed_tokens.onednn_weight is None and model.lm_head.onednn_weight is not None
+    x = torch.randn(DENSE_GEMV_MAX_TOKENS + 3, 64)
+    _close(model.lm_head.compute_logits(x), F.linear(x, model.lm_head.weight))
+    drop_packed_weights(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    assert model.lm_head.onednn_weight is None
+    _close(model.lm_head.compute_logits(x), F.linear(x, model.lm_head.weight))
