@@ -46,8 +46,8 @@ def silu_and_mul_cpu(x: Tensor) -> Tensor:
 
 def rotary_embedding_cpu(positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool
                          ) -> tuple[Tensor, Tensor]:
-    if (torch.compiler.is_compiling() or not query.is_cpu or query.dim() != 3 or key.dim() != 3 or query.stride(-1) != 1
-            or key.stride(-1) != 1 or key.dtype != query.dtype or cos_sin_cache.dtype != torch.float32):
+    if (not _eager_rows(query) or query.dim() != 3 or key.dim() != 3 or query.stride(-1) != 1 or key.stride(-1) != 1
+            or key.dtype != query.dtype or cos_sin_cache.dtype != torch.float32):
         return rotary_embedding_ref(positions, query, key, cos_sin_cache, is_neox)
     return torch.ops.kvforge_cpu.rotary_embedding(positions.reshape(-1), query, key, cos_sin_cache.contiguous(),
                                                   is_neox)

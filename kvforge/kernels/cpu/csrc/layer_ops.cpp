@@ -22,7 +22,9 @@ namespace {
 
 constexpr int64_t kGrainElements = 16384;
 
-int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
 
 // out[r] = round(row * inv_rms) * weight, row = x[r] (+ residual[r], rounded and written to residual_out[r]).
 template <typename T>

@@ -316,8 +316,9 @@ void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq
   });
   if (max_parts == 1) return;
   // The merge, on this thread: parts exist only when (sequence, kv head) pairs are few, so it is a few rows of
-  // work, less than the fork and join of a second parallel region (1 sequence of 214 tokens, 30 layers, caches
-  // warm in L3: 0.60 -> 0.43 ms).
+  // work, not worth a second parallel region. NOTE: `python -m kvforge.benchmarks.paged_decode_cpu --seqs 1` (Zen 4
+  // EPYC, 2 threads, builds in turns) measured no difference beyond noise: 0.99 / 0.92 ms with the parallel merge,
+  // 0.92 / 1.04 ms without.
   std::vector<float> sum(D);
   for (int64_t pair = 0; pair < num_seqs * kvh; ++pair) {
     const int64_t seq = pair / kvh, kv_head = pair % kvh, len = seq_lens[seq];
