@@ -13,9 +13,14 @@ from kvforge import LLM
 from tests.distributed.conftest import GREEDY, PROMPTS, SCORED_TOKENS, logprob_values
 
 
-def live_children() -> list[psutil.Process]:
-    """This process's children that still run (the rank processes an engine failed to stop)."""
-    return [c for c in psutil.Process().children() if c.status() != psutil.STATUS_ZOMBIE]
+def live_children(before: set[int]) -> list[psutil.Process]:
+    """This process's children that still run, other than the pids in before (children the test did not
+    start, such as the suite's background cross-compilation): the rank processes an engine failed to stop."""
+    return [c for c in psutil.Process().children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def child_pids() -> set[int]:
+    return {c.pid for c in psutil.Process().children()}
 
 
 def greedy_tokens(folder, *, score: bool = False, **engine_kwargs):
@@ -32,6 +37,7 @@ def greedy_tokens(folder, *, score: bool = False, **engine_kwargs):
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
 def test_same_tokens_and_logits_as_one_process(parallel_model, tp: int, pp: int) -> None:
     folder, want_tokens, want_logits, want_logprobs = parallel_model
+    before = child_pids()
     llm = LLM(str(folder), kv_cache_memory="16MiB", tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
         in_flight = []
@@ -46,7 +52,7 @@ def test_same_tokens_and_logits_as_one_process(parallel_model, tp: int, pp: int)
     assert (logits - want_logits).abs().max().item() < 1e-4
     assert len(want_logprobs) > 6 and logprobs == pytest.approx(want_logprobs, abs=1e-4)
     assert max(in_flight) == pp  # with pipeline stages, that many steps run at once
-    assert not live_children()
+    assert not live_children(before)
 
 
 def test_kv_heads_fewer_than_ranks_are_replicated(parallel_model) -> None:
@@ -55,6 +61,7 @@ def test_kv_heads_fewer_than_ranks_are_replicated(parallel_model) -> None:
 
 
 def test_a_killed_worker_fails_the_engine_within_seconds(tiny_llama_dir) -> None:
+    before = child_pids()
     llm = LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", tensor_parallel_size=2)
     (worker,) = llm.engine.executor.processes
     os.kill(worker.pid, signal.SIGKILL)
@@ -64,17 +71,18 @@ def test_a_killed_worker_fails_the_engine_within_seconds(tiny_llama_dir) -> None
     assert time.monotonic() - start < 10
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(PROMPTS, GREEDY)
-    assert not live_children()
+    assert not live_children(before)
 
 
 def test_a_split_that_does_not_fit_the_model_is_a_clear_error(tiny_llama_dir) -> None:
+    before = child_pids()
     with pytest.raises(ValueError, match="4 attention heads cannot be split over tensor_parallel_size=3"):
         LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", pipeline_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(str(tiny_llama_dir[0]), tensor_parallel_size=0)
-    assert not live_children()
+    assert not live_children(before)
 
 
 def test_quantized_layers_are_sharded_too(tmp_path) -> None:
