@@ -14,6 +14,8 @@ nodes:
     onednn_linear(x [M, K], weight [N, K], bias) -> [M, N] fp32  (oneDNN's matmul; torch builds with mkldnn)
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
         -> [S, H, D]                                                             (paged_attention.py)
+    paged_prefill(query [T, H, D], key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
+        v_scale) -> [T, H, D], the rows of sequences with more than one query token   (paged_attention.py)
     cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (../cache_write.py)
     rms_norm(x [T, H], weight, eps) -> [T, H]; fused_add_rms_norm(x, residual, weight, eps) -> (out, residual);
         silu_and_mul(x [T, 2d]) -> [T, d]; rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
@@ -33,8 +35,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "layer_ops.cpp", "paged_decode.cpp", "quant_gemv.cpp",
-                                         "quant_gemv_int8.cpp", "quant_panels.cpp", "python_arenas.cpp")]
+_SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "layer_ops.cpp", "paged_decode.cpp", "paged_prefill.cpp",
+                                         "quant_gemv.cpp", "quant_gemv_int8.cpp", "quant_panels.cpp", "python_arenas.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
@@ -115,6 +117,11 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvforge_cpu::paged_decode")
     def _(query, key_cache, value_cache, block_tables, seq_lens, scale, key_scale=None, value_scale=None):
+        return torch.empty_like(query)
+
+    @torch.library.register_fake("kvforge_cpu::paged_prefill")
+    def _(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, key_scale=None,
+          value_scale=None):
         return torch.empty_like(query)
 
     @torch.library.register_fake("kvforge_cpu::cache_write")

@@ -1,10 +1,12 @@
-"""The CPU path of paged attention: torch's fused scaled_dot_product_attention on gathered blocks.
+"""The CPU path of paged attention: C++ kernels that read the paged cache in place, else torch's fused
+scaled_dot_product_attention on gathered blocks.
 
-Same contract as `paged_attention_ref` (see paged_attention.py). Decodes of a step are attended in
-padded groups of similar length with a length mask; each prefill chunk on its own, with the plain causal mask when
-it has no earlier context and an offset causal mask when it follows earlier chunks or cached blocks. A quantized
-cache (codes + scales) is dequantized to the query dtype as its blocks are gathered; the C++ decode kernel reads
-the codes in place.
+Same contract as `paged_attention_ref` (see paged_attention.py). With the C++ kernels (`cpu_kernels()`), decodes
+(one query token) go through csrc/paged_decode.cpp and prefill chunks through csrc/paged_prefill.cpp, both reading
+the cache's codes and scales in place. Without them, decodes of a step are attended in padded groups of similar
+length with a length mask, and each prefill chunk on its own, with the plain causal mask when it has no earlier
+context and an offset causal mask when it follows earlier chunks or cached blocks; a quantized cache (codes +
+scales) is dequantized to the query dtype as its blocks are gathered.
 """
 
 from __future__ import annotations
@@ -89,6 +91,25 @@ def paged_decode_cpu(
                                               seq_lens.contiguous(), scale, key_scale, value_scale)
 
 
+def paged_prefill_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of every sequence with more than one query token through the C++ kernel (needs
+    cpu_kernels()): query [num_tokens, num_heads, head_dim] -> the same shape, the rows of one-token sequences left
+    unwritten."""
+    return torch.ops.kvforge_cpu.paged_prefill(query.contiguous(), key_cache, value_cache, block_tables.contiguous(),
+                                               query_start_loc.contiguous(), seq_lens.contiguous(), scale, key_scale,
+                                               value_scale)
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -102,13 +123,19 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
     kv = _PagedKV(key_cache, value_cache, key_scale, value_scale)
-    out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode_seqs = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
-    if decode_seqs and cpu_kernels() is not None:
-        _decode_native(out, query, kv, block_tables, seq_lens, starts, decode_seqs, scale)
-        decode_seqs = []
+    if cpu_kernels() is not None:
+        if len(decode_seqs) < len(lens):
+            out = paged_prefill_cpu(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                                    key_scale, value_scale)
+        else:
+            out = torch.empty_like(query)
+        if decode_seqs:
+            _decode_native(out, query, kv, block_tables, seq_lens, starts, decode_seqs, scale)
+        return out
+    out = torch.empty_like(query)
     decode_seqs.sort(key=lens.__getitem__)
     for first in range(0, len(decode_seqs), DECODE_GROUP):
         _decode_group(out, query, kv, block_tables, starts, lens, decode_seqs[first : first + DECODE_GROUP], scale)

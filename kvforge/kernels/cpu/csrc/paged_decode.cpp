@@ -22,7 +22,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,45 +30,11 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "paged_cache.h"
 
 namespace {
 
-// fp8 e4m3 codes are widened through a 256-entry table, built once from c10's conversion.
-inline const float* fp8_e4m3_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int bits = 0; bits < 256; ++bits)
-      t[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
-    return t;
-  }();
-  return table.data();
-}
-
-// 16 floats, the kernel's vector: GCC and clang lower it to the registers -march gives (one zmm with AVX-512, two
-// ymm with AVX2). Loads and stores go through memcpy, so rows need no alignment.
-typedef float vec16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
-
-// One cached row (a token's key or value for one kv head) as floats.
-template <typename C>
-inline void widen_row(const C* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
-    const float* table = fp8_e4m3_table();
-    const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
-    for (int64_t d = 0; d < n; ++d) dst[d] = table[bits[d]];
-  } else {
-#pragma omp simd
-    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-  }
-}
+using namespace kvforge_cpu::paged;
 
 inline void axpy(float a, const float* v, float* acc, int64_t n) {
 #pragma omp simd
@@ -99,77 +64,6 @@ inline vec16 lane_sums(const vec16* p) {
   for (int i = 0; i < 4; ++i) b[i] = fold<4>(a[2 * i], a[2 * i + 1]);
   for (int i = 0; i < 2; ++i) c[i] = fold<2>(b[2 * i], b[2 * i + 1]);
   return fold<1>(c[0], c[1]);
-}
-
-inline void prefetch_rows(const void* first, int64_t rows, int64_t stride_bytes, int64_t row_bytes) {
-  const char* p = static_cast<const char*>(first);
-  for (int64_t r = 0; r < rows; ++r, p += stride_bytes)
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
-}
-
-// The cache and the geometry every work item reads.
-template <typename C>
-struct Paged {
-  const C* key_cache;
-  const C* value_cache;
-  const float* key_scale;    // null for a float cache
-  const float* value_scale;
-  const int32_t* block_tables;
-  int64_t num_kv_heads, head_dim, block_size, max_blocks;
-
-  int64_t token_stride() const { return num_kv_heads * head_dim; }  // between consecutive slots of the cache
-};
-
-// visit(t0, n, rows, stride, slot0) for tokens [t_begin, t_end) of one kv head's rows in cache (keys or values), in
-// tiles of up to kLanes tokens within a block, through the sequence's block table; the next block's rows are
-// prefetched while this one's are used. Token t0 + i is rows[i * stride, + Dp) as floats: the cache itself when it
-// holds floats and D == Dp, else `tile` [kLanes, Dp], into which the rows were widened (columns D.. stay as the
-// caller zeroed them). A part starts on a block boundary, so token t0 + i has slot slot0 + i.
-template <typename C, class Visit>
-inline void walk_tiles(const Paged<C>& c, const C* cache, const int32_t* table, int64_t kv_head, int64_t Dp,
-                       int64_t t_begin, int64_t t_end, float* tile, Visit visit) {
-  const int64_t bs = c.block_size, stride = c.token_stride(), D = c.head_dim;
-  for (int64_t b0 = t_begin; b0 < t_end; b0 += bs) {
-    const int64_t slot0 = static_cast<int64_t>(table[b0 / bs]) * bs, b1 = std::min(b0 + bs, t_end);
-    if (b1 < t_end)
-      prefetch_rows(cache + static_cast<int64_t>(table[b0 / bs + 1]) * bs * stride + kv_head * D,
-                    std::min(bs, t_end - b1), stride * static_cast<int64_t>(sizeof(C)), D * sizeof(C));
-    for (int64_t t0 = b0; t0 < b1; t0 += kLanes) {
-      const int64_t n = std::min(kLanes, b1 - t0), slot = slot0 + t0 - b0;
-      const C* rows = cache + slot * stride + kv_head * D;
-      const float* tile_rows = tile;
-      int64_t tile_stride = Dp;
-      if constexpr (std::is_same_v<C, float>) {
-        if (D == Dp) {
-          tile_rows = rows;
-          tile_stride = stride;
-        }
-      }
-      if (tile_rows == tile)
-        for (int64_t i = 0; i < n; ++i) widen_row(rows + i * stride, tile + i * Dp, D);
-      if (n == kLanes)  // a full tile: its loops have a fixed trip count, unrolled with their vectors in registers
-        visit(t0, std::integral_constant<int64_t, kLanes>{}, tile_rows, tile_stride, slot);
-      else
-        visit(t0, n, tile_rows, tile_stride, slot);
-    }
-  }
-}
-
-// Register blocking of the tile loops: kHeadBlock query heads x kChunkBlock 16-float column chunks of accumulators
-// stay in registers while a tile's rows stream past, so each row chunk is loaded once for the block's heads.
-#ifdef __AVX512F__
-constexpr int kHeadBlock = 4, kChunkBlock = 4;  // 16 vectors of accumulators in 32 zmm registers
-#else
-constexpr int kHeadBlock = 2, kChunkBlock = 2;  // 4 vectors (8 of 16 ymm registers)
-#endif
-
-// f(std::integral_constant<int, min(n, Max)>{}) for n >= 1: a loop's block size as a compile-time constant.
-template <int Max, class F>
-inline void with_block(int64_t n, F f) {
-  if constexpr (Max > 1) {
-    if (n < Max) return with_block<Max - 1>(n, f);
-  }
-  f(std::integral_constant<int, Max>{});
 }
 
 // Tokens [t_begin, t_end) of one (sequence, kv head): q [group, Dp] (already scaled, zero past head_dim) against
@@ -341,17 +235,6 @@ void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq
   }
 }
 
-template <typename T, typename C>
-void launch(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
-            const torch::Tensor& value_cache, const float* key_scale, const float* value_scale,
-            const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale) {
-  const Paged<C> cache{key_cache.data_ptr<C>(), value_cache.data_ptr<C>(), key_scale, value_scale,
-                       block_tables.data_ptr<int32_t>(), key_cache.size(2), query.size(2), key_cache.size(1),
-                       block_tables.size(1)};
-  decode_kernel<T, C>(out.data_ptr<T>(), query.data_ptr<T>(), cache, seq_lens.data_ptr<int32_t>(), query.size(0),
-                      query.size(1), static_cast<float>(scale));
-}
-
 }  // namespace
 
 // query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -371,18 +254,12 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
   const float* v_scale = value_scale.has_value() ? value_scale->data_ptr<float>() : nullptr;
   TORCH_CHECK((k_scale == nullptr) == (v_scale == nullptr), "key_scale and value_scale go together");
   auto out = torch::empty_like(query);
-  const auto cache_type = key_cache.scalar_type();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    if (k_scale == nullptr) {
-      launch<scalar_t, scalar_t>(out, query, key_cache, value_cache, nullptr, nullptr, block_tables, seq_lens, scale);
-    } else if (cache_type == at::kChar) {
-      launch<scalar_t, int8_t>(out, query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, scale);
-    } else if (cache_type == at::kFloat8_e4m3fn) {
-      launch<scalar_t, c10::Float8_e4m3fn>(out, query, key_cache, value_cache, k_scale, v_scale, block_tables,
-                                           seq_lens, scale);
-    } else {
-      TORCH_CHECK(false, "paged_decode: quantized caches hold int8 or float8_e4m3fn codes, got ", cache_type);
-    }
+  dispatch_types(query, key_cache, k_scale != nullptr, "paged_decode", [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    decode_kernel<T, C>(out.data_ptr<T>(), query.data_ptr<T>(),
+                        make_paged<C>(key_cache, value_cache, k_scale, v_scale, block_tables),
+                        seq_lens.data_ptr<int32_t>(), query.size(0), query.size(1), static_cast<float>(scale));
   });
   return out;
 }

@@ -1,0 +1,163 @@
+// The paged KV cache as the CPU attention kernels read it (paged_decode.cpp, paged_prefill.cpp): its geometry, rows
+// widened to floats, tiles of up to 16 tokens within a block, and the 16-float vector the kernels compute with.
+//
+// Cache: [num_blocks, block_size, num_kv_heads, head_dim] in the query dtype, or int8 / fp8 (e4m3) codes with one
+// float scale per (slot, kv head); a sequence's token t is in slot block_tables[seq][t / block_size] * block_size +
+// t % block_size.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+namespace kvforge_cpu::paged {
+
+// fp8 e4m3 codes are widened through a 256-entry table, built once from c10's conversion.
+inline const float* fp8_e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int bits = 0; bits < 256; ++bits)
+      t[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+// 16 floats, the kernel's vector: GCC and clang lower it to the registers -march gives (one zmm with AVX-512, two
+// ymm with AVX2). Loads and stores go through memcpy, so rows need no alignment.
+typedef float vec16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
+
+// One cached row (a token's key or value for one kv head) as floats.
+template <typename C>
+inline void widen_row(const C* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+    const float* table = fp8_e4m3_table();
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+    for (int64_t d = 0; d < n; ++d) dst[d] = table[bits[d]];
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+inline void prefetch_rows(const void* first, int64_t rows, int64_t stride_bytes, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r, p += stride_bytes)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
+// The cache and the geometry every work item reads.
+template <typename C>
+struct Paged {
+  const C* key_cache;
+  const C* value_cache;
+  const float* key_scale;    // null for a float cache
+  const float* value_scale;
+  const int32_t* block_tables;
+  int64_t num_kv_heads, head_dim, block_size, max_blocks;
+
+  int64_t token_stride() const { return num_kv_heads * head_dim; }  // between consecutive slots of the cache
+};
+
+// Rows [slot, slot + n) of one kv head in cache (keys or values) as floats: row i is at returned[i * stride], Dp
+// floats. The cache itself when it holds floats and D == Dp; else `tile` [n, Dp], into which they are widened (columns
+// D.. stay as the caller zeroed them).
+template <typename C>
+inline const float* tile_rows(const Paged<C>& c, const C* cache, int64_t slot, int64_t kv_head, int64_t n, int64_t Dp,
+                              float* tile, int64_t& stride) {
+  const int64_t D = c.head_dim, token_stride = c.token_stride();
+  const C* rows = cache + slot * token_stride + kv_head * D;
+  if constexpr (std::is_same_v<C, float>) {
+    if (D == Dp) {
+      stride = token_stride;
+      return rows;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) widen_row(rows + i * token_stride, tile + i * Dp, D);
+  stride = Dp;
+  return tile;
+}
+
+// visit(t0, n, rows, stride, slot0) for tokens [t_begin, t_end) of one kv head's rows in cache (keys or values), in
+// tiles of up to kLanes tokens within a block, through the sequence's block table; the next block's rows are
+// prefetched while this one's are used. Token t0 + i is rows[i * stride, + Dp) as floats: the cache itself when it
+// holds floats and D == Dp, else `tile` [kLanes, Dp], into which the rows were widened (columns D.. stay as the
+// caller zeroed them). A part starts on a block boundary, so token t0 + i has slot slot0 + i.
+template <typename C, class Visit>
+inline void walk_tiles(const Paged<C>& c, const C* cache, const int32_t* table, int64_t kv_head, int64_t Dp,
+                       int64_t t_begin, int64_t t_end, float* tile, Visit visit) {
+  const int64_t bs = c.block_size, stride = c.token_stride(), D = c.head_dim;
+  for (int64_t b0 = t_begin; b0 < t_end; b0 += bs) {
+    const int64_t slot0 = static_cast<int64_t>(table[b0 / bs]) * bs, b1 = std::min(b0 + bs, t_end);
+    if (b1 < t_end)
+      prefetch_rows(cache + static_cast<int64_t>(table[b0 / bs + 1]) * bs * stride + kv_head * D,
+                    std::min(bs, t_end - b1), stride * static_cast<int64_t>(sizeof(C)), D * sizeof(C));
+    for (int64_t t0 = b0; t0 < b1; t0 += kLanes) {
+      const int64_t n = std::min(kLanes, b1 - t0), slot = slot0 + t0 - b0;
+      int64_t tile_stride;
+      const float* rows = tile_rows(c, cache, slot, kv_head, n, Dp, tile, tile_stride);
+      if (n == kLanes)  // a full tile: its loops have a fixed trip count, unrolled with their vectors in registers
+        visit(t0, std::integral_constant<int64_t, kLanes>{}, rows, tile_stride, slot);
+      else
+        visit(t0, n, rows, tile_stride, slot);
+    }
+  }
+}
+
+// Register blocking of the tile loops: kHeadBlock query heads x kChunkBlock 16-float column chunks of accumulators
+// stay in registers while a tile's rows stream past, so each row chunk is loaded once for the block's heads.
+#ifdef __AVX512F__
+constexpr int kHeadBlock = 4, kChunkBlock = 4;  // 16 vectors of accumulators in 32 zmm registers
+#else
+constexpr int kHeadBlock = 2, kChunkBlock = 2;  // 4 vectors (8 of 16 ymm registers)
+#endif
+
+// f(std::integral_constant<int, min(n, Max)>{}) for n >= 1: a loop's block size as a compile-time constant.
+template <int Max, class F>
+inline void with_block(int64_t n, F f) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_block<Max - 1>(n, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
+// The query dtype T and the cache's element type C (T itself, or int8 / fp8 codes when the cache has scales):
+// f(T{}, C{}).
+template <class F>
+void dispatch_types(const torch::Tensor& query, const torch::Tensor& key_cache, bool quantized, const char* name, F f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    if (!quantized) {
+      f(scalar_t{}, scalar_t{});
+    } else if (key_cache.scalar_type() == at::kChar) {
+      f(scalar_t{}, int8_t{});
+    } else if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
+      f(scalar_t{}, c10::Float8_e4m3fn{});
+    } else {
+      TORCH_CHECK(false, name, ": quantized caches hold int8 or float8_e4m3fn codes, got ", key_cache.scalar_type());
+    }
+  });
+}
+
+template <typename C>
+Paged<C> make_paged(const torch::Tensor& key_cache, const torch::Tensor& value_cache, const float* key_scale,
+                    const float* value_scale, const torch::Tensor& block_tables) {
+  return Paged<C>{key_cache.data_ptr<C>(), value_cache.data_ptr<C>(), key_scale, value_scale,
+                  block_tables.data_ptr<int32_t>(), key_cache.size(2), key_cache.size(3), key_cache.size(1),
+                  block_tables.size(1)};
+}
+
+}  // namespace kvforge_cpu::paged
