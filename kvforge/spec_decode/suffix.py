@@ -19,84 +19,117 @@ if TYPE_CHECKING:
     from kvforge.sampling_params import SamplingParams
 
 
-class _Node:
-    __slots__ = ("count", "total", "children")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.total = 0  # the sum of the children's counts
-        self.children: dict[int, _Node] = {}
-
-
 class SuffixTrie:
-    """Substring counts of the sequences added, up to max_depth tokens deep."""
+    """Substring counts of the sequences added, up to max_depth tokens deep.
+
+    A node is an int indexing flat lists: its count, the total of its children's counts, and its children as a
+    dict {token id: node}. The dicts hold only ints, so Python's cyclic collector never tracks them. NOTE: with a
+    Python object per node, the collections that node allocation triggered, each walking every node of the
+    finished requests' trie, took a quarter of a single-stream step on open chat (`kvforge bench speculative
+    --methods off,suffix --workloads chat --streams 1`, benchmarks/RESULTS.md)."""
+
+    ROOT = 0
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
-        self.root = _Node()
+        self.counts = [0]
+        self.totals = [0]
+        self.children: list[dict[int, int]] = [{}]
+        self.free: list[int] = []  # nodes dropped by remove(), reused first
 
-    def extend(self, active: list[_Node], token_id: int) -> list[_Node]:
+    def _child(self, node: int, token_id: int) -> int:
+        """node's child for token_id, made (count 0) if missing."""
+        child = self.children[node].get(token_id)
+        if child is None:
+            if self.free:
+                child = self.free.pop()
+            else:
+                child = len(self.counts)
+                self.counts.append(0)
+                self.totals.append(0)
+                self.children.append({})
+            self.children[node][token_id] = child
+        return child
+
+    def extend(self, active: list[int], token_id: int) -> list[int]:
         """Count token_id after each substring in active (the nodes of the suffixes ending at the previous
         token, longest first); returns the nodes of the suffixes ending at token_id, longest first."""
         extended = []
-        for node in active[-(self.max_depth - 1):] if len(active) >= self.max_depth else active:
-            child = node.children.get(token_id)
-            if child is None:
-                child = node.children[token_id] = _Node()
-            child.count += 1
-            node.total += 1
+        counts, totals = self.counts, self.totals
+        for node in [*(active[-(self.max_depth - 1):] if len(active) >= self.max_depth else active), self.ROOT]:
+            child = self._child(node, token_id)
+            counts[child] += 1
+            totals[node] += 1
             extended.append(child)
-        child = self.root.children.get(token_id)
-        if child is None:
-            child = self.root.children[token_id] = _Node()
-        child.count += 1
-        self.root.total += 1
-        return extended + [child]
+        return extended
 
     def add(self, token_ids: Sequence[int]) -> None:
-        active: list[_Node] = []
+        active: list[int] = []
         for token_id in token_ids:
             active = self.extend(active, token_id)
 
     def remove(self, token_ids: Sequence[int]) -> None:
         """Undo add(token_ids), dropping the nodes that nothing counts any more."""
         for start in range(len(token_ids)):
-            node = self.root
+            node = self.ROOT
             for token_id in token_ids[start : start + self.max_depth]:
-                child = node.children[token_id]
-                child.count -= 1
-                node.total -= 1
-                if child.count == 0:
-                    del node.children[token_id]
+                child = self.children[node][token_id]
+                self.counts[child] -= 1
+                self.totals[node] -= 1
+                if self.counts[child] == 0:  # so are all the substrings that extend it
+                    del self.children[node][token_id]
+                    self._drop(child)
                     break
                 node = child
 
-    def find(self, context: Sequence[int]) -> list[tuple[int, _Node]]:
+    def _drop(self, node: int) -> None:
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            stack.extend(self.children[node].values())
+            self.counts[node] = self.totals[node] = 0
+            self.children[node] = {}
+            self.free.append(node)
+
+    def node(self, token_ids: Sequence[int]) -> int | None:
+        """The node of the substring token_ids, None if it was never counted."""
+        node: int | None = self.ROOT
+        for token_id in token_ids:
+            node = self.children[node].get(token_id)
+            if node is None:
+                return None
+        return node
+
+    def count(self, token_ids: Sequence[int]) -> int:
+        """How often token_ids occurs in the sequences added (as far as max_depth counts it)."""
+        node = self.node(token_ids)
+        return 0 if node is None else self.counts[node]
+
+    def nodes_in_use(self) -> int:
+        return len(self.counts) - len(self.free) - 1  # the root aside
+
+    def find(self, context: Sequence[int]) -> list[tuple[int, int]]:
         """(length, node) of each suffix of context (up to max_depth - 1 tokens) present here, longest first."""
         found = []
         for length in range(min(len(context), self.max_depth - 1), 0, -1):
-            node = self.root
-            for token_id in context[len(context) - length :]:
-                node = node.children.get(token_id)
-                if node is None:
-                    break
+            node = self.node(context[len(context) - length :])
             if node is not None:
                 found.append((length, node))
         return found
 
-
-def _continue(node: _Node, max_num_tokens: int, min_token_prob: float) -> tuple[list[int], float]:
-    """The most frequent continuation from node and its score (the expected number of accepted tokens)."""
-    draft, prob, score = [], 1.0, 0.0
-    while node.children and len(draft) < max_num_tokens:
-        token_id, child = max(node.children.items(), key=lambda item: item[1].count)
-        prob *= child.count / node.total
-        if prob < min_token_prob:
-            break
-        draft.append(token_id)
-        score += prob
-        node = child
-    return draft, score
+    def continuation(self, node: int, max_num_tokens: int, min_token_prob: float) -> tuple[list[int], float]:
+        """The most frequent continuation from node and its score (the expected number of accepted tokens)."""
+        draft, prob, score = [], 1.0, 0.0
+        counts = self.counts
+        while self.children[node] and len(draft) < max_num_tokens:
+            token_id, child = max(self.children[node].items(), key=lambda item: counts[item[1]])
+            prob *= counts[child] / self.totals[node]
+            if prob < min_token_prob:
+                break
+            draft.append(token_id)
+            score += prob
+            node = child
+        return draft, score
 
 
 class SuffixProposer:
@@ -116,26 +149,27 @@ class SuffixProposer:
         self.global_trie = SuffixTrie(max_depth)
         self.cached: OrderedDict[str, list[int]] = OrderedDict()
         # per running request: its trie, how many of its tokens it holds, the nodes of its latest suffixes
-        self.local: dict[str, tuple[SuffixTrie, int, list[_Node]]] = {}
+        self.local: dict[str, tuple[SuffixTrie, int, list[int]]] = {}
 
-    def _local_matches(self, request_id: str, token_ids: Sequence[int]) -> list[tuple[int, _Node]]:
+    def _local_matches(self, request_id: str, token_ids: Sequence[int]) -> list[tuple[SuffixTrie, int, int]]:
         trie, num_added, active = self.local.get(request_id) or (SuffixTrie(self.max_depth), 0, [])
         for token_id in token_ids[num_added:]:
             active = trie.extend(active, token_id)
         self.local[request_id] = (trie, len(token_ids), active)
         # active[i] is the suffix of len(active) - i tokens; the whole context's own last occurrence has
         # no continuation yet, so only earlier occurrences can have children
-        return [(len(active) - i, node) for i, node in enumerate(active) if len(active) - i < self.max_depth]
+        return [(trie, len(active) - i, node) for i, node in enumerate(active) if len(active) - i < self.max_depth]
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int,
                 sampling_params: SamplingParams | None = None) -> Drafts:
         best, best_score = [], 0.0
-        matches = self._local_matches(request_id, token_ids) + self.global_trie.find(token_ids)
-        for length, node in matches:
+        matches = self._local_matches(request_id, token_ids)
+        matches += [(self.global_trie, length, node) for length, node in self.global_trie.find(token_ids)]
+        for trie, length, node in matches:
             limit = min(max_num_tokens, max(1, int(length * self.spec_factor)))
             if limit <= best_score:  # a score is at most its draft's length: this match cannot win
                 continue
-            draft, score = _continue(node, limit, self.min_token_prob)
+            draft, score = trie.continuation(node, limit, self.min_token_prob)
             if score > best_score:
                 best, best_score = draft, score
         return Drafts(best)

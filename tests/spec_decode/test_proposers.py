@@ -50,10 +50,15 @@ def test_suffix_trie_removal_leaves_nothing_behind():
     trie = SuffixTrie(max_depth=4)
     trie.add([1, 2, 1, 2, 3])
     trie.add([2, 3, 4])
-    assert trie.root.children[2].count == 3 and trie.root.children[2].children[3].count == 2
+    assert trie.count([2]) == 3 and trie.count([2, 3]) == 2 and trie.count([1, 2, 1]) == 1
+    used = trie.nodes_in_use()
+    trie.remove([1, 2, 1, 2, 3])
+    assert trie.count([2]) == 1 and trie.count([1]) == 0 and trie.count([2, 3, 4]) == 1
+    trie.add([1, 2, 1, 2, 3])  # the dropped nodes come back into use
+    assert trie.nodes_in_use() == used and len(trie.counts) == used + 1
     trie.remove([1, 2, 1, 2, 3])
     trie.remove([2, 3, 4])
-    assert trie.root.children == {}
+    assert trie.nodes_in_use() == 0 and trie.children[trie.ROOT] == {} and trie.totals[trie.ROOT] == 0
 
 
 def test_suffix_shares_after_forgetting_a_request_are_those_of_the_requests_kept():

@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "layer_ops.cpp", "paged_decode.cpp", "paged_prefill.cpp",
-                                         "quant_gemv.cpp", "quant_gemv_int8.cpp", "quant_panels.cpp", "python_arenas.cpp")]
+                                         "quant_gemv.cpp", "quant_gemv_int8.cpp", "quant_panels.cpp",
+                                         "python_arenas.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
