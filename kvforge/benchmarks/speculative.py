@@ -2,11 +2,13 @@
 
 Two shipped workloads of chat prompts (kvforge/data/workloads): `grounded` asks the model to repeat or copy
 and extend a given passage or piece of code (the drafts can come from the prompt), `chat` asks open
-questions with no source text. Each method's engine is loaded once; single-stream requests take turns
-across the methods prompt by prompt (so a drifting machine load slows all alike), then each method runs
-all prompts at once. Greedy decoding, so every method generates the same tokens; reported: decode tokens/s
-(single stream: after each first token; concurrent: all output tokens over the wall time), the ratio to
-speculation off, the acceptance rate per draft position and the mean accepted length.
+questions with no source text. Each method gets a fresh engine per stream count (one that served the same
+prompts at another count would hold their answers in its suffix trie and its measured step costs), shared by
+the workloads; single-stream requests take turns across the methods prompt by prompt (so a drifting machine
+load slows all alike), concurrent ones run all prompts at once, method after method. Greedy decoding, so
+every method generates the same tokens; reported: decode tokens/s (single stream: after each first token;
+concurrent: all output tokens over the wall time), the ratio to speculation off, the acceptance rate per draft
+position and the mean accepted length.
 """
 
 from __future__ import annotations
@@ -125,19 +127,23 @@ def run(args: argparse.Namespace) -> int:
     if methods[0] != "off":
         raise SystemExit("--methods must start with off (the baseline)")
     stream_counts = [int(s) for s in args.streams.split(",")]
-    engines = _engines(args, methods, stream_counts)
-    tokenizer = next(iter(engines.values())).tokenizer
+    workloads = [w.strip() for w in args.workloads.split(",")]
+    conversations = {w: load_chat_workload(w)[: args.num_prompts] for w in workloads}
     rows = []
     print(f"{'workload':<9} {'streams':>7}  {'method':<7} {'tok/s':>9} {'vs off':>8}  {'mean':>5}  acceptance/pos")
-    for workload in args.workloads.split(","):
-        conversations = load_chat_workload(workload.strip())[: args.num_prompts]
-        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
-        for streams in stream_counts:
+    for streams in stream_counts:
+        engines = _engines(args, methods, [streams])
+        tokenizer = next(iter(engines.values())).tokenizer
+        for workload in workloads:
+            prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
+                       for c in conversations[workload]]
             measured = _measure(engines, prompts, streams, args.output_len, workload)
             baseline = measured["off"][0][0] / measured["off"][0][1]
             for method, ((tokens, seconds), spec) in measured.items():
-                rows.append(_row(workload.strip(), streams, method, tokens / seconds, baseline, spec))
+                rows.append(_row(workload, streams, method, tokens / seconds, baseline, spec))
                 _print(rows[-1])
+        for engine in engines.values():
+            engine.shutdown()
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"output_len": args.output_len, "num_prompts": args.num_prompts, "rows": rows}, handle,
