@@ -24,9 +24,10 @@ class SuffixTrie:
 
     A node is an int indexing flat lists: its count, the total of its children's counts, and its children as a
     dict {token id: node}. The dicts hold only ints, so Python's cyclic collector never tracks them. NOTE: with a
-    Python object per node, the collections that node allocation triggered, each walking every node of the
-    finished requests' trie, took a quarter of a single-stream step on open chat (`kvforge bench speculative
-    --methods off,suffix --workloads chat --streams 1`, benchmarks/RESULTS.md)."""
+    Python object per node, a sampling profile of single-stream open chat put a quarter of each step under the
+    node constructor (the allocation, and the collections it triggers, which walk every tracked node); with int
+    nodes suffix went from 0.915x to 1.105x of no speculation there (`kvforge bench speculative --methods
+    off,suffix --workloads chat --streams 1`, benchmarks/RESULTS.md)."""
 
     ROOT = 0
 
