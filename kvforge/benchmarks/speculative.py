@@ -48,7 +48,7 @@ WARMUP = [{"role": "user", "content": "Repeat exactly: one two three four five s
                                       "Red green blue yellow. One two three four five six seven eight nine ten."}]
 
 
-def _engines(args: argparse.Namespace, methods: list[str], streams: list[int]) -> dict:
+def _engines(args: argparse.Namespace, methods: list[str], streams: int) -> dict:
     from kvforge import LLM
 
     kwargs = engine_kwargs_from_args(args)
@@ -58,11 +58,10 @@ def _engines(args: argparse.Namespace, methods: list[str], streams: list[int]) -
     for method in methods:
         engine = LLM(**{**kwargs, "speculative_method": None if method == "off" else method}).engine
         prompt = engine.tokenizer.apply_chat_template(WARMUP, add_generation_prompt=True, tokenize=True)
-        for count in streams:
-            _run(engine, [prompt] * count, 64, f"warmup-{count}")
+        _run(engine, [prompt] * streams, 64, f"warmup-{streams}")
         graphs, max_rows = engine.runner.decode_graphs, engine.config.speculative.speculative_max_rows
         if graphs is not None:  # the row counts the warm-up did not reach (steps with drafts have <= max_rows)
-            graphs.compile_ahead(max(max(streams), 0 if method == "off" else max_rows))
+            graphs.compile_ahead(max(streams, 0 if method == "off" else max_rows))
         engines[method] = engine
     return engines
 
@@ -132,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     print(f"{'workload':<9} {'streams':>7}  {'method':<7} {'tok/s':>9} {'vs off':>8}  {'mean':>5}  acceptance/pos")
     for streams in stream_counts:
-        engines = _engines(args, methods, [streams])
+        engines = _engines(args, methods, streams)
         tokenizer = next(iter(engines.values())).tokenizer
         for workload in workloads:
             prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)

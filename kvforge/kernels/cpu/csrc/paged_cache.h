@@ -135,29 +135,32 @@ inline void with_block(int64_t n, F f) {
   f(std::integral_constant<int, Max>{});
 }
 
-// The query dtype T and the cache's element type C (T itself, or int8 / fp8 codes when the cache has scales):
-// f(T{}, C{}).
+// f(T{}, cache) with the query dtype T and the cache as Paged<C>, C its element type: T itself, or int8 / fp8 codes
+// when key_scale and value_scale are given (float32, one per slot and kv head; both or neither).
 template <class F>
-void dispatch_types(const torch::Tensor& query, const torch::Tensor& key_cache, bool quantized, const char* name, F f) {
+void dispatch_paged(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                    const torch::Tensor& block_tables, const c10::optional<torch::Tensor>& key_scale,
+                    const c10::optional<torch::Tensor>& value_scale, const char* name, F f) {
+  TORCH_CHECK(key_scale.has_value() == value_scale.has_value(), name, ": key_scale and value_scale go together");
+  const float* k_scale = key_scale.has_value() ? key_scale->data_ptr<float>() : nullptr;
+  const float* v_scale = value_scale.has_value() ? value_scale->data_ptr<float>() : nullptr;
+  auto call = [&](auto t, auto c) {
+    using C = decltype(c);
+    f(t, Paged<C>{key_cache.data_ptr<C>(), value_cache.data_ptr<C>(), k_scale, v_scale,
+                  block_tables.data_ptr<int32_t>(), key_cache.size(2), key_cache.size(3), key_cache.size(1),
+                  block_tables.size(1)});
+  };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    if (!quantized) {
-      f(scalar_t{}, scalar_t{});
+    if (k_scale == nullptr) {
+      call(scalar_t{}, scalar_t{});
     } else if (key_cache.scalar_type() == at::kChar) {
-      f(scalar_t{}, int8_t{});
+      call(scalar_t{}, int8_t{});
     } else if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
-      f(scalar_t{}, c10::Float8_e4m3fn{});
+      call(scalar_t{}, c10::Float8_e4m3fn{});
     } else {
       TORCH_CHECK(false, name, ": quantized caches hold int8 or float8_e4m3fn codes, got ", key_cache.scalar_type());
     }
   });
-}
-
-template <typename C>
-Paged<C> make_paged(const torch::Tensor& key_cache, const torch::Tensor& value_cache, const float* key_scale,
-                    const float* value_scale, const torch::Tensor& block_tables) {
-  return Paged<C>{key_cache.data_ptr<C>(), value_cache.data_ptr<C>(), key_scale, value_scale,
-                  block_tables.data_ptr<int32_t>(), key_cache.size(2), key_cache.size(3), key_cache.size(1),
-                  block_tables.size(1)};
 }
 
 }  // namespace kvforge_cpu::paged

@@ -250,16 +250,12 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
               "paged_decode takes contiguous tensors");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_decode: block_tables and seq_lens are int32");
-  const float* k_scale = key_scale.has_value() ? key_scale->data_ptr<float>() : nullptr;
-  const float* v_scale = value_scale.has_value() ? value_scale->data_ptr<float>() : nullptr;
-  TORCH_CHECK((k_scale == nullptr) == (v_scale == nullptr), "key_scale and value_scale go together");
   auto out = torch::empty_like(query);
-  dispatch_types(query, key_cache, k_scale != nullptr, "paged_decode", [&](auto t, auto c) {
+  dispatch_paged(query, key_cache, value_cache, block_tables, key_scale, value_scale, "paged_decode",
+                 [&](auto t, const auto& cache) {
     using T = decltype(t);
-    using C = decltype(c);
-    decode_kernel<T, C>(out.data_ptr<T>(), query.data_ptr<T>(),
-                        make_paged<C>(key_cache, value_cache, k_scale, v_scale, block_tables),
-                        seq_lens.data_ptr<int32_t>(), query.size(0), query.size(1), static_cast<float>(scale));
+    decode_kernel(out.data_ptr<T>(), query.data_ptr<T>(), cache, seq_lens.data_ptr<int32_t>(), query.size(0),
+                  query.size(1), static_cast<float>(scale));
   });
   return out;
 }

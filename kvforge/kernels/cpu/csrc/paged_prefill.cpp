@@ -252,16 +252,12 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
                 "paged_prefill: sequence ", s, " has ", q_len, " query tokens and ", lens[s],
                 " of context, which its queries and block table do not hold");
   }
-  const float* k_scale = key_scale.has_value() ? key_scale->data_ptr<float>() : nullptr;
-  const float* v_scale = value_scale.has_value() ? value_scale->data_ptr<float>() : nullptr;
-  TORCH_CHECK((k_scale == nullptr) == (v_scale == nullptr), "key_scale and value_scale go together");
   auto out = torch::empty_like(query);
-  dispatch_types(query, key_cache, k_scale != nullptr, "paged_prefill", [&](auto t, auto c) {
+  dispatch_paged(query, key_cache, value_cache, block_tables, key_scale, value_scale, "paged_prefill",
+                 [&](auto t, const auto& cache) {
     using T = decltype(t);
-    using C = decltype(c);
-    prefill_kernel<T, C>(out.data_ptr<T>(), query.data_ptr<T>(),
-                         make_paged<C>(key_cache, value_cache, k_scale, v_scale, block_tables), starts, lens,
-                         num_seqs, query.size(1), static_cast<float>(scale));
+    prefill_kernel(out.data_ptr<T>(), query.data_ptr<T>(), cache, starts, lens, num_seqs, query.size(1),
+                   static_cast<float>(scale));
   });
   return out;
 }
