@@ -30,6 +30,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def reset_caches(self) -> None:
+        """Forget cached prompt blocks and what finished requests taught the speculative proposer (for example
+        between benchmark rounds); requests in flight keep theirs."""
+        self.engine.reset_caches()
+
     def shutdown(self) -> None:
         """Stop the other ranks' processes when running tensor or pipeline parallel (else nothing)."""
         self.engine.shutdown()

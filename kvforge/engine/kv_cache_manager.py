@@ -36,6 +36,10 @@ class KVCacheManager:
                           block_size=self.block_size, num_prefix_query_tokens=pool.num_hit_queries,
                           num_prefix_hit_tokens=pool.num_hit_blocks * self.block_size)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks no request holds (the running requests' blocks stay theirs)."""
+        self.pool.reset_prefix_cache()
+
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
 

@@ -112,6 +112,13 @@ class LLMEngine:
         """Queues and KV cache counters now (the server's metrics and the async engine read these)."""
         return EngineStats.of(self.scheduler.stats(), self.kv_cache_manager.stats())
 
+    def reset_caches(self) -> None:
+        """Forget what finished requests left behind: the prefix cache's free blocks and, with speculation, the
+        proposer's memory of them (the suffix trie of finished requests). Running requests are not touched."""
+        self.kv_cache_manager.reset_prefix_cache()
+        if self.scheduler.speculation is not None:
+            self.scheduler.speculation.reset()
+
     def shutdown(self) -> None:
         """Stop the other ranks' processes (if any). The engine cannot step afterwards."""
         self.grammars.shutdown()

@@ -59,6 +59,9 @@ class Speculation:
         self.policy.forget(request.request_id)
         self.proposer.finish(request.request_id, request.all_token_ids)
 
+    def reset(self) -> None:
+        self.proposer.reset()
+
     def stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_verified_requests, tuple(self.num_drafted_per_position),
                                tuple(self.num_accepted_per_position))

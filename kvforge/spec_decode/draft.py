@@ -96,3 +96,7 @@ class DraftModelProposer:
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Nothing to forget: each proposal is a request of its own in the draft engine."""
+
+    def reset(self) -> None:
+        """Drop the draft engine's cached prompt blocks."""
+        self.engine.reset_caches()

@@ -44,3 +44,6 @@ class NgramProposer:
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Nothing to forget: the proposer keeps no state."""
+
+    def reset(self) -> None:
+        """Nothing to forget: the proposer keeps no state."""

@@ -185,3 +185,8 @@ class SuffixProposer:
         while len(self.cached) > self.max_cached_requests:
             _, old = self.cached.popitem(last=False)
             self.global_trie.remove(old)
+
+    def reset(self) -> None:
+        """Forget the finished requests (running ones keep their own tries)."""
+        self.global_trie = SuffixTrie(self.max_depth)
+        self.cached.clear()

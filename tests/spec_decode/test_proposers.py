@@ -46,6 +46,16 @@ def test_suffix_learns_from_finished_requests_and_forgets_the_oldest():
     assert list(proposer.cached) == ["new"] and "new" not in proposer.local
 
 
+def test_suffix_reset_forgets_finished_requests_but_not_running_ones():
+    proposer = SuffixProposer(max_depth=6, min_token_prob=0.5, spec_factor=2.0)
+    proposer.finish("old", [10, 11, 12, 13, 14])
+    assert proposer.propose("running", [1, 2, 3, 1, 2], 2).token_ids == [3, 1]
+    proposer.reset()
+    assert proposer.propose("new", [7, 10, 11], 3).token_ids == []
+    assert proposer.propose("running", [1, 2, 3, 1, 2], 2).token_ids == [3, 1]
+    assert not proposer.cached and proposer.global_trie.nodes_in_use() == 0
+
+
 def test_suffix_trie_removal_leaves_nothing_behind():
     trie = SuffixTrie(max_depth=4)
     trie.add([1, 2, 1, 2, 3])

@@ -84,3 +84,21 @@ def test_logprobs_stop_strings_and_max_tokens_as_without_speculation(engines):
     assert (ours.text, ours.token_ids, ours.finish_reason) == (theirs.text, theirs.token_ids, "stop")
     cache = spec.engine.cache_stats()
     assert cache.num_free_blocks == cache.num_usable_blocks
+
+
+def test_reset_caches_forgets_cached_prompts_and_finished_requests(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", enforce_eager=True, block_size=4,
+              speculative_method="suffix")
+    prompt = {"prompt_token_ids": list(range(3, 23))}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate([prompt], params)[0].outputs[0].token_ids
+    hits = llm.engine.stats().num_prefix_hit_tokens
+    proposer = llm.engine.scheduler.speculation.proposer
+    assert list(proposer.cached)  # the finished request is in the suffix trie
+    llm.generate([prompt], params)
+    assert llm.engine.stats().num_prefix_hit_tokens > hits
+    hits = llm.engine.stats().num_prefix_hit_tokens
+    llm.reset_caches()
+    assert not proposer.cached and proposer.global_trie.nodes_in_use() == 0
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
+    assert llm.engine.stats().num_prefix_hit_tokens == hits  # nothing left to hit
