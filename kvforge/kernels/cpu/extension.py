@@ -20,6 +20,7 @@ nodes:
     rms_norm(x [T, H], weight, eps) -> [T, H]; fused_add_rms_norm(x, residual, weight, eps) -> (out, residual);
         silu_and_mul(x [T, 2d]) -> [T, d]; rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
         -> (query, key)                                                          (layer_ops.py, eager steps)
+    argmax_rows(logits [R, V] fp32) -> [R] int64, each row's first maximum      (argmax.py)
     cache_python_arenas()   CPython's freed arenas and stack chunks kept for reuse (csrc/python_arenas.cpp)
 """
 
@@ -35,9 +36,9 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("dense_gemv.cpp", "layer_ops.cpp", "paged_decode.cpp", "paged_prefill.cpp",
-                                         "quant_gemv.cpp", "quant_gemv_int8.cpp", "quant_panels.cpp",
-                                         "python_arenas.cpp")]
+_SOURCES = [_CSRC / name for name in ("argmax.cpp", "dense_gemv.cpp", "layer_ops.cpp", "paged_decode.cpp",
+                                         "paged_prefill.cpp", "quant_gemv.cpp", "quant_gemv_int8.cpp",
+                                         "quant_panels.cpp", "python_arenas.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
@@ -128,6 +129,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvforge_cpu::cache_write")
     def _(rows, cache, slot_mapping):
         return None
+
+    @torch.library.register_fake("kvforge_cpu::argmax_rows")
+    def _(logits):
+        return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
     @torch.library.register_fake("kvforge_cpu::rms_norm")
     def _(x, weight, eps):
