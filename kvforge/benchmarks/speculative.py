@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             engine.shutdown()
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"output_len": args.output_len, "num_prompts": args.num_prompts, "rounds": args.rounds,
-                       "rows": rows}, handle,
-                      indent=2)
+            result = {"output_len": args.output_len, "num_prompts": args.num_prompts, "rounds": args.rounds,
+                      "rows": rows}
+            json.dump(result, handle, indent=2)
     return 0
