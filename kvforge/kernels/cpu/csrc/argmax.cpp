@@ -9,14 +9,13 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "vec16.h"
 
 namespace kvforge_cpu {
 namespace {
 
-typedef float vec16 __attribute__((vector_size(64)));
-typedef int32_t ivec16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+typedef int32_t ivec16 __attribute__((vector_size(64)));  // a vec16's lanes' column indices
 constexpr int64_t kGrainElements = 65536;
 
 // a takes b's place where b is larger, or where b is a NaN and a is not
@@ -28,10 +27,9 @@ int64_t argmax_row(const float* row, int64_t n) {
   ivec16 index = lanes;
   int64_t c = 0;
   if (n >= kLanes) {
-    std::memcpy(&best, row, sizeof best);
+    best = load16(row);
     for (c = kLanes; c + kLanes <= n; c += kLanes) {
-      vec16 v;
-      std::memcpy(&v, row + c, sizeof v);
+      const vec16 v = load16(row + c);
       const ivec16 take = takes(best, v);
       best = take ? v : best;
       index = take ? lanes + static_cast<int32_t>(c) : index;

@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "vec16.h"
+
 namespace kvforge_cpu::paged {
 
 // fp8 e4m3 codes are widened through a 256-entry table, built once from c10's conversion.
@@ -28,18 +30,10 @@ inline const float* fp8_e4m3_table() {
   return table.data();
 }
 
-// 16 floats, the kernel's vector: GCC and clang lower it to the registers -march gives (one zmm with AVX-512, two
-// ymm with AVX2). Loads and stores go through memcpy, so rows need no alignment.
-typedef float vec16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
+using kvforge_cpu::kLanes;  // the kernels' vector (vec16.h), for those that use this namespace
+using kvforge_cpu::load16;
+using kvforge_cpu::store16;
+using kvforge_cpu::vec16;
 
 // One cached row (a token's key or value for one kv head) as floats.
 template <typename C>
