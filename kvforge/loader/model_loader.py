@@ -22,6 +22,7 @@ from kvforge.quantization import (
 )
 from kvforge.quantization.fp8 import fp8_checkpoint_tensors
 from kvforge.quantization.gguf_quants import keep_gguf_quantized
+from kvforge.quantization.weight_only_kernels import chain_prefetches
 from kvforge.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
     if config.quantize_lm_head and quant_config is not None and quant_config.method == "rtn":
         quantize_vocab_rows(model)
     use_dense_gemv(model)
+    chain_prefetches(model)
     model.eval()
     logger.info("loaded %s (%s) as %s on %s", path.name, model_class.__name__, dtype, device)
     return LoadedModel(model, tokenizer, hf_config, dtype, str(path))

@@ -55,12 +55,26 @@ class PanelKernel(WeightOnlyKernel):
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("offsets", offsets, persistent=False)
+        self.prefetch_next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # chain_prefetches
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return panel_linear(x, self.codes, self.scales, self.offsets, self.factor, self.bits, self.out_features)
+        return panel_linear(x, self.codes, self.scales, self.offsets, self.factor, self.bits, self.out_features,
+                            self.prefetch_next)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return panel_rows(self.codes, self.scales, self.offsets, self.factor, self.bits, ids)
+
+
+def chain_prefetches(model: nn.Module) -> None:
+    """Each panel-layout weight of the model prefetches the first bytes of the next one while it finishes, so that
+    memory keeps streaming across the calls between them. "Next" is the model's module order, which is the order
+    its decoder layers run their matmuls in; the last weight's next is the first (the LM head, or a tied
+    embedding's, then the next step's first layer). Where that order is not the running one, the prefetches only
+    miss: the results do not depend on them."""
+    kernels = [module for module in model.modules() if isinstance(module, PanelKernel)]
+    if len(kernels) > 1:
+        for kernel, following in zip(kernels, kernels[1:] + kernels[:1]):
+            kernel.prefetch_next = (following.codes, following.scales, following.offsets)
 
 
 class NativeKernel(WeightOnlyKernel):

@@ -14,9 +14,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
+from kvforge.kernels.cpu.quant_panels import panels_available
 from kvforge.llm import LLM
 from kvforge.loader.gguf import load_gguf
 from kvforge.quantization.gguf_quants import GGUFMethod
+from kvforge.quantization.weight_only_kernels import PanelKernel
 from kvforge.sampling_params import SamplingParams
 from tests.loader.test_gguf import (
     HEADS,
@@ -184,3 +186,25 @@ def test_rtn_quantizes_the_vocabulary_rows_to_int8(tiny_llama_dir) -> None:
     ours, reference = quantized.engine.score(token_ids), float_head.engine.score(token_ids)
     assert (ours - reference).abs().max() <= 2e-2 * reference.abs().max()
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not panels_available(), reason="the panel kernels need AVX-512 VNNI")
+def test_compiled_single_stream_steps_chain_the_kept_weights_and_answer_as_eager(tiny_path: Path) -> None:
+    """Each panel weight prefetches the next one the step multiplies by (module order, the last wrapping round to
+    the first); the compiled single-stream step calls them from Inductor's C++ wrapper and answers as eager."""
+    options = dict(ENGINE, quantization="gguf", compile_buckets=(1,))
+    compiled = LLM(str(tiny_path), compile_after=0, **options)
+    eager = LLM(str(tiny_path), enforce_eager=True, **options)
+    kernels = [(name, module) for name, module in compiled.engine.local_model.named_modules()
+               if isinstance(module, PanelKernel)]  # fmt: skip
+    names = {id(module.codes): name for name, module in kernels}
+    following = [names[id(module.prefetch_next[0])] for _, module in kernels]
+    assert following == [name for name, _ in kernels[1:] + kernels[:1]]
+    layer = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.down_proj"]  # gate_up stays float (a Q6_K shard)
+    assert [name.removesuffix(".kernel") for name, _ in kernels] == [
+        "embed_tokens", *(f"layers.{i}.{name}" for i in range(2) for name in layer), "lm_head"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(5, 17))}]
+    answers = [llm.generate(prompt, params)[0].outputs[0].token_ids for llm in (compiled, eager)]
+    assert answers[0] == answers[1]
+    assert compiled.engine.runner.decode_graphs.wrappers == {1: "C++"}

@@ -93,10 +93,13 @@ def panel_rows(
 
 def panel_linear(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, factor: float, bits: int,
-    out_features: int,
+    out_features: int, prefetch_next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [M, K] float -> x W^T [M, out_features] in x's dtype (needs panels_available())."""
-    out = torch.ops.kvforge_cpu.quant_gemm_panels(x.float(), codes, scales, offsets, bits, out_features, factor)
+    """x [M, K] float -> x W^T [M, out_features] in x's dtype (needs panels_available()). prefetch_next: the
+    (codes, scales, offsets) of the weight multiplied by next, whose first bytes each thread then prefetches while
+    it finishes this one (the result does not depend on it)."""
+    out = torch.ops.kvforge_cpu.quant_gemm_panels(x.float(), codes, scales, offsets, bits, out_features, factor,
+                                                  *(prefetch_next or (None, None, None)))
     return out.to(x.dtype)
 
 

@@ -87,3 +87,28 @@ def test_full_range_codes_and_activations() -> None:
 def test_layouts_without_whole_blocks_are_refused() -> None:
     with pytest.raises(ValueError, match="no panel layout"):
         pack_panels(torch.zeros(16, 48, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 8)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("next_shape", [(16, 128), (300, 1536), (2000, 576)])
+def test_prefetching_the_next_weight_changes_no_result(bits: int, num_tokens: int, next_shape: tuple[int, int]) -> None:
+    """The next weight smaller than one thread's part, about the size of this one's, and larger; of the other
+    width; the prefetches run past the end of each thread's part of this weight into its part of the next."""
+    weight = _weight(110, 576, bits, 32, "float", seed=bits)
+    packed = pack_panels(weight.codes, weight.scales, weight.zeros, bits)
+    following = _weight(*next_shape, 4, 32, "int", seed=1)
+    next_codes, next_scales, next_offsets, _ = pack_panels(following.codes, following.scales, following.zeros, 4)
+    x = torch.randn(num_tokens, 576, generator=torch.Generator().manual_seed(0))
+    alone = panel_linear(x, *packed, bits, 110)
+    assert torch.equal(panel_linear(x, *packed, bits, 110, (next_codes, next_scales, next_offsets)), alone)
+
+
+def test_a_next_weight_needs_all_of_its_layout() -> None:
+    weight = _weight(32, 128, 4, 32, "int", seed=0)
+    codes, scales, offsets, factor = pack_panels(weight.codes, weight.scales, weight.zeros, 4)
+    x = torch.randn(1, 128)
+    with pytest.raises(RuntimeError, match="needs its codes, scales and offsets"):
+        torch.ops.kvforge_cpu.quant_gemm_panels(x, codes, scales, offsets, 4, 32, factor, codes, None, None)
+    with pytest.raises(RuntimeError, match="next_scales and next_offsets must be"):
+        panel_linear(x, codes, scales, offsets, factor, 4, 32, (codes, scales.float(), offsets))
