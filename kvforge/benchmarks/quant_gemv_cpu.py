@@ -2,6 +2,7 @@
 torch's prepacked int8pack / int4pack, on the default model's layer shapes (SmolLM2-135M).
 
     python -m kvforge.benchmarks.quant_gemv_cpu [--threads 1] [--tokens 1,4,16] [--rounds 10] [--group-size 32]
+        [--compiled]
 
 "dense" is the float32 GEMV (the layers' path up to 4 rows), "onednn" oneDNN's float32 matmul on the row-major
 weight and "onednn packed" on a copy in its blocked layout (the layers' path above 4 rows); the quantized
@@ -9,7 +10,11 @@ C++ kernels run twice, with x in fp32 ("native w8", "native w4") and rounded to 
 layers' default on AVX2), and on AVX-512 VNNI machines the panel kernel ("panels w8", "panels w4": x rounded to int8
 at every row count, the layers' default there). Three tables:
 each shape alone, its weights warm in cache; and a whole model's worth of layers (30 x qkv, o, gate_up, down) one
-after the other, and the LM head, whose weights stream from memory as they do in decode. There each variant also
+after the other, and the LM head, whose weights stream from memory as they do in decode. In the model pass the panel
+kernel also runs as the engine calls it ("panels w4 chained": each call names the next weight, which the kernel
+prefetches while it finishes), and with --compiled that pass also runs as one graph compiled the way the engine
+compiles its decode step ("... chained compiled": Inductor, its C++ wrapper at one row), the calls then made from
+C++ instead of Python (a compile of ~10 s per variant and row count). There each variant also
 gets the GB/s it reads its weights at, and the fraction of the machine's copy bandwidth that is (a 1 GiB copy, read
 + write bytes, timed in the same rounds). Variants take turns (A B C A B C ...) and each keeps its fastest round, so
 load from other processes that comes and goes hurts them alike; times are CPU time of the calling thread (wall time
@@ -20,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import time
+import types
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kvforge.executor.decode_graphs import CPP_WRAPPER_MAX_BATCH, inductor_options
 from kvforge.kernels.cpu import packed_gemm
 from kvforge.kernels.cpu.dense_gemv import ONEDNN, pack_for_onednn
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight, quant_linear_cpu
@@ -46,6 +53,27 @@ def _random_weight(num_rows: int, in_features: int, bits: int, group_size: int,
 
 def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class PanelCall:
+    """x -> x W^T by the panel kernel, naming a weight to prefetch next (`following`), or none."""
+
+    def __init__(self, panels: tuple, bits: int, num_rows: int, following: PanelCall | None = None) -> None:
+        self.panels, self.bits, self.num_rows = panels, bits, num_rows
+        self.next = None if following is None else following.panels[:3]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return panel_linear(x, *self.panels, self.bits, self.num_rows, self.next)
+
+
+def _chained(layers: list[dict[str, tuple[Callable, int]]]) -> None:
+    """Each layer's panel variants also as the engine calls them: each call names the next weight of the pass
+    (the last names the first), which the kernel then prefetches while it finishes (PanelKernel.prefetch_next);
+    the variant "... chained"."""
+    for name in [name for name, (call, _) in layers[0].items() if isinstance(call, PanelCall)]:
+        for calls, following in zip(layers, layers[1:] + layers[:1]):
+            call, size = calls[name]
+            calls[f"{name} chained"] = (PanelCall(call.panels, call.bits, call.num_rows, following[name][0]), size)
 
 
 def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: torch.Generator
@@ -73,8 +101,8 @@ def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: to
     if panels_available():
         for bits, quantized in ((8, grouped8), (4, int4)):
             panels = pack_panels(quantized.codes, quantized.scales, quantized.zeros, bits)
-            calls[f"panels w{bits}"] = (lambda x, p=panels, b=bits: panel_linear(x, *p, b, num_rows),
-                                        _bytes(*panels[:3]))
+            # NOTE: the weight's tensors ride on the call, for _chained
+            calls[f"panels w{bits}"] = (PanelCall(panels, bits, num_rows), _bytes(*panels[:3]))
     if packed_gemm.int8pack_eligible(int8):
         packed8 = packed_gemm.prepack_int8(int8)
         calls["int8pack"] = (lambda x: packed_gemm.int8pack_linear(x, *packed8), _bytes(*packed8))
@@ -108,6 +136,8 @@ def _streamed(label: str, shapes: list[tuple[int, int]], args: argparse.Namespac
     """One pass over a weight per shape, in turn, per row of the table (one per token count), and the GB/s of
     each variant against a copy timed in the same rounds."""
     layers = [_layer_calls(n, k, args.group_size, generator) for n, k in shapes]
+    if len(layers) > 1:
+        _chained(layers)
     weight_bytes = {name: sum(calls[name][1] for calls in layers) for name in layers[0]}
     source = torch.empty(COPY_BYTES, dtype=torch.uint8).fill_(1)
     target = torch.empty_like(source)
@@ -118,6 +148,10 @@ def _streamed(label: str, shapes: list[tuple[int, int]], args: argparse.Namespac
             name: (lambda name=name, xs=inputs_per_layer: [calls[name][0](x) for calls, x in zip(layers, xs)])
             for name in layers[0]
         }
+        if args.compiled:
+            for name in [name for name in layers[0] if name.endswith("chained")]:
+                programs[f"{name} compiled"] = _compiled_pass([calls[name][0] for calls in layers], inputs_per_layer)
+                weight_bytes[f"{name} compiled"] = weight_bytes[name]
         programs["copy"] = lambda: target.copy_(source)
         times = _fastest(programs, max(3, args.rounds // 3), clock)
         copy_gbs = 2 * COPY_BYTES / times.pop("copy") / 1e9
@@ -127,12 +161,38 @@ def _streamed(label: str, shapes: list[tuple[int, int]], args: argparse.Namespac
         print(f"{'  reads, copy ' + f'{copy_gbs:.1f}':<22}" + "  ".join(cells), flush=True)
 
 
+def _compiled_pass(calls: list[Callable], inputs: list[torch.Tensor]) -> Callable[[], object]:
+    """The pass as one graph compiled and replayed the way the engine compiles and replays a decode step of len(x)
+    rows (DecodeGraphs: Inductor, its C++ wrapper up to CPP_WRAPPER_MAX_BATCH rows, the graph then called on its
+    inputs directly, without dynamo's guards), so the kernels are called as the engine's compiled step calls them."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def run(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [call(x) for call, x in zip(calls, xs)]
+
+    built = []
+
+    def inductor(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        built.append((compile_fx(graph, example_inputs), list(example_inputs)))
+        return built[-1][0]
+
+    cpp_wrapper = inputs[0].shape[0] <= CPP_WRAPPER_MAX_BATCH
+    # NOTE: a code object of its own, or torch.compile would share (and recompile) one cache across variants
+    run = types.FunctionType(run.__code__.replace(), globals(), "run", None, run.__closure__)
+    with torch._inductor.config.patch(inductor_options(inputs[0].device, cpp_wrapper)):
+        torch.compile(run, fullgraph=True, dynamic=False, backend=inductor)(inputs)
+    graph, graph_inputs = built[0]
+    return lambda: graph(*graph_inputs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", default="1,4,16", help="rows of x (decoding sequences), comma-separated")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--group-size", type=int, default=32, help="of the grouped weights (default: GGUF's 32)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the panel kernels' model pass compiled as the engine compiles a decode step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter

@@ -31,7 +31,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,32 @@ logger = logging.getLogger(__name__)
 # batch 1, 123-125 -> 134-158 tokens/s; batch 4, 309-328 -> 307-341 (noise). A cold compile of a bucket takes
 # 37-41 -> 97-108 s, a warm one (Inductor's on-disk cache) 9 s either way.
 CPP_WRAPPER_MAX_BATCH = 1
+
+
+class _KernelsBuild(CustomGraphPass):
+    """A pass that changes nothing, whose id names the build of the C++ CPU kernels (kernels/cpu/extension.py).
+    Inductor keys its on-disk cache on a graph's code, which names the ops it calls but not their builds, and leaves
+    out arguments equal to their defaults: a graph compiled against an op's older argument list would be reused
+    (and crash) once a new argument with a default joins it. A custom pass's id joins the key."""
+
+    def __init__(self, build: str) -> None:
+        self.build = build
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return self.build
+
+
+def inductor_options(device: torch.device, cpp_wrapper: bool) -> dict[str, object]:
+    """The Inductor configuration a decode step compiles with: shape and alignment asserts off (the inputs are
+    static, and the opaque ops' fake implementations are tested against the kernels; measured: ~1.5 ms a step of the
+    default model), the C++ or the Python wrapper, and on the CPU the kernels' build in the cache key."""
+    options: dict[str, object] = dict(size_asserts=False, alignment_asserts=False, cpp_wrapper=cpp_wrapper)
+    if device.type == "cpu" and cpu_kernels() is not None:
+        options["post_grad_custom_post_pass"] = _KernelsBuild(cpu_kernels().__name__)
+    return options
 
 
 class DecodeGraphs:
@@ -157,10 +185,9 @@ class DecodeGraphs:
 
     def _inductor(self, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
                   ) -> Callable[..., list[torch.Tensor]]:
-        """The torch.compile backend: Inductor, keeping what it compiled and the tensors it took (the replays
-        pass the same ones). Shape and alignment asserts are off: the inputs are static, and the opaque ops'
-        fake implementations are tested against the kernels (measured: ~1.5 ms a step of the default model).
-        Small CPU batches get the C++ wrapper (CPP_WRAPPER_MAX_BATCH), or Python's where it cannot be built."""
+        """The torch.compile backend: Inductor (inductor_options), keeping what it compiled and the tensors it
+        took (the replays pass the same ones). Small CPU batches get the C++ wrapper (CPP_WRAPPER_MAX_BATCH), or
+        Python's where it cannot be built."""
         from torch._inductor.compile_fx import compile_fx
 
         # dynamo raises what a backend raises as BackendCompilerFailed: the engine then runs eagerly
@@ -172,8 +199,7 @@ class DecodeGraphs:
         wrappers = ("C++", "Python") if self.device.type == "cpu" and batch <= CPP_WRAPPER_MAX_BATCH else ("Python",)
         for wrapper in wrappers:
             try:
-                with torch._inductor.config.patch(size_asserts=False, alignment_asserts=False,
-                                                  cpp_wrapper=wrapper == "C++"):
+                with torch._inductor.config.patch(inductor_options(self.device, wrapper == "C++")):
                     compiled = compile_fx(graph, example_inputs)
                 self.wrappers[batch] = wrapper
                 break

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from kvforge.executor.decode_graphs import CPP_WRAPPER_MAX_BATCH
+from kvforge.executor.decode_graphs import CPP_WRAPPER_MAX_BATCH, inductor_options
 from kvforge.kernels.cpu.extension import cpu_kernels
 from tests.models.test_moe_vs_transformers import build_moe_model
 from tests.tiny_models import save_model, save_tokenizer
@@ -126,6 +126,20 @@ def test_compiled_families_match_eager(tiny_folder: str) -> None:
     _assert_same(compiled, eager)
     traced = "deepseek" not in tiny_folder
     assert llm.engine.runner.decode_graphs.compiled_buckets == ((1, 2, 4) if traced else ())
+
+
+@needs_cpu_kernels
+def test_the_kernels_build_keys_the_compiled_steps_on_the_cpu_only() -> None:
+    """Inductor's cache keys a graph on its code, which names an op but not the build of it: the build's name joins
+    the key as the id of a pass that leaves the graph as it is."""
+    options = inductor_options(torch.device("cpu"), cpp_wrapper=True)
+    build = options["post_grad_custom_post_pass"]
+    assert build.uuid() == cpu_kernels().__name__
+    graph = torch.fx.symbolic_trace(lambda x: x * 2 + 1).graph
+    before = str(graph)
+    build(graph)
+    assert str(graph) == before
+    assert options["cpp_wrapper"] and "post_grad_custom_post_pass" not in inductor_options(torch.device("cuda"), False)
 
 
 @pytest.mark.gpu

@@ -298,9 +298,6 @@ bool quant_panels_available() {
 
 }  // namespace kvforge_cpu
 
-// NOTE: the next weight's arguments have no defaults: Inductor's C++ wrapper leaves arguments equal to their
-// defaults out of the call it generates, and the dispatcher then reads past the end of the ones it was given
-// (torch 2.13: a crash at the first call).
 TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
   m.def("quant_gemm_panels(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int out_features, "
         "float factor, Tensor? next_codes, Tensor? next_scales, Tensor? next_offsets) -> Tensor");
