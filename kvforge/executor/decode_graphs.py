@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from kvforge.kernels.cpu.extension import cpu_kernels
+from kvforge.kernels.cpu.extension import c_shims, cpu_kernels
 from kvforge.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -65,10 +65,13 @@ class _KernelsBuild(CustomGraphPass):
 def inductor_options(device: torch.device, cpp_wrapper: bool) -> dict[str, object]:
     """The Inductor configuration a decode step compiles with: shape and alignment asserts off (the inputs are
     static, and the opaque ops' fake implementations are tested against the kernels; measured: ~1.5 ms a step of the
-    default model), the C++ or the Python wrapper, and on the CPU the kernels' build in the cache key."""
+    default model), the C++ or the Python wrapper, and on the CPU the kernels' build in the cache key and, for the
+    C++ wrapper, their C entry points (csrc/c_shims.cpp), which it then calls instead of the dispatcher."""
     options: dict[str, object] = dict(size_asserts=False, alignment_asserts=False, cpp_wrapper=cpp_wrapper)
     if device.type == "cpu" and cpu_kernels() is not None:
         options["post_grad_custom_post_pass"] = _KernelsBuild(cpu_kernels().__name__)
+        if cpp_wrapper:
+            options["aot_inductor.custom_ops_to_c_shims"] = c_shims()
     return options
 
 

@@ -5,6 +5,7 @@ Batches shrink across bucket boundaries as requests of different lengths finish;
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -97,11 +98,12 @@ def test_compiled_steps_write_and_read_a_quantized_cache(tiny_llama_dir, kv_cach
     folder = str(tiny_llama_dir[0])
     prompts = _prompts(3, 390)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 9, 12)]
-    options = dict(kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype, compile_buckets=(4,))
+    # the last request decodes alone: bucket 1, whose C++ wrapper passes the cache's scales to the C entry points
+    options = dict(kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype, compile_buckets=(1, 4))
     llm, compiled = _generate(folder, prompts, params, compile_after=0, **options)
     _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
     assert [t for t, _ in compiled] == [t for t, _ in eager]
-    assert llm.engine.runner.decode_graphs.compiled_buckets == (4,)
+    assert llm.engine.runner.decode_graphs.wrappers == {1: "C++", 4: "Python"}
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "mixtral", "deepseek_v3"])
@@ -140,6 +142,18 @@ def test_the_kernels_build_keys_the_compiled_steps_on_the_cpu_only() -> None:
     build(graph)
     assert str(graph) == before
     assert options["cpp_wrapper"] and "post_grad_custom_post_pass" not in inductor_options(torch.device("cuda"), False)
+
+
+@needs_cpu_kernels
+def test_the_cpp_wrapper_gets_the_kernels_c_entry_points_in_a_cacheable_form() -> None:
+    """The ops a decode step calls are declared to Inductor with their C entry points (csrc/c_shims.cpp), keyed so
+    that Inductor finds each op there and can pickle its configuration (or it would cache no graph)."""
+    shims = inductor_options(torch.device("cpu"), cpp_wrapper=True)["aot_inductor.custom_ops_to_c_shims"]
+    ops = torch.ops.kvforge_cpu
+    for op in (ops.quant_gemm_panels.default, ops.paged_decode.default, ops.cache_write.default):
+        assert op in shims and shims[op][0].startswith(f"AOTITorchError aoti_torch_cpu_{op._opname}(")
+    assert pickle.loads(pickle.dumps(shims)) == shims
+    assert "aot_inductor.custom_ops_to_c_shims" not in inductor_options(torch.device("cpu"), cpp_wrapper=False)
 
 
 @pytest.mark.gpu

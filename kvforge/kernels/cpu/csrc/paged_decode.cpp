@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops.h"
 #include "fast_exp.h"
 #include "paged_cache.h"
 

@@ -37,6 +37,7 @@
 // against none, fastest of 9 alternating rounds (Zen 4 EPYC VM, 2 threads, a throwaway script): calls from a C++
 // loop 2.66 -> 2.34 ms, from Inductor's C++ wrapper (the compiled single-stream step) 3.59 -> 3.16, from Python
 // 4.00 -> 3.75.
+#include "ops.h"
 #include "quant_gemv.h"
 
 #include <cstring>
