@@ -22,6 +22,9 @@ nodes:
         -> (query, key)                                                          (layer_ops.py, eager steps)
     argmax_rows(logits [R, V] fp32) -> [R] int64, each row's first maximum      (argmax.py)
     cache_python_arenas()   CPython's freed arenas and stack chunks kept for reuse (csrc/python_arenas.cpp)
+
+quant_gemm_panels, paged_decode and cache_write also have C entry points (csrc/c_shims.cpp, C_SHIMS below), which
+the compiled single-stream step's C++ wrapper calls instead of the dispatcher.
 """
 
 from __future__ import annotations

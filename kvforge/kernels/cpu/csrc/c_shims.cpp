@@ -5,8 +5,10 @@
 // signatures: tensors by handle, optional tensors by a pointer to a handle (nullptr: None), and last the result,
 // through a pointer to a new handle (nullptr where the op returns nothing).
 //
-// NOTE: single-stream decode of the default model, GGUF weights, the same build with and without the shims
-// declared to Inductor: see RESULTS.md (CPU, compiled decode steps).
+// NOTE: single-stream decode of the default model, GGUF weights (`kvforge bench latency --input-len 128
+// --output-len 128 --num-requests 3 --quantization gguf`), the same build with these declared to Inductor and
+// without, four runs each in turns (Zen 4 EPYC VM, 2 threads, a throwaway script): 186.1-187.4 -> 193.0-213.6
+// tokens/s, every run faster.
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
 #include "ops.h"
