@@ -31,7 +31,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kvforge.kernels.cpu.extension import c_shims, cpu_kernels
 from kvforge.layers.attention import AttentionMetadata
@@ -46,20 +45,22 @@ logger = logging.getLogger(__name__)
 CPP_WRAPPER_MAX_BATCH = 1
 
 
-class _KernelsBuild(CustomGraphPass):
+def _kernels_build(build: str) -> object:
     """A pass that changes nothing, whose id names the build of the C++ CPU kernels (kernels/cpu/extension.py).
     Inductor keys its on-disk cache on a graph's code, which names the ops it calls but not their builds, and leaves
     out arguments equal to their defaults: a graph compiled against an op's older argument list would be reused
-    (and crash) once a new argument with a default joins it. A custom pass's id joins the key."""
+    (and crash) once a new argument with a default joins it. A custom pass's id joins the key. NOTE: Inductor is
+    imported here, not with this module: it adds ~1.1 s to an engine's start that compiles nothing."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    def __init__(self, build: str) -> None:
-        self.build = build
+    class KernelsBuild(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            pass
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        pass
+        def uuid(self) -> str:
+            return build
 
-    def uuid(self) -> str:
-        return self.build
+    return KernelsBuild()
 
 
 def inductor_options(device: torch.device, cpp_wrapper: bool) -> dict[str, object]:
@@ -69,7 +70,7 @@ def inductor_options(device: torch.device, cpp_wrapper: bool) -> dict[str, objec
     C++ wrapper, their C entry points (csrc/c_shims.cpp), which it then calls instead of the dispatcher."""
     options: dict[str, object] = dict(size_asserts=False, alignment_asserts=False, cpp_wrapper=cpp_wrapper)
     if device.type == "cpu" and cpu_kernels() is not None:
-        options["post_grad_custom_post_pass"] = _KernelsBuild(cpu_kernels().__name__)
+        options["post_grad_custom_post_pass"] = _kernels_build(cpu_kernels().__name__)
         if cpp_wrapper:
             options["aot_inductor.custom_ops_to_c_shims"] = c_shims()
     return options

@@ -97,7 +97,7 @@ class ShimmedOp:
     """One of the ops as a key of Inductor's aot_inductor.custom_ops_to_c_shims: equal to the op, which Inductor
     looks up there, and pickled by its name. NOTE: Inductor's on-disk cache keys a graph on its configuration, which
     it pickles, and an op does not pickle: with the ops themselves as keys, no graph would be cached (measured: the
-    default model's single-stream step then compiles in 19.5 s at every start, 9 s from the cache)."""
+    default model's single-stream step then compiles in 19.5 s at every start, 5-9 s from the cache)."""
 
     def __init__(self, name: str) -> None:
         import torch
