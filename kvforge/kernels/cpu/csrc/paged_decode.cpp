@@ -29,8 +29,8 @@
 #include <utility>
 #include <vector>
 
-#include "ops.h"
 #include "fast_exp.h"
+#include "ops.h"
 #include "paged_cache.h"
 
 namespace {

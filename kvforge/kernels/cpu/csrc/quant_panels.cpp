@@ -197,19 +197,17 @@ void panel_gemm(const PanelArgs& args, int64_t P, const NextWeight& next) {
   at::parallel_for(0, parts.count, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t begin = t * parts.size, end = std::min(P, begin + parts.size);
+      // this thread's part of the next weight: panels [from, to), none where from == to
+      const int64_t from = t < next_parts.count ? t * next_parts.size : 0;
+      const int64_t to = t < next_parts.count ? std::min(next.panels, from + next_parts.size) : 0;
+      const int64_t group_halves = args.G * kPanel, next_group_halves = next.G * kPanel;
       PanelArgs a = args;
-      a.codes_stream.end = a.codes + end * panel_bytes;
-      a.scales_stream.end = a.scales + end * a.G * kPanel;
-      a.offsets_stream.end = a.offsets + end * a.G * kPanel;
-      if (t < next_parts.count) {
-        const int64_t from = t * next_parts.size, to = std::min(next.panels, from + next_parts.size);
-        a.codes_stream.next = next.codes + from * next.panel_bytes;
-        a.codes_stream.next_end = next.codes + to * next.panel_bytes;
-        a.scales_stream.next = next.scales + from * next.G * kPanel;
-        a.scales_stream.next_end = next.scales + to * next.G * kPanel;
-        a.offsets_stream.next = next.offsets + from * next.G * kPanel;
-        a.offsets_stream.next_end = next.offsets + to * next.G * kPanel;
-      }
+      a.codes_stream = {a.codes + end * panel_bytes, next.codes + from * next.panel_bytes,
+                        next.codes + to * next.panel_bytes};
+      a.scales_stream = {a.scales + end * group_halves, next.scales + from * next_group_halves,
+                         next.scales + to * next_group_halves};
+      a.offsets_stream = {a.offsets + end * group_halves, next.offsets + from * next_group_halves,
+                          next.offsets + to * next_group_halves};
       int64_t p = begin;
       if (a.M == 1)
         for (; p + 4 <= end; p += 4) panel_rows<BITS, 4>(a, p);
@@ -217,6 +215,19 @@ void panel_gemm(const PanelArgs& args, int64_t P, const NextWeight& next) {
       if (p < end) panel_rows<BITS, 1>(a, p);
     }
   });
+}
+
+// A weight's three arrays in the layout: codes uint8 [P, panel bytes], scales and offsets float16 [P, G, 16]
+// (`name` begins the arguments' names in the errors: "" or "next_").
+void check_layout(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
+                  const char* name) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(), name,
+              "codes must be a contiguous uint8 [P, panel bytes]");
+  const int64_t P = codes.size(0);
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
+                    t->size(2) == kPanel && t->size(1) == scales.size(1),
+                name, "scales and ", name, "offsets must be contiguous float16 [P, G, 16] with P = ", P);
 }
 
 // q (in x's column order), dx and xsum of x [M, K].
@@ -244,14 +255,9 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor codes, torch::Ten
                                 const std::optional<torch::Tensor>& next_offsets) {
 #ifdef KVFORGE_PANELS_VNNI
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
-              "codes must be a contiguous uint8 [P, panel bytes]");
+  check_layout(codes, scales, offsets, "");
   const int64_t P = codes.size(0), K = codes.size(1) * 8 / bits / kPanel;
   TORCH_CHECK(K % kBlock == 0 && K > 0, "panel rows of ", K, " columns are not whole 32-column blocks");
-  for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
-                    t->size(2) == kPanel && t->size(1) == scales.size(1),
-                "scales and offsets must be contiguous float16 [P, G, 16] with P = ", P);
   const int64_t G = scales.size(1);
   TORCH_CHECK(G > 0 && (K / kBlock) % G == 0, "groups must be whole 32-column blocks: K = ", K, ", G = ", G);
   TORCH_CHECK(out_features > (P - 1) * kPanel && out_features <= P * kPanel, "out_features ", out_features,
@@ -262,12 +268,7 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor codes, torch::Ten
   if (next_codes.has_value() || next_scales.has_value() || next_offsets.has_value()) {
     TORCH_CHECK(next_codes.has_value() && next_scales.has_value() && next_offsets.has_value(),
                 "the next weight needs its codes, scales and offsets");
-    TORCH_CHECK(next_codes->scalar_type() == at::kByte && next_codes->dim() == 2 && next_codes->is_contiguous(),
-                "next_codes must be a contiguous uint8 [P, panel bytes]");
-    for (const auto* t : {&*next_scales, &*next_offsets})
-      TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
-                      t->size(0) == next_codes->size(0) && t->size(2) == kPanel && t->size(1) == next_scales->size(1),
-                  "next_scales and next_offsets must be contiguous float16 [P, G, 16] with P = ", next_codes->size(0));
+    check_layout(*next_codes, *next_scales, *next_offsets, "next_");
     next = {next_codes->data_ptr<uint8_t>(), next_scales->data_ptr<at::Half>(), next_offsets->data_ptr<at::Half>(),
             next_codes->size(0), next_codes->size(1), next_scales->size(1)};
   }
