@@ -2,7 +2,7 @@
 torch's prepacked int8pack / int4pack, on the default model's layer shapes (SmolLM2-135M).
 
     python -m kvforge.benchmarks.quant_gemv_cpu [--threads 1] [--tokens 1,4,16] [--rounds 10] [--group-size 32]
-        [--compiled]
+        [--compiled] [--from-cpp]
 
 "dense" is the float32 GEMV (the layers' path up to 4 rows), "onednn" oneDNN's float32 matmul on the row-major
 weight and "onednn packed" on a copy in its blocked layout (the layers' path above 4 rows); the quantized
@@ -14,7 +14,9 @@ after the other, and the LM head, whose weights stream from memory as they do in
 kernel also runs as the engine calls it ("panels w4 chained": each call names the next weight, which the kernel
 prefetches while it finishes), and with --compiled that pass also runs as one graph compiled the way the engine
 compiles its decode step ("... chained compiled": Inductor, its C++ wrapper at one row), the calls then made from
-C++ instead of Python (a compile of ~10 s per variant and row count). There each variant also
+C++ instead of Python (a compile of ~10 s per variant and row count), and with --from-cpp from a plain C++ loop
+("... chained from C++": the kernels with nothing of a caller's between them; a build of ~30 s on first use, which
+also times a parallel region that does nothing, the threading cost each kernel call pays). There each variant also
 gets the GB/s it reads its weights at, and the fraction of the machine's copy bandwidth that is (a 1 GiB copy, read
 + write bytes, timed in the same rounds). Variants take turns (A B C A B C ...) and each keeps its fastest round, so
 load from other processes that comes and goes hurts them alike; times are CPU time of the calling thread (wall time
@@ -24,6 +26,7 @@ with more than one thread).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 import types
 from collections.abc import Callable
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from kvforge.executor.decode_graphs import CPP_WRAPPER_MAX_BATCH, inductor_options
 from kvforge.kernels.cpu import packed_gemm
 from kvforge.kernels.cpu.dense_gemv import ONEDNN, pack_for_onednn
+from kvforge.kernels.cpu.extension import CSRC, cpu_kernels
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panels_available
 from kvforge.quantization.quantized_weight import QuantizedWeight
@@ -41,6 +45,52 @@ from kvforge.quantization.quantized_weight import QuantizedWeight
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: (N, K)
 LM_HEAD = (49152, 576)
 NUM_LAYERS = 30
+
+
+# NOTE: compiled after the kernels' declarations (csrc/ops.h), whose text thereby joins the build's cache key
+_FROM_CPP = r"""
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <chrono>
+
+// x_i W_i^T for each layer i of a pass, each call naming the next weight (the last the first), as the engine's
+// decode step calls them.
+std::vector<torch::Tensor> panel_pass(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& weights,
+                                      int64_t bits, const std::vector<int64_t>& out_features,
+                                      const std::vector<double>& factors) {
+  const size_t n = xs.size();
+  std::vector<torch::Tensor> outs;
+  outs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const size_t j = (i + 1) % n;
+    outs.push_back(kvforge_cpu::quant_gemm_panels(xs[i], weights[3 * i], weights[3 * i + 1], weights[3 * i + 2],
+                                                  bits, out_features[i], factors[i], weights[3 * j],
+                                                  weights[3 * j + 1], weights[3 * j + 2]));
+  }
+  return outs;
+}
+
+// Seconds per parallel region (fork and join) over one item per thread that does nothing, `rounds` in a row.
+double fork_join_seconds(int64_t rounds) {
+  std::atomic<int64_t> items{0};
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < rounds; ++r)
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) { items += end - begin; });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / rounds;
+}
+"""
+
+
+@functools.cache
+def _from_cpp() -> types.ModuleType:
+    """The C++ loop over a pass's panel kernels, and the fork-and-join timer, built against the kernels' extension
+    (whose symbols it resolves when loaded; needs cpu_kernels())."""
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline("kvforge_bench_panel_pass", cpp_sources=[(CSRC / "ops.h").read_text() + _FROM_CPP],
+                       functions=["panel_pass", "fork_join_seconds"], extra_cflags=["-O3", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"])
 
 
 def _random_weight(num_rows: int, in_features: int, bits: int, group_size: int,
@@ -152,6 +202,10 @@ def _streamed(label: str, shapes: list[tuple[int, int]], args: argparse.Namespac
             for name in [name for name in layers[0] if name.endswith("chained")]:
                 programs[f"{name} compiled"] = _compiled_pass([calls[name][0] for calls in layers], inputs_per_layer)
                 weight_bytes[f"{name} compiled"] = weight_bytes[name]
+        if args.from_cpp:
+            for name in [name for name in layers[0] if name.endswith("chained")]:
+                programs[f"{name} from C++"] = _cpp_pass([calls[name][0] for calls in layers], inputs_per_layer)
+                weight_bytes[f"{name} from C++"] = weight_bytes[name]
         programs["copy"] = lambda: target.copy_(source)
         times = _fastest(programs, max(3, args.rounds // 3), clock)
         copy_gbs = 2 * COPY_BYTES / times.pop("copy") / 1e9
@@ -185,6 +239,19 @@ def _compiled_pass(calls: list[Callable], inputs: list[torch.Tensor]) -> Callabl
     return lambda: graph(*graph_inputs)
 
 
+def _cpp_pass(calls: list[PanelCall], inputs: list[torch.Tensor]) -> Callable[[], object]:
+    """The pass's chained panel calls, made from one C++ loop (checked once against the same calls from Python)."""
+    weights = [t for call in calls for t in call.panels[:3]]
+    out_features, factors = [call.num_rows for call in calls], [call.panels[3] for call in calls]
+
+    def run() -> list[torch.Tensor]:
+        return _from_cpp().panel_pass(inputs, weights, calls[0].bits, out_features, factors)
+
+    if not all(torch.equal(a, call(x)) for a, call, x in zip(run(), calls, inputs)):
+        raise AssertionError("the C++ loop's results differ from the kernel's called from Python")
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -193,12 +260,19 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=32, help="of the grouped weights (default: GGUF's 32)")
     parser.add_argument("--compiled", action="store_true",
                         help="also time the panel kernels' model pass compiled as the engine compiles a decode step")
+    parser.add_argument("--from-cpp", action="store_true",
+                        help="also time the panel kernels' model pass called from a C++ loop, and a fork and join")
     args = parser.parse_args()
+    if args.from_cpp and cpu_kernels() is None:
+        parser.error("--from-cpp needs the C++ CPU kernels, which are not built on this machine")
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     generator = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} thread(s), CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; times are the fastest of {args.rounds} rounds")
+    if args.from_cpp:
+        seconds = min(_from_cpp().fork_join_seconds(20000) for _ in range(5))
+        print(f"a parallel region doing nothing (a fork and join of {args.threads} threads): {seconds * 1e6:.2f} us")
     with torch.inference_mode():
         print("\neach shape alone (weights in cache), per call:")
         for num_rows, in_features in SHAPES:

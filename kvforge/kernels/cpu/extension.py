@@ -39,8 +39,8 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("argmax.cpp", "c_shims.cpp", "dense_gemv.cpp", "layer_ops.cpp",
+CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [CSRC / name for name in ("argmax.cpp", "c_shims.cpp", "dense_gemv.cpp", "layer_ops.cpp",
                                          "paged_decode.cpp", "paged_prefill.cpp", "quant_gemv.cpp",
                                          "quant_gemv_int8.cpp", "quant_panels.cpp", "python_arenas.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
@@ -58,8 +58,8 @@ def cpu_kernels() -> ModuleType | None:
         # NOTE: a digest of the sources (headers included) and of their folder in the name: two checkouts never
         # share (and rebuild over each other) one build folder, nor load each other's module; torch rebuilds a
         # module whose source paths changed, even when their contents are the same.
-        files = sorted(f for f in _CSRC.iterdir() if f.suffix in (".cpp", ".h"))
-        digest = hashlib.sha256(b"".join([str(_CSRC).encode(), *(f.read_bytes() for f in files)])).hexdigest()[:12]
+        files = sorted(f for f in CSRC.iterdir() if f.suffix in (".cpp", ".h"))
+        digest = hashlib.sha256(b"".join([str(CSRC).encode(), *(f.read_bytes() for f in files)])).hexdigest()[:12]
         module = load(
             name=f"kvforge_cpu_kernels_{digest}",
             sources=[str(s) for s in _SOURCES],
