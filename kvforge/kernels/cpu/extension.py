@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [CSRC / name for name in ("argmax.cpp", "c_shims.cpp", "dense_gemv.cpp", "layer_ops.cpp",
-                                         "paged_decode.cpp", "paged_prefill.cpp", "quant_gemv.cpp",
-                                         "quant_gemv_int8.cpp", "quant_panels.cpp", "python_arenas.cpp")]
+                                        "paged_decode.cpp", "paged_prefill.cpp", "quant_gemv.cpp",
+                                        "quant_gemv_int8.cpp", "quant_panels.cpp", "python_arenas.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 
