@@ -194,13 +194,13 @@ void panel_gemm(const PanelArgs& args, int64_t P, const NextWeight& next) {
   const int64_t panel_bytes = args.K / kBlock * 64 * vectors_per_block<BITS>();
   const Parts parts = parts_of(P, panel_bytes, args.M);
   const Parts next_parts = next.codes != nullptr ? parts_of(next.panels, next.panel_bytes, args.M) : Parts{0, 0};
+  const int64_t group_halves = args.G * kPanel, next_group_halves = next.G * kPanel;  // a panel's scales, offsets
   at::parallel_for(0, parts.count, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t begin = t * parts.size, end = std::min(P, begin + parts.size);
       // this thread's part of the next weight: panels [from, to), none where from == to
       const int64_t from = t < next_parts.count ? t * next_parts.size : 0;
       const int64_t to = t < next_parts.count ? std::min(next.panels, from + next_parts.size) : 0;
-      const int64_t group_halves = args.G * kPanel, next_group_halves = next.G * kPanel;
       PanelArgs a = args;
       a.codes_stream = {a.codes + end * panel_bytes, next.codes + from * next.panel_bytes,
                         next.codes + to * next.panel_bytes};
