@@ -198,14 +198,11 @@ def _streamed(label: str, shapes: list[tuple[int, int]], args: argparse.Namespac
             name: (lambda name=name, xs=inputs_per_layer: [calls[name][0](x) for calls, x in zip(layers, xs)])
             for name in layers[0]
         }
-        if args.compiled:
+        callers = (("compiled", _compiled_pass, args.compiled), ("from C++", _cpp_pass, args.from_cpp))
+        for caller, make in [(caller, make) for caller, make, wanted in callers if wanted]:
             for name in [name for name in layers[0] if name.endswith("chained")]:
-                programs[f"{name} compiled"] = _compiled_pass([calls[name][0] for calls in layers], inputs_per_layer)
-                weight_bytes[f"{name} compiled"] = weight_bytes[name]
-        if args.from_cpp:
-            for name in [name for name in layers[0] if name.endswith("chained")]:
-                programs[f"{name} from C++"] = _cpp_pass([calls[name][0] for calls in layers], inputs_per_layer)
-                weight_bytes[f"{name} from C++"] = weight_bytes[name]
+                programs[f"{name} {caller}"] = make([calls[name][0] for calls in layers], inputs_per_layer)
+                weight_bytes[f"{name} {caller}"] = weight_bytes[name]
         programs["copy"] = lambda: target.copy_(source)
         times = _fastest(programs, max(3, args.rounds // 3), clock)
         copy_gbs = 2 * COPY_BYTES / times.pop("copy") / 1e9
