@@ -5,22 +5,23 @@ torch's prepacked int8pack / int4pack, on the default model's layer shapes (Smol
         [--compiled] [--from-cpp]
 
 "dense" is the float32 GEMV (the layers' path up to 4 rows), "onednn" oneDNN's float32 matmul on the row-major
-weight and "onednn packed" on a copy in its blocked layout (the layers' path above 4 rows); the quantized
-C++ kernels run twice, with x in fp32 ("native w8", "native w4") and rounded to int8 per 32 columns ("... q8x", the
+weight and "onednn packed" on a copy in its blocked layout (the layers' path above 4 rows); the quantized C++
+kernels run twice, with x in fp32 ("native w8", "native w4") and rounded to int8 per 32 columns ("... q8x", the
 layers' default on AVX2), and on AVX-512 VNNI machines the panel kernel ("panels w8", "panels w4": x rounded to int8
-at every row count, the layers' default there). Three tables:
-each shape alone, its weights warm in cache; and a whole model's worth of layers (30 x qkv, o, gate_up, down) one
-after the other, and the LM head, whose weights stream from memory as they do in decode. In the model pass the panel
-kernel also runs as the engine calls it ("panels w4 chained": each call names the next weight, which the kernel
-prefetches while it finishes), and with --compiled that pass also runs as one graph compiled the way the engine
-compiles its decode step ("... chained compiled": Inductor, its C++ wrapper at one row), the calls then made from
-C++ instead of Python (a compile of ~10 s per variant and row count), and with --from-cpp from a plain C++ loop
-("... chained from C++": the kernels with nothing of a caller's between them; a build of ~30 s on first use, which
-also times a parallel region that does nothing, the threading cost each kernel call pays). There each variant also
-gets the GB/s it reads its weights at, and the fraction of the machine's copy bandwidth that is (a 1 GiB copy, read
-+ write bytes, timed in the same rounds). Variants take turns (A B C A B C ...) and each keeps its fastest round, so
-load from other processes that comes and goes hurts them alike; times are CPU time of the calling thread (wall time
-with more than one thread).
+at every row count, the layers' default there). Three tables: each shape alone, its weights warm in cache; and a
+whole model's worth of layers (30 x qkv, o, gate_up, down) one after the other, and the LM head, whose weights
+stream from memory as they do in decode. In the model pass the panel kernel also runs as the engine calls it
+("panels w4 chained": each call names the next weight, which the kernel prefetches while it finishes), and with
+--compiled that pass also runs as one graph compiled the way the engine compiles its decode step ("... chained
+compiled": Inductor, its C++ wrapper at one row), the calls then made from C++ instead of Python (a compile of ~10 s
+per variant and row count), and with --from-cpp from a plain C++ loop ("... chained from C++": the kernels with
+nothing of a caller's between them, timed inside the loop, so without the conversion of its 480 arguments and 120
+results between Python and C++, ~0.1 ms a pass; a build of ~30 s on first use, which also times a parallel region
+that does nothing, the threading cost each kernel call pays). There each variant also gets the GB/s it reads its
+weights at, and the fraction of the machine's copy bandwidth that is (a 1 GiB copy, read + write bytes, timed in the
+same rounds). Variants take turns (A B C A B C ...) and each keeps its fastest round, so load from other processes
+that comes and goes hurts them alike; times are CPU time of the calling thread (wall time with more than one
+thread).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ NUM_LAYERS = 30
 _FROM_CPP = r"""
 #include <ATen/Parallel.h>
 
+#include <time.h>
+
 #include <atomic>
 #include <chrono>
 
@@ -71,6 +74,20 @@ std::vector<torch::Tensor> panel_pass(const std::vector<torch::Tensor>& xs, cons
   return outs;
 }
 
+// The seconds panel_pass takes, timed inside C++: the calling thread's CPU time, or wall time.
+double panel_pass_seconds(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& weights,
+                          int64_t bits, const std::vector<int64_t>& out_features, const std::vector<double>& factors,
+                          bool cpu_time) {
+  const auto now = [cpu_time] {
+    timespec t;
+    clock_gettime(cpu_time ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+  };
+  const double start = now();
+  panel_pass(xs, weights, bits, out_features, factors);
+  return now() - start;
+}
+
 // Seconds per parallel region (fork and join) over one item per thread that does nothing, `rounds` in a row.
 double fork_join_seconds(int64_t rounds) {
   std::atomic<int64_t> items{0};
@@ -89,7 +106,8 @@ def _from_cpp() -> types.ModuleType:
     from torch.utils.cpp_extension import load_inline
 
     return load_inline("kvforge_bench_panel_pass", cpp_sources=[(CSRC / "ops.h").read_text() + _FROM_CPP],
-                       functions=["panel_pass", "fork_join_seconds"], extra_cflags=["-O3", "-fopenmp"],
+                       functions=["panel_pass", "panel_pass_seconds", "fork_join_seconds"],
+                       extra_cflags=["-O3", "-fopenmp"],
                        extra_ldflags=["-fopenmp"])
 
 
@@ -162,13 +180,23 @@ def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: to
     return calls
 
 
+class _SelfTimed:
+    """A program that times itself: calling it returns its seconds (the bench's clock, read inside it)."""
+
+    def __init__(self, run: Callable[[], float]) -> None:
+        self.run = run
+
+    def __call__(self) -> float:
+        return self.run()
+
+
 def _fastest(programs: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float]) -> dict[str, float]:
     best = dict.fromkeys(programs, float("inf"))
     for _ in range(rounds):
         for name, program in programs.items():
             start = clock()
-            program()
-            best[name] = min(best[name], clock() - start)
+            seconds = program()
+            best[name] = min(best[name], seconds if isinstance(program, _SelfTimed) else clock() - start)
     return best
 
 
@@ -236,17 +264,15 @@ def _compiled_pass(calls: list[Callable], inputs: list[torch.Tensor]) -> Callabl
     return lambda: graph(*graph_inputs)
 
 
-def _cpp_pass(calls: list[PanelCall], inputs: list[torch.Tensor]) -> Callable[[], object]:
-    """The pass's chained panel calls, made from one C++ loop (checked once against the same calls from Python)."""
+def _cpp_pass(calls: list[PanelCall], inputs: list[torch.Tensor]) -> _SelfTimed:
+    """The pass's chained panel calls, made from one C++ loop that times itself (checked once against the same
+    calls from Python); CPU time of the calling thread with one thread, as main's clock."""
     weights = [t for call in calls for t in call.panels[:3]]
-    out_features, factors = [call.num_rows for call in calls], [call.panels[3] for call in calls]
-
-    def run() -> list[torch.Tensor]:
-        return _from_cpp().panel_pass(inputs, weights, calls[0].bits, out_features, factors)
-
-    if not all(torch.equal(a, call(x)) for a, call, x in zip(run(), calls, inputs)):
+    pass_args = (inputs, weights, calls[0].bits, [call.num_rows for call in calls], [call.panels[3] for call in calls])
+    if not all(torch.equal(a, call(x)) for a, call, x in zip(_from_cpp().panel_pass(*pass_args), calls, inputs)):
         raise AssertionError("the C++ loop's results differ from the kernel's called from Python")
-    return run
+    cpu_time = torch.get_num_threads() == 1
+    return _SelfTimed(lambda: _from_cpp().panel_pass_seconds(*pass_args, cpu_time))
 
 
 def main() -> None:
