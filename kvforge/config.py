@@ -45,6 +45,9 @@ class ModelConfig:
     quantize_lm_head: bool = option(
         True, "keep the embedding and LM head in float: by default, with --quantization gguf they stay in the "
               "file's type (Q8_0), with w8a16/w4a16 they become int8 per row", flag="--no-quantize-lm-head")
+    huge_pages: bool = option(
+        True, "keep a CPU model's weights in 4 KiB pages: by default they move into 2 MiB pages where Linux offers "
+              "them (transparent huge pages), which decode streams faster", flag="--no-huge-pages")
 
     def __post_init__(self) -> None:
         check_options(self)

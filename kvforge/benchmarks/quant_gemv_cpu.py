@@ -11,7 +11,8 @@ layers' default on AVX2), and on AVX-512 VNNI machines the panel kernel ("panels
 at every row count, the layers' default there). Three tables: each shape alone, its weights warm in cache; and a
 whole model's worth of layers (30 x qkv, o, gate_up, down) one after the other, and the LM head, whose weights
 stream from memory as they do in decode. In the model pass the panel kernel also runs as the engine calls it
-("panels w4 chained": each call names the next weight, which the kernel prefetches while it finishes), and with
+("panels w4 chained": each call names the next weight, which the kernel prefetches while it finishes, and the
+weights lie in 2 MiB pages where Linux offers them; "... chained 4K" the same in 4 KiB pages), and with
 --compiled that pass also runs as one graph compiled the way the engine compiles its decode step ("... chained
 compiled": Inductor, its C++ wrapper at one row), the calls then made from C++ instead of Python (a compile of ~10 s
 per variant and row count), and with --from-cpp from a plain C++ loop ("... chained from C++": the kernels with
@@ -41,6 +42,7 @@ from kvforge.kernels.cpu.dense_gemv import ONEDNN, pack_for_onednn
 from kvforge.kernels.cpu.extension import CSRC, cpu_kernels
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panels_available
+from kvforge.loader.huge_pages import copy_to_huge_pages, huge_pages_offered
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: (N, K)
@@ -136,12 +138,21 @@ class PanelCall:
 
 def _chained(layers: list[dict[str, tuple[Callable, int]]]) -> None:
     """Each layer's panel variants also as the engine calls them: each call names the next weight of the pass
-    (the last names the first), which the kernel then prefetches while it finishes (PanelKernel.prefetch_next);
-    the variant "... chained"."""
+    (the last names the first), which the kernel then prefetches while it finishes (PanelKernel.prefetch_next), and
+    the weights are copies in 2 MiB pages where the kernel offers them, as the engine keeps its weights
+    (loader/huge_pages.py); the variant "... chained". "... chained 4K": the same calls on the 4 KiB-page weights."""
+    huge = huge_pages_offered()
     for name in [name for name, (call, _) in layers[0].items() if isinstance(call, PanelCall)]:
-        for calls, following in zip(layers, layers[1:] + layers[:1]):
-            call, size = calls[name]
-            calls[f"{name} chained"] = (PanelCall(call.panels, call.bits, call.num_rows, following[name][0]), size)
+        for suffix, in_huge_pages in ((" chained 4K", False), (" chained", True)) if huge else ((" chained", False),):
+            calls = []
+            for layer in layers:
+                call, size = layer[name]
+                panels = call.panels
+                if in_huge_pages:
+                    panels = (*copy_to_huge_pages(list(panels[:3])), *panels[3:])
+                calls.append((PanelCall(panels, call.bits, call.num_rows), size))
+            for layer, (call, size), (following, _) in zip(layers, calls, calls[1:] + calls[:1]):
+                layer[f"{name}{suffix}"] = (PanelCall(call.panels, call.bits, call.num_rows, following), size)
 
 
 def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: torch.Generator

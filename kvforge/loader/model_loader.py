@@ -12,6 +12,7 @@ from torch import nn
 from kvforge.config import ModelConfig
 from kvforge.kernels.cpu.dense_gemv import use_dense_gemv
 from kvforge.loader.hub_cache import resolve_model_path
+from kvforge.loader.huge_pages import move_to_huge_pages
 from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
 from kvforge.models.registry import resolve_model_class
 from kvforge.quantization import (
@@ -95,6 +96,8 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
     if config.quantize_lm_head and quant_config is not None and quant_config.method == "rtn":
         quantize_vocab_rows(model)
     use_dense_gemv(model)
+    if config.huge_pages and device.type == "cpu":
+        move_to_huge_pages(model)  # NOTE: before chain_prefetches, which keeps references to the weights
     chain_prefetches(model)
     model.eval()
     logger.info("loaded %s (%s) as %s on %s", path.name, model_class.__name__, dtype, device)

@@ -1,0 +1,90 @@
+"""A CPU model's weights moved into 2 MiB pages: the same results as transformers, ties kept, every tensor in one
+arena at a 2 MiB boundary, and backed by huge pages where Linux offers them; --no-huge-pages leaves them as torch
+allocated them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvforge import LLM
+from kvforge.loader.huge_pages import (
+    ALIGNMENT,
+    HUGE_PAGE,
+    THP_MODE,
+    copy_to_huge_pages,
+    huge_page_bytes,
+    huge_pages_offered,
+    move_to_huge_pages,
+)
+from tests.tiny_models import assert_logits_match, save_model
+
+pytestmark = pytest.mark.skipif(not huge_pages_offered(), reason="the kernel offers no transparent huge pages")
+
+PROMPTS = [[1, 5, 9, 13, 200], [1, 300, 7]]
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def test_copies_are_equal_aligned_and_in_huge_pages() -> None:
+    tensors = [torch.randn(1024, 1024), torch.arange(5, dtype=torch.uint8), torch.randn(7, 9).half()]
+    copies = copy_to_huge_pages(tensors)
+    for tensor, copy in zip(tensors, copies):
+        assert copy.dtype == tensor.dtype and torch.equal(copy, tensor) and copy.data_ptr() != tensor.data_ptr()
+        assert copy.data_ptr() % ALIGNMENT == 0
+    assert copies[0].data_ptr() % HUGE_PAGE == 0
+    assert huge_page_bytes(copies[0].data_ptr(), _nbytes(copies[0])) >= HUGE_PAGE  # 4 MiB: at least one whole page
+
+
+def test_tied_parameters_and_buffers_stay_tied() -> None:
+    shared = nn.Parameter(torch.randn(64, 32))
+    first, second = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False)
+    first.weight = second.weight = shared
+    model = nn.Sequential(first, second, nn.LayerNorm(64))
+    table = torch.randn(10, 3)
+    model[0].register_buffer("table", table)
+    model[1].register_buffer("table", table)
+    expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    moved = move_to_huge_pages(model)
+
+    assert model[0].weight is shared and model[1].weight is shared  # the Parameter objects stay
+    assert model[0].table is model[1].table and model[0].table.data_ptr() != table.data_ptr()
+    assert model.state_dict().keys() == expected.keys()
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in expected.items())
+    unique = {t.data_ptr(): t for t in _tensors(model)}
+    assert moved >= sum(_nbytes(t) for t in unique.values())  # the shared tensors once
+    assert min(unique) % HUGE_PAGE == 0 and max(unique) < min(unique) + moved
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("huge_pages")
+    return folder, save_model(folder, "llama", tie_word_embeddings=True)
+
+
+def test_engine_weights_in_huge_pages_match_transformers(tiny_llama) -> None:
+    folder, reference = tiny_llama
+    llm = LLM(str(folder), kv_cache_memory="16MiB")
+    assert_logits_match(llm, reference, PROMPTS)
+    tensors = _tensors(llm.engine.runner.model)
+    start = min(t.data_ptr() for t in tensors)
+    end = max(t.data_ptr() + _nbytes(t) for t in tensors)
+    assert start % HUGE_PAGE == 0 and end - start < 2 * sum(_nbytes(t) for t in tensors)  # one arena
+    assert huge_page_bytes(start, end - start) > 0
+
+
+@pytest.mark.skipif("[madvise]" not in THP_MODE.read_text(), reason="in mode 'always' torch's own memory may be in "
+                    "huge pages too")
+def test_no_huge_pages_leaves_the_weights_in_small_pages(tiny_llama) -> None:
+    folder, reference = tiny_llama
+    llm = LLM(str(folder), kv_cache_memory="16MiB", huge_pages=False)
+    assert_logits_match(llm, reference, PROMPTS)
+    assert sum(huge_page_bytes(t.data_ptr(), _nbytes(t)) for t in _tensors(llm.engine.runner.model)) == 0
