@@ -4,6 +4,8 @@ allocated them."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -34,6 +36,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def test_copies_are_equal_aligned_and_in_huge_pages() -> None:
+    for mib in (8, 16, 30):  # freed large blocks: malloc then reuses memory it has written (as in a long process)
+        torch.ones(mib << 20, dtype=torch.uint8)
     tensors = [torch.randn(1024, 1024), torch.arange(5, dtype=torch.uint8), torch.randn(7, 9).half()]
     copies = copy_to_huge_pages(tensors)
     for tensor, copy in zip(tensors, copies):
@@ -62,6 +66,15 @@ def test_tied_parameters_and_buffers_stay_tied() -> None:
     unique = {t.data_ptr(): t for t in _tensors(model)}
     assert moved >= sum(_nbytes(t) for t in unique.values())  # the shared tensors once
     assert min(unique) % HUGE_PAGE == 0 and max(unique) < min(unique) + moved
+
+
+def test_moved_tensors_are_freed_as_they_move() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    model[0].register_buffer("table", torch.randn(1000))
+    old = [weakref.ref(model[0].table), *(weakref.ref(p.untyped_storage()) for p in model.parameters())]
+    assert all(ref() is not None for ref in old)
+    move_to_huge_pages(model)
+    assert all(ref() is None for ref in old)
 
 
 @pytest.fixture(scope="module")
