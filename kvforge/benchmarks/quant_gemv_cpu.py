@@ -144,13 +144,12 @@ def _chained(layers: list[dict[str, tuple[Callable, int]]]) -> None:
     huge = huge_pages_offered()
     for name in [name for name, (call, _) in layers[0].items() if isinstance(call, PanelCall)]:
         for suffix, in_huge_pages in ((" chained 4K", False), (" chained", True)) if huge else ((" chained", False),):
-            calls = []
-            for layer in layers:
-                call, size = layer[name]
-                panels = call.panels
-                if in_huge_pages:
-                    panels = (*copy_to_huge_pages(list(panels[:3])), *panels[3:])
-                calls.append((PanelCall(panels, call.bits, call.num_rows), size))
+            weights = [layer[name][0].panels[:3] for layer in layers]
+            if in_huge_pages:  # one arena, as the engine's
+                copies = iter(copy_to_huge_pages([t for weight in weights for t in weight]))
+                weights = [tuple(next(copies) for _ in weight) for weight in weights]
+            calls = [(PanelCall((*weight, *call.panels[3:]), call.bits, call.num_rows), size)
+                     for weight, (call, size) in zip(weights, (layer[name] for layer in layers))]
             for layer, (call, size), (following, _) in zip(layers, calls, calls[1:] + calls[:1]):
                 layer[f"{name}{suffix}"] = (PanelCall(call.panels, call.bits, call.num_rows, following), size)
 
