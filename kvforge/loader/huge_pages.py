@@ -4,8 +4,8 @@ Decoding one token streams every weight from memory once. In 4 KiB pages that st
 a TLB miss and a page walk each (a 135M-parameter 4-bit model spans ~20000 pages, far past the TLB), and the
 hardware prefetchers, which track physical addresses, stop at each page's end. In 2 MiB pages it crosses one every
 2 MiB. Where the kernel offers them only on request ("madvise", the common default), torch's allocations never get
-them: this moves every parameter and buffer into one arena aligned to 2 MiB and marked MADV_HUGEPAGE before its
-pages are first touched.
+them: this moves every parameter and buffer into one arena, a private anonymous mapping of its own, aligned to 2 MiB
+and marked MADV_HUGEPAGE before its pages are first touched.
 
 Layout: one uint8 arena, each tensor at the next multiple of 64 bytes, viewed back as its dtype and shape:
 
@@ -87,6 +87,7 @@ def _arena_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             .view(tensor.shape) for tensor, at in zip(tensors, offsets)]
 
 
+@torch.no_grad()  # the copies are plain tensors, whatever the originals' requires_grad
 def copy_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of dense tensors side by side in 2 MiB pages (one arena). Needs huge_pages_offered()."""
     return [view.copy_(tensor) for view, tensor in zip(_arena_views(tensors), tensors)]
@@ -105,6 +106,7 @@ def _movable_tensors(model: nn.Module) -> tuple[dict[int, list[tuple[nn.Module, 
     return slots, tensors
 
 
+@torch.no_grad()
 def move_to_huge_pages(model: nn.Module) -> int:
     """Move the model's movable parameters and buffers into 2 MiB pages (one arena), in place: the modules keep their
     Parameter objects, tied tensors stay tied, and each old tensor is freed as soon as it has moved (memory peaks at
