@@ -94,8 +94,8 @@ def test_engine_weights_in_huge_pages_match_transformers(tiny_llama) -> None:
     assert huge_page_bytes(start, end - start) > 0
 
 
-@pytest.mark.skipif("[madvise]" not in THP_MODE.read_text(), reason="in mode 'always' torch's own memory may be in "
-                    "huge pages too")
+@pytest.mark.skipif(not huge_pages_offered() or "[madvise]" not in THP_MODE.read_text(),
+                    reason="in mode 'always' torch's own memory may be in huge pages too")
 def test_no_huge_pages_leaves_the_weights_in_small_pages(tiny_llama) -> None:
     folder, reference = tiny_llama
     llm = LLM(str(folder), kv_cache_memory="16MiB", huge_pages=False)
