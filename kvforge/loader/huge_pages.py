@@ -51,7 +51,7 @@ def _movable(tensor: torch.Tensor) -> bool:
     """A dense CPU tensor that is all of its storage (not a view into a larger one, which would lose its sharing)."""
     return (tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.is_contiguous()
             and tensor.storage_offset() == 0 and tensor.numel() > 0
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+            and tensor.untyped_storage().nbytes() == tensor.nbytes)
 
 
 def huge_page_bytes(address: int, length: int) -> int:
@@ -75,7 +75,7 @@ def _arena_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     offsets, size = [], 0
     for tensor in tensors:
         offsets.append(size)
-        size = _round_up(size + tensor.numel() * tensor.element_size(), ALIGNMENT)
+        size = _round_up(size + tensor.nbytes, ALIGNMENT)
     whole_pages = _round_up(size, HUGE_PAGE)
     # NOTE: a mapping of its own, not torch's allocator: malloc may hand back memory it has written before, whose
     # 4 KiB pages are backed already (then madvise changes nothing until the kernel's background collapse)
@@ -83,7 +83,7 @@ def _arena_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     arena = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive as long as a view of it lives
     start = -arena.data_ptr() % HUGE_PAGE
     memory.madvise(mmap.MADV_HUGEPAGE, start, whole_pages)
-    return [arena[start + at:start + at + tensor.numel() * tensor.element_size()].view(tensor.dtype)
+    return [arena[start + at:start + at + tensor.nbytes].view(tensor.dtype)
             .view(tensor.shape) for tensor, at in zip(tensors, offsets)]
 
 
@@ -126,7 +126,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
             elif module._parameters[name].data_ptr() == address:  # else moved already, under another name
                 module._parameters[name].data = view
     start = views[0].data_ptr()
-    size = views[-1].data_ptr() + views[-1].numel() * views[-1].element_size() - start
+    size = views[-1].data_ptr() + views[-1].nbytes - start
     logger.info("weights: %.1f MiB moved into 2 MiB pages (the kernel backed %.1f MiB of their mapping with huge "
                 "pages)", size / 2**20, huge_page_bytes(start, size) / 2**20)
     return size

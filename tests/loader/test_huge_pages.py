@@ -31,10 +31,6 @@ def _tensors(model: nn.Module) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers()]
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def test_copies_are_equal_aligned_and_in_huge_pages() -> None:
     for mib in (8, 16, 30):  # freed large blocks: malloc then reuses memory it has written (as in a long process)
         torch.ones(mib << 20, dtype=torch.uint8)
@@ -44,7 +40,7 @@ def test_copies_are_equal_aligned_and_in_huge_pages() -> None:
         assert copy.dtype == tensor.dtype and torch.equal(copy, tensor) and copy.data_ptr() != tensor.data_ptr()
         assert copy.data_ptr() % ALIGNMENT == 0
     assert copies[0].data_ptr() % HUGE_PAGE == 0
-    assert huge_page_bytes(copies[0].data_ptr(), _nbytes(copies[0])) >= HUGE_PAGE  # 4 MiB: at least one whole page
+    assert huge_page_bytes(copies[0].data_ptr(), copies[0].nbytes) >= HUGE_PAGE  # 4 MiB: at least one whole page
 
 
 def test_tied_parameters_and_buffers_stay_tied() -> None:
@@ -64,7 +60,7 @@ def test_tied_parameters_and_buffers_stay_tied() -> None:
     assert model.state_dict().keys() == expected.keys()
     assert all(torch.equal(model.state_dict()[name], value) for name, value in expected.items())
     unique = {t.data_ptr(): t for t in _tensors(model)}
-    assert moved >= sum(_nbytes(t) for t in unique.values())  # the shared tensors once
+    assert moved >= sum(t.nbytes for t in unique.values())  # the shared tensors once
     assert min(unique) % HUGE_PAGE == 0 and max(unique) < min(unique) + moved
 
 
@@ -89,8 +85,8 @@ def test_engine_weights_in_huge_pages_match_transformers(tiny_llama) -> None:
     assert_logits_match(llm, reference, PROMPTS)
     tensors = _tensors(llm.engine.runner.model)
     start = min(t.data_ptr() for t in tensors)
-    end = max(t.data_ptr() + _nbytes(t) for t in tensors)
-    assert start % HUGE_PAGE == 0 and end - start < 2 * sum(_nbytes(t) for t in tensors)  # one arena
+    end = max(t.data_ptr() + t.nbytes for t in tensors)
+    assert start % HUGE_PAGE == 0 and end - start < 2 * sum(t.nbytes for t in tensors)  # one arena
     assert huge_page_bytes(start, end - start) > 0
 
 
@@ -100,4 +96,4 @@ def test_no_huge_pages_leaves_the_weights_in_small_pages(tiny_llama) -> None:
     folder, reference = tiny_llama
     llm = LLM(str(folder), kv_cache_memory="16MiB", huge_pages=False)
     assert_logits_match(llm, reference, PROMPTS)
-    assert sum(huge_page_bytes(t.data_ptr(), _nbytes(t)) for t in _tensors(llm.engine.runner.model)) == 0
+    assert sum(huge_page_bytes(t.data_ptr(), t.nbytes) for t in _tensors(llm.engine.runner.model)) == 0
