@@ -20,7 +20,8 @@ nothing of a caller's between them, timed inside the loop, so without the conver
 results between Python and C++, ~0.1 ms a pass; a build of ~30 s on first use, which also times a parallel region
 that does nothing, the threading cost each kernel call pays). There each variant also gets the GB/s it reads its
 weights at, and the fraction of the machine's copy bandwidth that is (a 1 GiB copy, read + write bytes, timed in the
-same rounds). Variants take turns (A B C A B C ...) and each keeps its fastest round, so load from other processes
+same rounds): of the fastest copy, and the median over rounds of each round's fraction of that round's copy.
+Variants take turns (A B C A B C ...) and each keeps its fastest round, so load from other processes
 that comes and goes hurts them alike; times are CPU time of the calling thread (wall time with more than one
 thread).
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
 import types
 from collections.abc import Callable
@@ -200,14 +202,20 @@ class _SelfTimed:
         return self.run()
 
 
-def _fastest(programs: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float]) -> dict[str, float]:
-    best = dict.fromkeys(programs, float("inf"))
+def _rounds(programs: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float]
+            ) -> dict[str, list[float]]:
+    """Each program's seconds in each round; programs take turns within a round."""
+    seconds: dict[str, list[float]] = {name: [] for name in programs}
     for _ in range(rounds):
         for name, program in programs.items():
             start = clock()
-            seconds = program()
-            best[name] = min(best[name], seconds if isinstance(program, _SelfTimed) else clock() - start)
-    return best
+            took = program()
+            seconds[name].append(took if isinstance(program, _SelfTimed) else clock() - start)
+    return seconds
+
+
+def _fastest(programs: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float]) -> dict[str, float]:
+    return {name: min(seconds) for name, seconds in _rounds(programs, rounds, clock).items()}
 
 
 def _print_row(label: str, times: dict[str, float], scale: float, unit: str) -> None:
@@ -242,12 +250,21 @@ def _streamed(label: str, shapes: list[tuple[int, int]], args: argparse.Namespac
                 programs[f"{name} {caller}"] = make([calls[name][0] for calls in layers], inputs_per_layer)
                 weight_bytes[f"{name} {caller}"] = weight_bytes[name]
         programs["copy"] = lambda: target.copy_(source)
-        times = _fastest(programs, max(3, args.rounds // 3), clock)
-        copy_gbs = 2 * COPY_BYTES / times.pop("copy") / 1e9
+        seconds = _rounds(programs, max(3, args.rounds // 3), clock)
+        copies = seconds.pop("copy")
+        times = {name: min(took) for name, took in seconds.items()}
+        copy_gbs = 2 * COPY_BYTES / min(copies) / 1e9
         _print_row(f"{label} M={num_tokens}", times, 1e3, "ms")
         cells = [f"{name} {weight_bytes[name] / t / 1e9:5.1f} GB/s ({weight_bytes[name] / t / 1e9 / copy_gbs:4.0%})"
                  for name, t in times.items()]
         print(f"{'  reads, copy ' + f'{copy_gbs:.1f}':<22}" + "  ".join(cells), flush=True)
+        # NOTE: the fastest rounds of the copy and of a variant can fall in different minutes of a VM whose memory
+        # speed moves from one minute to the next; each round's read rate against the copy of the same round,
+        # seconds apart, and the median of those ratios, is the steadier comparison.
+        ratios = {name: statistics.median(weight_bytes[name] * copy / (2 * COPY_BYTES * t)
+                                          for t, copy in zip(took, copies))
+                  for name, took in seconds.items()}
+        print(f"{'  per round, median':<22}" + "  ".join(f"{name} {r:4.0%}" for name, r in ratios.items()), flush=True)
 
 
 def _compiled_pass(calls: list[Callable], inputs: list[torch.Tensor]) -> Callable[[], object]:
