@@ -42,7 +42,7 @@
 // the fields read through the arguments, GCC 12 kept each loaded vector on the stack and read it back for each
 // nibble. The 30 layers' calls at one row from a C++ loop, builds in turns (Zen 4 EPYC VM, 2 threads, a throwaway
 // script): weights in cache (one layer's, reused), 4-bit 13.1 -> 7.6 us a call; 8-bit 1024 x 576, 9.8 -> 7.3 us;
-// weights from memory, 4-bit 32.2 -> 35.2 GB/s (the copy 38.7); 16 rows, 4-bit 6% and 8-bit 27% faster.
+// weights from memory, 4-bit 32.2 -> 35.2 GB/s (the copy 38.7); 16 rows, 4-bit 7-10% and 8-bit 27% faster.
 #include "ops.h"
 #include "quant_gemv.h"
 
