@@ -11,16 +11,17 @@ layers' default on AVX2), and on AVX-512 VNNI machines the panel kernel ("panels
 at every row count, the layers' default there). Three tables: each shape alone, its weights warm in cache; and a
 whole model's worth of layers (30 x qkv, o, gate_up, down) one after the other, and the LM head, whose weights
 stream from memory as they do in decode. In the model pass the panel kernel also runs as the engine calls it
-("panels w4 chained": each call names the next weight, which the kernel prefetches while it finishes, and the
-weights lie in 2 MiB pages where Linux offers them; "... chained 4K" the same in 4 KiB pages), and with
---compiled that pass also runs as one graph compiled the way the engine compiles its decode step ("... chained
-compiled": Inductor, its C++ wrapper at one row), the calls then made from C++ instead of Python (a compile of ~10 s
-per variant and row count), and with --from-cpp from a plain C++ loop ("... chained from C++": the kernels with
-nothing of a caller's between them, timed inside the loop, so without the conversion of its 480 arguments and 120
-results between Python and C++, ~0.1 ms a pass; a build of ~30 s on first use, which also times a parallel region
-that does nothing, the threading cost each kernel call pays). There each variant also gets the GB/s it reads its
-weights at, and the fraction of the machine's copy bandwidth that is (a 1 GiB copy, read + write bytes, timed in the
-same rounds): of the fastest copy, and the median over rounds of each round's fraction of that round's copy.
+("panels w4 arena": the weights interleaved by thread, part t of every weight one after another in region t of one
+arena in the order of the calls, quantization/weight_only_kernels.py's interleave_parts, in 2 MiB pages where Linux
+offers them; "... arena 4K" the same in 4 KiB pages), and with --compiled that pass also runs as one graph compiled
+the way the engine compiles its decode step ("... arena compiled": Inductor, its C++ wrapper at one row), the calls
+then made from C++ instead of Python (a compile of ~10 s per variant and row count), and with --from-cpp from a plain
+C++ loop ("... arena from C++": the kernels with nothing of a caller's between them, timed inside the loop, so
+without the conversion of its 240 arguments and 120 results between Python and C++, ~0.1 ms a pass; a build of
+~30 s on first use, which also times a parallel region that does nothing, the threading cost each kernel call pays).
+There each variant also gets the GB/s it reads its weights at, and the fraction of the machine's copy bandwidth that
+is (a 1 GiB copy, read + write bytes, timed in the same rounds): of the fastest copy, and the median over rounds of
+each round's fraction of that round's copy.
 Variants take turns (A B C A B C ...) and each keeps its fastest round, so load from other processes
 that comes and goes hurts them alike; times are CPU time of the calling thread (wall time with more than one
 thread).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import statistics
 import time
 import types
@@ -44,8 +46,9 @@ from kvforge.kernels.cpu.dense_gemv import ONEDNN, pack_for_onednn
 from kvforge.kernels.cpu.extension import CSRC, cpu_kernels
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panels_available
-from kvforge.loader.huge_pages import copy_to_huge_pages, huge_pages_offered
+from kvforge.loader.huge_pages import huge_pages_offered
 from kvforge.quantization.quantized_weight import QuantizedWeight
+from kvforge.quantization.weight_only_kernels import interleave_parts
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: (N, K)
 LM_HEAD = (49152, 576)
@@ -61,20 +64,14 @@ _FROM_CPP = r"""
 #include <atomic>
 #include <chrono>
 
-// x_i W_i^T for each layer i of a pass, each call naming the next weight (the last the first), as the engine's
-// decode step calls them.
+// x_i W_i^T for each layer i of a pass, as the engine's decode step calls them.
 std::vector<torch::Tensor> panel_pass(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& weights,
                                       int64_t bits, const std::vector<int64_t>& out_features,
                                       const std::vector<double>& factors) {
-  const size_t n = xs.size();
   std::vector<torch::Tensor> outs;
-  outs.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const size_t j = (i + 1) % n;
-    outs.push_back(kvforge_cpu::quant_gemm_panels(xs[i], weights[3 * i], weights[3 * i + 1], weights[3 * i + 2],
-                                                  bits, out_features[i], factors[i], weights[3 * j],
-                                                  weights[3 * j + 1], weights[3 * j + 2]));
-  }
+  outs.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i)
+    outs.push_back(kvforge_cpu::quant_gemm_panels(xs[i], weights[i], bits, out_features[i], factors[i]));
   return outs;
 }
 
@@ -109,7 +106,11 @@ def _from_cpp() -> types.ModuleType:
     (whose symbols it resolves when loaded; needs cpu_kernels())."""
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline("kvforge_bench_panel_pass", cpp_sources=[(CSRC / "ops.h").read_text() + _FROM_CPP],
+    source = (CSRC / "ops.h").read_text() + _FROM_CPP
+    # NOTE: named by the source and its checkout, as the extension (extension.py): two checkouts' benches never load
+    # (or rebuild over) each other's module
+    digest = hashlib.sha256(f"{CSRC}\n{source}".encode()).hexdigest()[:12]
+    return load_inline(f"kvforge_bench_panel_pass_{digest}", cpp_sources=[source],
                        functions=["panel_pass", "panel_pass_seconds", "fork_join_seconds"],
                        extra_cflags=["-O3", "-fopenmp"],
                        extra_ldflags=["-fopenmp"])
@@ -128,32 +129,26 @@ def _bytes(*tensors: torch.Tensor) -> int:
 
 
 class PanelCall:
-    """x -> x W^T by the panel kernel, naming a weight to prefetch next (`following`), or none."""
+    """x -> x W^T by the panel kernel."""
 
-    def __init__(self, panels: tuple, bits: int, num_rows: int, following: PanelCall | None = None) -> None:
-        self.panels, self.bits, self.num_rows = panels, bits, num_rows
-        self.next = None if following is None else following.panels[:3]
+    def __init__(self, weight: torch.Tensor, factor: float, bits: int, num_rows: int) -> None:
+        self.weight, self.factor, self.bits, self.num_rows = weight, factor, bits, num_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return panel_linear(x, *self.panels, self.bits, self.num_rows, self.next)
+        return panel_linear(x, self.weight, self.factor, self.bits, self.num_rows)
 
 
-def _chained(layers: list[dict[str, tuple[Callable, int]]]) -> None:
-    """Each layer's panel variants also as the engine calls them: each call names the next weight of the pass
-    (the last names the first), which the kernel then prefetches while it finishes (PanelKernel.prefetch_next), and
-    the weights are copies in 2 MiB pages where the kernel offers them, as the engine keeps its weights
-    (loader/huge_pages.py); the variant "... chained". "... chained 4K": the same calls on the 4 KiB-page weights."""
+def _in_arena(layers: list[dict[str, tuple[Callable, int]]]) -> None:
+    """Each layer's panel variants also with the weights as the engine keeps them: interleaved by thread in one
+    arena in the order of the pass (interleave_parts), in 2 MiB pages where the kernel offers them; the variant
+    "... arena". "... arena 4K": the same in 4 KiB pages."""
     huge = huge_pages_offered()
     for name in [name for name, (call, _) in layers[0].items() if isinstance(call, PanelCall)]:
-        for suffix, in_huge_pages in ((" chained 4K", False), (" chained", True)) if huge else ((" chained", False),):
-            weights = [layer[name][0].panels[:3] for layer in layers]
-            if in_huge_pages:  # one arena, as the engine's
-                copies = iter(copy_to_huge_pages([t for weight in weights for t in weight]))
-                weights = [tuple(next(copies) for _ in weight) for weight in weights]
-            calls = [(PanelCall((*weight, *call.panels[3:]), call.bits, call.num_rows), size)
-                     for weight, (call, size) in zip(weights, (layer[name] for layer in layers))]
-            for layer, (call, size), (following, _) in zip(layers, calls, calls[1:] + calls[:1]):
-                layer[f"{name}{suffix}"] = (PanelCall(call.panels, call.bits, call.num_rows, following), size)
+        for suffix, in_huge_pages in ((" arena 4K", False), (" arena", True)) if huge else ((" arena", False),):
+            calls = [layer[name][0] for layer in layers]
+            weights = interleave_parts([call.weight for call in calls], in_huge_pages)
+            for layer, call, weight in zip(layers, calls, weights):
+                layer[f"{name}{suffix}"] = (PanelCall(weight, call.factor, call.bits, call.num_rows), layer[name][1])
 
 
 def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: torch.Generator
@@ -180,9 +175,9 @@ def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: to
                     lambda x, p=packed, b=bits, q=int8_x: quant_linear_cpu(x, *p, b, q), _bytes(*packed))
     if panels_available():
         for bits, quantized in ((8, grouped8), (4, int4)):
-            panels = pack_panels(quantized.codes, quantized.scales, quantized.zeros, bits)
-            # NOTE: the weight's tensors ride on the call, for _chained
-            calls[f"panels w{bits}"] = (PanelCall(panels, bits, num_rows), _bytes(*panels[:3]))
+            panels, factor = pack_panels(quantized.codes, quantized.scales, quantized.zeros, bits)
+            # NOTE: the weight rides on the call, for _in_arena
+            calls[f"panels w{bits}"] = (PanelCall(panels, factor, bits, num_rows), _bytes(panels))
     if packed_gemm.int8pack_eligible(int8):
         packed8 = packed_gemm.prepack_int8(int8)
         calls["int8pack"] = (lambda x: packed_gemm.int8pack_linear(x, *packed8), _bytes(*packed8))
@@ -233,7 +228,7 @@ def _streamed(label: str, shapes: list[tuple[int, int]], args: argparse.Namespac
     each variant against a copy timed in the same rounds."""
     layers = [_layer_calls(n, k, args.group_size, generator) for n, k in shapes]
     if len(layers) > 1:
-        _chained(layers)
+        _in_arena(layers)
     weight_bytes = {name: sum(calls[name][1] for calls in layers) for name in layers[0]}
     source = torch.empty(COPY_BYTES, dtype=torch.uint8).fill_(1)
     target = torch.empty_like(source)
@@ -246,7 +241,7 @@ def _streamed(label: str, shapes: list[tuple[int, int]], args: argparse.Namespac
         }
         callers = (("compiled", _compiled_pass, args.compiled), ("from C++", _cpp_pass, args.from_cpp))
         for caller, make in [(caller, make) for caller, make, wanted in callers if wanted]:
-            for name in [name for name in layers[0] if name.endswith("chained")]:
+            for name in [name for name in layers[0] if name.endswith("arena")]:
                 programs[f"{name} {caller}"] = make([calls[name][0] for calls in layers], inputs_per_layer)
                 weight_bytes[f"{name} {caller}"] = weight_bytes[name]
         programs["copy"] = lambda: target.copy_(source)
@@ -292,10 +287,10 @@ def _compiled_pass(calls: list[Callable], inputs: list[torch.Tensor]) -> Callabl
 
 
 def _cpp_pass(calls: list[PanelCall], inputs: list[torch.Tensor]) -> _SelfTimed:
-    """The pass's chained panel calls, made from one C++ loop that times itself (checked once against the same
-    calls from Python); CPU time of the calling thread with one thread, as main's clock."""
-    weights = [t for call in calls for t in call.panels[:3]]
-    pass_args = (inputs, weights, calls[0].bits, [call.num_rows for call in calls], [call.panels[3] for call in calls])
+    """The pass's panel calls, made from one C++ loop that times itself (checked once against the same calls from
+    Python); CPU time of the calling thread with one thread, as main's clock."""
+    pass_args = (inputs, [call.weight for call in calls], calls[0].bits, [call.num_rows for call in calls],
+                 [call.factor for call in calls])
     if not all(torch.equal(a, call(x)) for a, call, x in zip(_from_cpp().panel_pass(*pass_args), calls, inputs)):
         raise AssertionError("the C++ loop's results differ from the kernel's called from Python")
     cpu_time = torch.get_num_threads() == 1

@@ -68,29 +68,28 @@ def huge_page_bytes(address: int, length: int) -> int:
     return total
 
 
-def _arena_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Unwritten tensors of the given tensors' dtypes and shapes, side by side in one uint8 arena that begins at a
-    2 MiB boundary and is marked MADV_HUGEPAGE before its pages are first written (each then gets a huge page where
-    the kernel has one free). Needs huge_pages_offered()."""
-    offsets, size = [], 0
-    for tensor in tensors:
-        offsets.append(size)
-        size = _round_up(size + tensor.nbytes, ALIGNMENT)
-    whole_pages = _round_up(size, HUGE_PAGE)
+def huge_page_arena(nbytes: int) -> torch.Tensor:
+    """An unwritten uint8 tensor of nbytes that begins at a 2 MiB boundary, in a mapping marked MADV_HUGEPAGE before
+    its pages are first written (each then gets a huge page where the kernel has one free). Needs
+    huge_pages_offered()."""
+    whole_pages = _round_up(nbytes, HUGE_PAGE)
     # NOTE: a mapping of its own, not torch's allocator: malloc may hand back memory it has written before, whose
     # 4 KiB pages are backed already (then madvise changes nothing until the kernel's background collapse)
     memory = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # anonymous: backed on first write
     arena = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive as long as a view of it lives
     start = -arena.data_ptr() % HUGE_PAGE
     memory.madvise(mmap.MADV_HUGEPAGE, start, whole_pages)
-    return [arena[start + at:start + at + tensor.nbytes].view(tensor.dtype)
-            .view(tensor.shape) for tensor, at in zip(tensors, offsets)]
+    return arena[start:start + nbytes]
 
 
-@torch.no_grad()  # the copies are plain tensors, whatever the originals' requires_grad
-def copy_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of dense tensors side by side in 2 MiB pages (one arena). Needs huge_pages_offered()."""
-    return [view.copy_(tensor) for view, tensor in zip(_arena_views(tensors), tensors)]
+def _arena_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Unwritten tensors of the given tensors' dtypes and shapes, side by side in one huge_page_arena."""
+    offsets, size = [], 0
+    for tensor in tensors:
+        offsets.append(size)
+        size = _round_up(size + tensor.nbytes, ALIGNMENT)
+    arena = huge_page_arena(size)
+    return [arena[at:at + tensor.nbytes].view(tensor.dtype).view(tensor.shape) for tensor, at in zip(tensors, offsets)]
 
 
 def _movable_tensors(model: nn.Module) -> tuple[dict[int, list[tuple[nn.Module, str, bool]]], dict[int, torch.Tensor]]:

@@ -12,7 +12,7 @@ from torch import nn
 from kvforge.config import ModelConfig
 from kvforge.kernels.cpu.dense_gemv import use_dense_gemv
 from kvforge.loader.hub_cache import resolve_model_path
-from kvforge.loader.huge_pages import move_to_huge_pages
+from kvforge.loader.huge_pages import huge_pages_offered, move_to_huge_pages
 from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
 from kvforge.models.registry import resolve_model_class
 from kvforge.quantization import (
@@ -23,7 +23,7 @@ from kvforge.quantization import (
 )
 from kvforge.quantization.fp8 import fp8_checkpoint_tensors
 from kvforge.quantization.gguf_quants import keep_gguf_quantized
-from kvforge.quantization.weight_only_kernels import chain_prefetches
+from kvforge.quantization.weight_only_kernels import interleave_panel_parts
 from kvforge.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -96,9 +96,10 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
     if config.quantize_lm_head and quant_config is not None and quant_config.method == "rtn":
         quantize_vocab_rows(model)
     use_dense_gemv(model)
-    if config.huge_pages and device.type == "cpu":
-        move_to_huge_pages(model)  # NOTE: before chain_prefetches, which keeps references to the weights
-    chain_prefetches(model)
+    huge_pages = config.huge_pages and device.type == "cpu" and huge_pages_offered()
+    interleave_panel_parts(model, huge_pages)
+    if huge_pages:
+        move_to_huge_pages(model)
     model.eval()
     logger.info("loaded %s (%s) as %s on %s", path.name, model_class.__name__, dtype, device)
     return LoadedModel(model, tokenizer, hf_config, dtype, str(path))

@@ -28,6 +28,7 @@ from kvforge.kernels.cpu.quant_gemv import pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panel_rows
 from kvforge.kernels.ops import OpTable
 from kvforge.kernels.quant_gemm import dequantize_ref, pack_codes
+from kvforge.loader.huge_pages import ALIGNMENT, huge_page_arena
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 
@@ -51,30 +52,47 @@ class PanelKernel(WeightOnlyKernel):
 
     def prepare(self, weight: QuantizedWeight) -> None:
         self.bits, self.out_features = weight.bits, weight.codes.shape[0]
-        codes, scales, offsets, self.factor = pack_panels(weight.codes, weight.scales, weight.zeros, weight.bits)
-        self.register_buffer("codes", codes, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
-        self.register_buffer("offsets", offsets, persistent=False)
-        self.prefetch_next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # chain_prefetches
+        packed, self.factor = pack_panels(weight.codes, weight.scales, weight.zeros, weight.bits)
+        self.register_buffer("weight", packed, persistent=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return panel_linear(x, self.codes, self.scales, self.offsets, self.factor, self.bits, self.out_features,
-                            self.prefetch_next)
+        return panel_linear(x, self.weight, self.factor, self.bits, self.out_features)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return panel_rows(self.codes, self.scales, self.offsets, self.factor, self.bits, ids)
+        return panel_rows(self.weight, self.factor, self.bits, ids)
 
 
-def chain_prefetches(model: nn.Module) -> None:
-    """Each panel-layout weight of the model prefetches the first bytes of the next one while it finishes, so that
-    memory keeps streaming across the calls between them. "Next" is the model's module order, which is the order
-    its decoder layers run their matmuls in; the last weight's next is the first (the LM head, or a tied
-    embedding's, then the next step's first layer). Where that order is not the running one, the prefetches only
-    miss: the results do not depend on them."""
+@torch.no_grad()
+def interleave_parts(weights: list[torch.Tensor], huge_pages: bool) -> list[torch.Tensor]:
+    """Copies of panel-layout weights (the same number of parts T) in one arena of T regions, region t holding part t
+    of each weight one after another in the given order, each at a multiple of 64 bytes:
+
+        arena  [w0 part 0 | w1 part 0 | ... | wn part 0 | w0 part 1 | w1 part 1 | ... | wn part T-1]
+
+    Thread t multiplies part t of each weight, so in the order of `weights` it reads one run of memory, and the
+    hardware prefetchers run on from one weight into the next. In 2 MiB pages (loader/huge_pages.py) where asked."""
+    parts = {weight.shape[0] for weight in weights}
+    if len(parts) != 1:
+        raise ValueError(f"the weights are in different numbers of parts: {sorted(parts)}")
+    starts, region = [], 0
+    for weight in weights:
+        starts.append(region)
+        region = (region + weight[0].nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    arena = huge_page_arena(len(weights[0]) * region) if huge_pages else torch.empty(len(weights[0]) * region,
+                                                                                       dtype=torch.uint8)
+    return [arena.as_strided(weight.shape, (region, *weight[0].contiguous().stride()), start).copy_(weight)
+            for weight, start in zip(weights, starts)]
+
+
+def interleave_panel_parts(model: nn.Module, huge_pages: bool) -> None:
+    """The model's panel-layout weights moved into one arena by interleave_parts, in module order, which is the order
+    its decoder layers run their matmuls in (the LM head, or a tied embedding, first or last: the step's order runs
+    round from the last to the first). Where the order differs, each thread reads the same bytes, only not in one
+    run. Call it before move_to_huge_pages, which then leaves these weights where they are."""
     kernels = [module for module in model.modules() if isinstance(module, PanelKernel)]
-    if len(kernels) > 1:
-        for kernel, following in zip(kernels, kernels[1:] + kernels[:1]):
-            kernel.prefetch_next = (following.codes, following.scales, following.offsets)
+    if kernels:
+        for kernel, weight in zip(kernels, interleave_parts([kernel.weight for kernel in kernels], huge_pages)):
+            kernel.weight = weight
 
 
 class NativeKernel(WeightOnlyKernel):

@@ -12,10 +12,9 @@ from torch import nn
 
 from kvforge import LLM
 from kvforge.loader.huge_pages import (
-    ALIGNMENT,
     HUGE_PAGE,
     THP_MODE,
-    copy_to_huge_pages,
+    huge_page_arena,
     huge_page_bytes,
     huge_pages_offered,
     move_to_huge_pages,
@@ -31,16 +30,13 @@ def _tensors(model: nn.Module) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers()]
 
 
-def test_copies_are_equal_aligned_and_in_huge_pages() -> None:
+def test_an_arena_is_aligned_and_in_huge_pages() -> None:
     for mib in (8, 16, 30):  # freed large blocks: malloc then reuses memory it has written (as in a long process)
         torch.ones(mib << 20, dtype=torch.uint8)
-    tensors = [torch.randn(1024, 1024), torch.arange(5, dtype=torch.uint8), torch.randn(7, 9).half()]
-    copies = copy_to_huge_pages(tensors)
-    for tensor, copy in zip(tensors, copies):
-        assert copy.dtype == tensor.dtype and torch.equal(copy, tensor) and copy.data_ptr() != tensor.data_ptr()
-        assert copy.data_ptr() % ALIGNMENT == 0
-    assert copies[0].data_ptr() % HUGE_PAGE == 0
-    assert huge_page_bytes(copies[0].data_ptr(), copies[0].nbytes) >= HUGE_PAGE  # 4 MiB: at least one whole page
+    arena = huge_page_arena((4 << 20) + 5)
+    assert arena.dtype == torch.uint8 and arena.numel() == (4 << 20) + 5 and arena.data_ptr() % HUGE_PAGE == 0
+    arena.fill_(7)  # first written here: backed then
+    assert huge_page_bytes(arena.data_ptr(), arena.nbytes) >= HUGE_PAGE  # at least one whole page of the two
 
 
 def test_tied_parameters_and_buffers_stay_tied() -> None:

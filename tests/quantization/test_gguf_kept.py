@@ -189,17 +189,20 @@ def test_rtn_quantizes_the_vocabulary_rows_to_int8(tiny_llama_dir) -> None:
 
 
 @pytest.mark.skipif(not panels_available(), reason="the panel kernels need AVX-512 VNNI")
-def test_compiled_single_stream_steps_chain_the_kept_weights_and_answer_as_eager(tiny_path: Path) -> None:
-    """Each panel weight prefetches the next one the step multiplies by (module order, the last wrapping round to
-    the first); the compiled single-stream step calls them from Inductor's C++ wrapper and answers as eager."""
+def test_compiled_single_stream_steps_read_the_kept_weights_interleaved_and_answer_as_eager(tiny_path: Path) -> None:
+    """The panel weights lie in one arena, part t of each in region t, in module order (the order the step multiplies
+    by them); the compiled single-stream step calls them from Inductor's C++ wrapper and answers as eager."""
     options = dict(ENGINE, quantization="gguf", compile_buckets=(1,))
     compiled = LLM(str(tiny_path), compile_after=0, **options)
     eager = LLM(str(tiny_path), enforce_eager=True, **options)
     kernels = [(name, module) for name, module in compiled.engine.local_model.named_modules()
                if isinstance(module, PanelKernel)]  # fmt: skip
-    names = {id(module.codes): name for name, module in kernels}
-    following = [names[id(module.prefetch_next[0])] for _, module in kernels]
-    assert following == [name for name, _ in kernels[1:] + kernels[:1]]
+    weights = [module.weight for _, module in kernels]
+    region = weights[0].stride(0)
+    assert {weight.untyped_storage().data_ptr() for weight in weights} == {weights[0].untyped_storage().data_ptr()}
+    assert all(weight.stride(0) == region for weight in weights)
+    starts = [weight.data_ptr() for weight in weights]
+    assert starts == sorted(starts) and weights[-1][0].data_ptr() + weights[-1][0].nbytes <= starts[0] + region
     layer = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.down_proj"]  # gate_up stays float (a Q6_K shard)
     assert [name.removesuffix(".kernel") for name, _ in kernels] == [
         "embed_tokens", *(f"layers.{i}.{name}" for i in range(2) for name in layer), "lm_head"]

@@ -8,8 +8,8 @@ nodes:
     quant_gemv(x [M, K], qweight, scales, offsets, bits, int8_activations) -> [M, N] fp32   (quant_gemv.py)
     quant_dequantize(qweight, scales, offsets, bits) -> [N, K] fp32
     quant_gemv_isa() -> "avx512-vnni" | "avx2" | "portable"  (the build's instruction set, logged at engine start)
-    quant_gemm_panels(x [M, K], codes, scales, offsets, bits, out_features, factor, next_codes, next_scales,
-        next_offsets) -> [M, N] fp32   (quant_panels.py, AVX-512 VNNI builds)
+    quant_gemm_panels(x [M, K], weight, bits, out_features, factor) -> [M, N] fp32   (quant_panels.py, AVX-512 VNNI
+        builds)
     dense_gemv(x [M, K], weight [N, K]) -> [M, N] fp32 (AVX2 builds)             (dense_gemv.py)
     onednn_linear(x [M, K], weight [N, K], bias) -> [M, N] fp32  (oneDNN's matmul; torch builds with mkldnn)
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
@@ -81,10 +81,8 @@ def cpu_kernels() -> ModuleType | None:
 
 # The C entry points of csrc/c_shims.cpp, as Inductor's C++ wrapper declares them (the signatures there).
 C_SHIMS = {
-    "quant_gemm_panels": "AOTITorchError aoti_torch_cpu_quant_gemm_panels(AtenTensorHandle x, AtenTensorHandle codes, "
-    "AtenTensorHandle scales, AtenTensorHandle offsets, int64_t bits, int64_t out_features, double factor, "
-    "AtenTensorHandle* next_codes, AtenTensorHandle* next_scales, AtenTensorHandle* next_offsets, "
-    "AtenTensorHandle* out)",
+    "quant_gemm_panels": "AOTITorchError aoti_torch_cpu_quant_gemm_panels(AtenTensorHandle x, AtenTensorHandle weight, "
+    "int64_t bits, int64_t out_features, double factor, AtenTensorHandle* out)",
     "paged_decode": "AOTITorchError aoti_torch_cpu_paged_decode(AtenTensorHandle query, AtenTensorHandle key_cache, "
     "AtenTensorHandle value_cache, AtenTensorHandle block_tables, AtenTensorHandle seq_lens, double scale, "
     "AtenTensorHandle* key_scale, AtenTensorHandle* value_scale, AtenTensorHandle* out)",
@@ -151,7 +149,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("kvforge_cpu::quant_gemm_panels")
-    def _(x, codes, scales, offsets, bits, out_features, factor, next_codes, next_scales, next_offsets):
+    def _(x, weight, bits, out_features, factor):
         return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
     @torch.library.register_fake("kvforge_cpu::quant_dequantize")

@@ -2,22 +2,30 @@
 
 One kernel for every batch size (decode, batched decode, prefill chunks): x is rounded to int8 per 32 columns and
 one vpdpbusd multiplies 4 columns of 16 weight rows at once, so above a few rows it is several times the float
-GEMM's rate and never dequantizes the weight. Layout, P = ceil(N / 16) panels of 16 rows (the last one padded with
-zero rows), per 32-column block b of a panel V vectors of 64 bytes, one int32 lane (4 bytes) per row:
+GEMM's rate and never dequantizes the weight. Layout, one uint8 tensor a weight: P = ceil(N / 16) panels of 16 rows
+in T parts of S = ceil(P / T) panels (one part a thread; zero rows pad the last panels), each part in tiles of W
+panels (W = tile_panels(bits): 4 for 4-bit codes, 2 for 8-bit; the part's last tile has the 1 .. W left), and per
+group of B 32-column blocks of a tile one run of bytes, in the order the kernel reads them:
 
-    codes    uint8 [P, K/32 * V * 64]
-               8 bits, V = 8:  vector j = [row 0: c(32b+4j .. 32b+4j+3) | row 1: ... | ... | row 15: ...]
-               4 bits, V = 4:  vector j, row r, byte c = c(r, 32b+8j+c) | c(r, 32b+8j+4+c) << 4
-    scales   float16 [P, G, 16]    the panel's 16 rows side by side, per group, times 2^e
-    offsets  float16 [P, G, 16]    -zeros * scales, times 2^e
-    factor   2^-e                  one power of two per weight, that puts its largest scale or offset in
-                                   [2^14, 2^15): no half is subnormal or overflows
+    weight   uint8 [T, S, G, 64 + B * V * 64]      the sizes of a panel's group; a tile's groups hold its W panels'
+                                                   bytes interleaved: group g of the tile of panels s .. s + W is
+        scales half [W, 16] | offsets half [W, 16] | per block b, V vectors per panel [V, W, 64 bytes]
+                      the panels' rows side by side, times 2^e; vector j of a panel, one int32 lane (4 bytes) a row:
+                      8 bits, V = 8:  [row 0: c(32b+4j .. 32b+4j+3) | row 1: ... | ... | row 15: ...]
+                      4 bits, V = 4:  row r, byte c = c(r, 32b+8j+c) | c(r, 32b+8j+4+c) << 4
+                   the parts may lie apart in memory (the first stride, a multiple of 64 bytes)
+    factor   2^-e  one power of two per weight, that puts its largest scale or offset in [2^14, 2^15): no half is
+                   subnormal or overflows
+    offsets  = -zeros * scales
 
     W[n, k] = (code[n, k] * scales[n, g] + offsets[n, g]) * factor,   g = k // group_size
 
-Half factors cut a 4-bit weight's bytes from 0.75 to 0.625 per weight (as GGUF's Q4_1), and are exact for GGUF's
-blocks, whose scales and minimums are halves; float32 ones (RTN, GPTQ's integer zero points times a scale) round by
-at most 2^-11 of their value.
+One row of x reads each tile as one run of memory. Thread t multiplies part t, so the loader puts part t of every
+weight, one after another in the order the model calls them, into one region of memory (interleave_parts in
+quantization/weight_only_kernels.py): each thread then reads one run through a whole decode step. Half factors cut a
+4-bit weight's bytes from 0.75 to 0.625 per weight (as GGUF's Q4_1), and are exact for GGUF's blocks, whose scales
+and minimums are halves; float32 ones (RTN, GPTQ's integer zero points times a scale) round by at most 2^-11 of
+their value.
 
 Reference beside it: panel_linear_ref (x rounded the same way, times the dequantized weight).
 """
@@ -41,66 +49,97 @@ def panels_available() -> bool:
     return cpu_kernels() is not None and torch.ops.kvforge_cpu.quant_panels_available()
 
 
+def tile_panels(bits: int) -> int:
+    """Panels interleaved in a tile."""
+    return 4 if bits == 4 else 2
+
+
 def panel_layout_fits(bits: int, in_features: int, group_size: int) -> bool:
     return bits in (4, 8) and group_size % BLOCK == 0 and in_features % group_size == 0
 
 
-def pack_panels(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """codes [N, K] in [0, 2**bits), scales and zeros [N, G] -> (codes, scales, offsets, factor) of the layout."""
+def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                parts: int | None = None) -> tuple[torch.Tensor, float]:
+    """codes [N, K] in [0, 2**bits), scales and zeros [N, G] -> (weight, factor) of the layout, in `parts` parts
+    (default: torch's thread count)."""
     num_rows, in_features = codes.shape
-    if not panel_layout_fits(bits, in_features, in_features // scales.shape[1]):
-        raise ValueError(f"no panel layout for {bits}-bit codes of width {in_features} in {scales.shape[1]} groups")
-    pad = -num_rows % PANEL_ROWS
+    groups = scales.shape[1]
+    if not panel_layout_fits(bits, in_features, in_features // groups) or in_features % groups:
+        raise ValueError(f"no panel layout for {bits}-bit codes of width {in_features} in {groups} groups")
+    parts = torch.get_num_threads() if parts is None else parts
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}")
+    per_part = -(-num_rows // (PANEL_ROWS * parts))  # ceil(ceil(N / 16) / T)
+    panels = parts * per_part
+    pad = panels * PANEL_ROWS - num_rows
     codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
     offsets = torch.nn.functional.pad(-zeros.float() * scales.float(), (0, 0, 0, pad))
     scales = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad))
-    panels = codes.shape[0] // PANEL_ROWS
     blocks = codes.reshape(panels, PANEL_ROWS, in_features // BLOCK, BLOCK)  # [P, r, b, 32]
     if bits == 8:
         vectors = blocks.reshape(panels, PANEL_ROWS, -1, 8, 4)  # [P, r, b, j, c]
     else:
         halves = blocks.reshape(panels, PANEL_ROWS, -1, 4, 2, 4)  # [P, r, b, j, low/high, c]
         vectors = halves[..., 0, :] | (halves[..., 1, :] << 4)
-    packed = vectors.permute(0, 2, 3, 1, 4).reshape(panels, -1)  # [P, (b, j, r, c)]
+    # [T, S, G, B * V, 64]: per part, panel and group, the group's vectors (each 4 bytes of the panel's 16 rows)
+    grid = vectors.permute(0, 2, 3, 1, 4).reshape(parts, per_part, groups, -1, 4 * PANEL_ROWS)
 
     largest = max(scales.abs().max().item(), offsets.abs().max().item())
     exponent = 0 if largest == 0 else 14 - math.floor(math.log2(largest))
 
-    def side_by_side(factors: torch.Tensor) -> torch.Tensor:
+    def side_by_side(factors: torch.Tensor) -> torch.Tensor:  # [P * 16, G] -> half [T, S, G, 16]
         halves = (factors * 2.0**exponent).to(torch.float16)
-        return halves.reshape(panels, PANEL_ROWS, -1).transpose(1, 2).contiguous()
+        return halves.reshape(parts, per_part, PANEL_ROWS, groups).transpose(2, 3)
 
-    return packed.contiguous(), side_by_side(scales), side_by_side(offsets), 2.0**-exponent
+    scales, offsets = side_by_side(scales), side_by_side(offsets)
+
+    def tiles(first: int, count: int, width: int) -> torch.Tensor:  # `count` tiles of `width` panels -> [T, bytes]
+        def cut(t: torch.Tensor) -> torch.Tensor:  # [T, S, G, ...] -> [T, tiles, G, width, ...]
+            part = t[:, first:first + count * width]
+            return part.reshape(parts, count, width, *t.shape[2:]).transpose(2, 3)
+
+        factors = torch.cat([cut(scales), cut(offsets)], dim=3).contiguous().view(torch.uint8)  # [T, q, G, 2w, 32]
+        vectors = cut(grid).transpose(3, 4)  # [T, q, G, B * V, w, 64]
+        return torch.cat([factors.flatten(3), vectors.flatten(3)], dim=3).reshape(parts, -1)
+
+    width = tile_panels(bits)
+    whole = per_part // width * width
+    weight = torch.cat([tiles(0, per_part // width, width), tiles(whole, 1, per_part - whole)], dim=1)
+    return weight.reshape(parts, per_part, groups, -1), 2.0**-exponent
 
 
-def panel_rows(
-    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
-) -> torch.Tensor:
-    """The float32 weight rows W[ids] [len(ids), K] of the layout (an embedding lookup)."""
-    panels, lanes = ids // PANEL_ROWS, ids % PANEL_ROWS
-    vectors = 8 if bits == 8 else 4
-    grid = codes.reshape(codes.shape[0], -1, vectors, PANEL_ROWS, 4)[panels, :, :, lanes]  # [len, b, j, c]
+def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor) -> torch.Tensor:
+    """The float32 weight rows W[ids] [len(ids), K] of the layout (an embedding lookup): each row's bytes gathered
+    from the tile its panel lies in."""
+    _, per_part, groups, group_bytes = weight.shape
+    width, panels = tile_panels(bits), ids // PANEL_ROWS
+    parts, slots = panels // per_part, panels % per_part
+    lanes, places, tiles = (ids % PANEL_ROWS)[:, None], (slots % width)[:, None], slots // width  # [len, 1], [len]
+    widths = torch.where(tiles < per_part // width, width, per_part % width)[:, None]  # of each row's tile
+    # byte of each group of each row's tile: tiles of `widths` panels, each group of them widths * group_bytes
+    starts = (tiles * width * groups * group_bytes)[:, None] + torch.arange(groups) * widths * group_bytes
+    flat = weight.flatten(1)  # [T, S * G * group bytes]: a view, each part contiguous
+
+    def halves(at: torch.Tensor) -> torch.Tensor:  # the half at each byte `at` [len, G] of the rows' parts
+        return flat[parts[:, None, None], at[..., None] + torch.arange(2)].view(torch.float16)[..., 0].float()
+
+    scales = halves(starts + 32 * places + 2 * lanes)
+    offsets = halves(starts + 32 * (widths + places) + 2 * lanes)
+    vectors = torch.arange((group_bytes - 64) // 64)[:, None]  # [B * V, 1]
+    widths, places, lanes = widths[..., None, None], places[..., None, None], lanes[..., None, None]  # [len, 1, 1, 1]
+    at = starts[..., None, None] + 64 * (widths + vectors * widths + places) + 4 * lanes + torch.arange(4)
+    grid = flat[parts[:, None, None, None], at]
     if bits == 4:
-        grid = torch.stack([grid & 0x0F, grid >> 4], dim=-2)  # [len, b, j, low/high, c]
+        grid = torch.stack([grid & 0x0F, grid >> 4], dim=-2)  # [len, G, B * V, low/high, c]
     row_codes = grid.reshape(ids.shape[0], -1).float()
-    group_size = row_codes.shape[1] // scales.shape[1]
-    row_scales = scales[panels, :, lanes].float().repeat_interleave(group_size, dim=1)
-    row_offsets = offsets[panels, :, lanes].float().repeat_interleave(group_size, dim=1)
-    return (row_codes * row_scales + row_offsets) * factor
+    group_size = row_codes.shape[1] // groups
+    return (row_codes * scales.repeat_interleave(group_size, dim=1)
+            + offsets.repeat_interleave(group_size, dim=1)) * factor
 
 
-def panel_linear(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, factor: float, bits: int,
-    out_features: int, prefetch_next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """x [M, K] float -> x W^T [M, out_features] in x's dtype (needs panels_available()). prefetch_next: the
-    (codes, scales, offsets) of the weight multiplied by next, whose first bytes each thread then prefetches while
-    it finishes this one (the result does not depend on it)."""
-    out = torch.ops.kvforge_cpu.quant_gemm_panels(x.float(), codes, scales, offsets, bits, out_features, factor,
-                                                  *(prefetch_next or (None, None, None)))
-    return out.to(x.dtype)
+def panel_linear(x: torch.Tensor, weight: torch.Tensor, factor: float, bits: int, out_features: int) -> torch.Tensor:
+    """x [M, K] float -> x W^T [M, out_features] in x's dtype (needs panels_available())."""
+    return torch.ops.kvforge_cpu.quant_gemm_panels(x.float(), weight, bits, out_features, factor).to(x.dtype)
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -113,10 +152,8 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (q * dx).reshape(x.shape)
 
 
-def panel_linear_ref(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, factor: float, bits: int,
-    out_features: int,
-) -> torch.Tensor:
+def panel_linear_ref(x: torch.Tensor, weight: torch.Tensor, factor: float, bits: int, out_features: int
+                     ) -> torch.Tensor:  # fmt: skip
     """What panel_linear computes, in float64: x rounded to int8 per 32 columns, times the dequantized weight."""
-    weight = panel_rows(codes, scales, offsets, factor, bits, torch.arange(out_features))
-    return int8_rows(x).double() @ weight.double().t()
+    rows = panel_rows(weight, factor, bits, torch.arange(out_features))
+    return int8_rows(x).double() @ rows.double().t()

@@ -15,13 +15,15 @@ from kvforge.kernels.cpu.quant_panels import (
     panel_rows,
     panels_available,
 )
+from kvforge.loader.huge_pages import huge_pages_offered
+from kvforge.quantization.weight_only_kernels import interleave_parts
 from tests.kernels.cpu.test_quant_gemv_cpu import _tolerance, _weight
 
 pytestmark = pytest.mark.skipif(not panels_available(), reason="the panel kernel needs AVX-512 VNNI")
 
 # (rows, columns, group size): rows that do not fill the last panel (37, 13, 9, 75, 110), one panel, groups of one
-# block, of a whole row, of three blocks (96), the default model's shapes, and 7 panels in one thread's share (a tile of
-# 4 panels, one of 2 and one of 1 at one row of x).
+# block, of a whole row, of three blocks (96), the default model's shapes, and 7 panels in two parts of 4 (on two
+# threads a tile of 4 panels, and one of 2 and one of 1, at one row of x).
 SHAPES = [(37, 128, 32), (16, 256, 256), (13, 576, 192), (9, 192, 96), (75, 576, 64), (40, 1536, 32), (110, 576, 32)]
 
 
@@ -43,11 +45,12 @@ def test_rows_of_the_layout_are_the_weight(bits: int, num_rows: int, in_features
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("num_rows,in_features,group_size", SHAPES)
 @pytest.mark.parametrize("zeros", ["sym", "int", "float"])
-@pytest.mark.parametrize("num_tokens", [1, 3, 6, 64])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 6, 64])
 def test_kernel_is_the_product_with_x_rounded_to_int8(
     bits: int, num_rows: int, in_features: int, group_size: int, zeros: str, num_tokens: int
 ) -> None:
-    """Every tile shape (4 rows of x and the 1-3 left over, one or two panels) and the partial last panel."""
+    """Every step shape (whole tiles against 1-3 rows of x; pairs of panels, or the last one, against 4 rows and the
+    1-3 left over), tiles of 1-4 panels, the partial last panel and padding panels."""
     weight = _weight(num_rows, in_features, bits, group_size, zeros, seed=num_rows + bits)
     packed = pack_panels(weight.codes, weight.scales, weight.zeros, bits)
     x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(num_tokens)) * 3
@@ -90,25 +93,69 @@ def test_layouts_without_whole_blocks_are_refused() -> None:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("num_tokens", [1, 5])
-@pytest.mark.parametrize("next_shape", [(16, 128), (300, 1536), (2000, 576)])
-def test_prefetching_the_next_weight_changes_no_result(bits: int, num_tokens: int, next_shape: tuple[int, int]) -> None:
-    """The next weight smaller than one thread's part, about the size of this one's, and larger; of the other
-    width; the prefetches run past the end of each thread's part of this weight into its part of the next."""
-    weight = _weight(110, 576, bits, 32, "float", seed=bits)
-    packed = pack_panels(weight.codes, weight.scales, weight.zeros, bits)
-    following = _weight(*next_shape, 4, 32, "int", seed=1)
-    next_codes, next_scales, next_offsets, _ = pack_panels(following.codes, following.scales, following.zeros, 4)
+def test_any_number_of_parts_on_any_number_of_threads(bits: int, parts: int, threads: int, num_tokens: int) -> None:
+    """A layout packed for one thread count runs on another (more parts than threads, fewer, parts of padding
+    panels only: 9 panels in 5 parts of 2), with the same result as in one part."""
+    weight = _weight(140, 576, bits, 32, "float", seed=bits)
     x = torch.randn(num_tokens, 576, generator=torch.Generator().manual_seed(0))
-    alone = panel_linear(x, *packed, bits, 110)
-    assert torch.equal(panel_linear(x, *packed, bits, 110, (next_codes, next_scales, next_offsets)), alone)
+    packed = pack_panels(weight.codes, weight.scales, weight.zeros, bits, parts=parts)
+    assert packed[0].shape[:2] == (parts, -(-9 // parts))
+    whole = panel_linear(x, *pack_panels(weight.codes, weight.scales, weight.zeros, bits, parts=1), bits, 140)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = panel_linear(x, *packed, bits, 140)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, whole)
+    assert torch.equal(panel_rows(*packed, bits, torch.arange(140)), panel_rows(*packed[:1], 1.0, bits,
+                                                                                torch.arange(140)) * packed[1])
 
 
-def test_a_next_weight_needs_all_of_its_layout() -> None:
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_weights_interleaved_by_part_answer_as_before(huge_pages: bool) -> None:
+    """interleave_parts: each weight's parts apart in one arena (part t of every weight in region t, in order), the
+    kernel and the row gather read them there with the same results."""
+    if huge_pages and not huge_pages_offered():
+        pytest.skip("the kernel offers no transparent huge pages")
+    shapes = [(110, 576, 4), (37, 128, 8), (300, 1536, 4)]
+    weights = [_weight(n, k, bits, 32, "int", seed=n) for n, k, bits in shapes]
+    packed = [pack_panels(w.codes, w.scales, w.zeros, bits, parts=3) for w, (_, _, bits) in zip(weights, shapes)]
+    moved = interleave_parts([weight for weight, _ in packed], huge_pages)
+    region = moved[0].stride(0)
+    assert region % 64 == 0 and all(weight.stride(0) == region for weight in moved)
+    starts = [weight.data_ptr() for weight in moved]
+    assert starts == sorted(starts) and starts[0] % 64 == 0
+    assert moved[-1][0].data_ptr() + moved[-1][0].nbytes <= starts[0] + region  # part 0 of each, then part 1 ...
+    for (weight, factor), copy, (n, k, bits) in zip(packed, moved, shapes):
+        assert torch.equal(copy, weight)
+        x = torch.randn(3, k)
+        assert torch.equal(panel_linear(x, copy, factor, bits, n), panel_linear(x, weight, factor, bits, n))
+        ids = torch.tensor([n - 1, 0, n // 2])
+        assert torch.equal(panel_rows(copy, factor, bits, ids), panel_rows(weight, factor, bits, ids))
+
+
+def test_interleaving_needs_one_number_of_parts() -> None:
     weight = _weight(32, 128, 4, 32, "int", seed=0)
-    codes, scales, offsets, factor = pack_panels(weight.codes, weight.scales, weight.zeros, 4)
+    with pytest.raises(ValueError, match="different numbers of parts"):
+        interleave_parts([pack_panels(weight.codes, weight.scales, weight.zeros, 4, parts=parts)[0]
+                          for parts in (1, 2)], huge_pages=False)
+
+
+def test_layouts_that_do_not_match_are_refused() -> None:
+    weight = _weight(64, 128, 4, 32, "int", seed=0)
+    packed, factor = pack_panels(weight.codes, weight.scales, weight.zeros, 4, parts=2)
     x = torch.randn(1, 128)
-    with pytest.raises(RuntimeError, match="needs its codes, scales and offsets"):
-        torch.ops.kvforge_cpu.quant_gemm_panels(x, codes, scales, offsets, 4, 32, factor, codes, None, None)
-    with pytest.raises(RuntimeError, match="next_scales and next_offsets must be"):
-        panel_linear(x, codes, scales, offsets, factor, 4, 32, (codes, scales.float(), offsets))
+    with pytest.raises(RuntimeError, match="does not fill 2 parts of 2 panels"):
+        panel_linear(x, packed, factor, 4, 16)
+    with pytest.raises(RuntimeError, match="each part of the weight must be contiguous"):
+        panel_linear(x, packed.transpose(0, 1), factor, 4, 64)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        panel_linear(torch.randn(1, 96), packed, factor, 4, 64)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        torch.ops.kvforge_cpu.quant_gemm_panels(x, packed, 2, 64, factor)
+    with pytest.raises(ValueError, match="parts must be at least 1"):
+        pack_panels(weight.codes, weight.scales, weight.zeros, 4, parts=0)

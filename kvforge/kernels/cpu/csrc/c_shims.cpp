@@ -25,16 +25,10 @@ const torch::Tensor& tensor(AtenTensorHandle handle) { return *tensor_handle_to_
 
 extern "C" {
 
-AOTITorchError aoti_torch_cpu_quant_gemm_panels(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle scales,
-                                                AtenTensorHandle offsets, int64_t bits, int64_t out_features,
-                                                double factor, AtenTensorHandle* next_codes,
-                                                AtenTensorHandle* next_scales, AtenTensorHandle* next_offsets,
-                                                AtenTensorHandle* out) {
+AOTITorchError aoti_torch_cpu_quant_gemm_panels(AtenTensorHandle x, AtenTensorHandle weight, int64_t bits,
+                                                int64_t out_features, double factor, AtenTensorHandle* out) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    *out = new_tensor_handle(kvforge_cpu::quant_gemm_panels(
-        tensor(x), tensor(codes), tensor(scales), tensor(offsets), bits, out_features, factor,
-        pointer_to_optional<torch::Tensor>(next_codes), pointer_to_optional<torch::Tensor>(next_scales),
-        pointer_to_optional<torch::Tensor>(next_offsets)));
+    *out = new_tensor_handle(kvforge_cpu::quant_gemm_panels(tensor(x), tensor(weight), bits, out_features, factor));
   });
 }
 

@@ -4,16 +4,11 @@
 
 #include <torch/extension.h>
 
-#include <optional>
-
 namespace kvforge_cpu {
 
 // quant_panels.cpp
-torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                                int64_t bits, int64_t out_features, double factor,
-                                const std::optional<torch::Tensor>& next_codes,
-                                const std::optional<torch::Tensor>& next_scales,
-                                const std::optional<torch::Tensor>& next_offsets);
+torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t bits, int64_t out_features,
+                                double factor);
 
 }  // namespace kvforge_cpu
 
