@@ -78,9 +78,9 @@ def interleave_parts(weights: list[torch.Tensor], huge_pages: bool) -> list[torc
     for weight in weights:
         starts.append(region)
         region = (region + weight[0].nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-    arena = huge_page_arena(len(weights[0]) * region) if huge_pages else torch.empty(len(weights[0]) * region,
-                                                                                       dtype=torch.uint8)
-    return [arena.as_strided(weight.shape, (region, *weight[0].contiguous().stride()), start).copy_(weight)
+    size = len(weights[0]) * region
+    arena = huge_page_arena(size) if huge_pages else torch.empty(size, dtype=torch.uint8)  # torch's: 64-byte aligned
+    return [arena.as_strided(weight.shape, (region, *weight.stride()[1:]), start).copy_(weight)
             for weight, start in zip(weights, starts)]
 
 

@@ -194,6 +194,8 @@ void tile_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* end, int6
   if (first < W) pair_rows<BITS, 1, W, PREFETCH>(a, tile, ahead, p0, first);
 }
 
+// One part of `count` panels at `part` (its first is panel p0): its whole tiles, then its last tile of the 1 .. W - 1
+// panels left.
 template <int BITS, bool PREFETCH>
 void part_gemm(const PanelArgs& a, const uint8_t* part, int64_t p0, int64_t count) {
   const uint8_t* const end = part + count * a.panel_bytes;
