@@ -43,7 +43,7 @@
 // 4-bit tiles against 3 rows of x a step (12 sums and 12 accumulators) instead of pairs of panels against 4, at 16
 // rows: 0.83x; against 2 rows, 0.90x.
 // NOTE: 8-bit weights take tiles of 2 panels. In tiles of 4, 2-3 rows of x read 0.64-0.87x the layout before and 16
-// rows 0.80-0.95x, in whole tiles or pairs, prefetching 1, 2 or 4 tiles ahead or not at all; in tiles of 2 (above),
+// rows 0.80-1.00x, in whole tiles or pairs, prefetching 1, 2 or 4 tiles ahead or not at all; in tiles of 2 (above),
 // 2 rows 0.93-0.95x, 3 rows 1.11x, 16 rows 1.01-1.03x.
 // NOTE: a tile reads its pointers into locals once, and prefetches without a branch (where the target lies past
 // the part, a tile prefetches its own bytes). With a branch at each load and the fields read through the
