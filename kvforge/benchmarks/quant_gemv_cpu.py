@@ -12,7 +12,7 @@ at every row count, the layers' default there). Three tables: each shape alone, 
 whole model's worth of layers (30 x qkv, o, gate_up, down) one after the other, and the LM head, whose weights
 stream from memory as they do in decode. In the model pass the panel kernel also runs as the engine calls it
 ("panels w4 arena": the weights interleaved by thread, part t of every weight one after another in region t of one
-arena in the order of the calls, quantization/weight_only_kernels.py's interleave_parts, in 2 MiB pages where Linux
+arena in the order of the calls, quantization/weight_only_kernels.py's interleaved_views, in 2 MiB pages where Linux
 offers them; "... arena 4K" the same in 4 KiB pages), and with --compiled that pass also runs as one graph compiled
 the way the engine compiles its decode step ("... arena compiled": Inductor, its C++ wrapper at one row), the calls
 then made from C++ instead of Python (a compile of ~10 s per variant and row count), and with --from-cpp from a plain
@@ -48,7 +48,7 @@ from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panels_available
 from kvforge.loader.huge_pages import huge_pages_offered
 from kvforge.quantization.quantized_weight import QuantizedWeight
-from kvforge.quantization.weight_only_kernels import interleave_parts
+from kvforge.quantization.weight_only_kernels import interleaved_views
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: (N, K)
 LM_HEAD = (49152, 576)
@@ -140,15 +140,16 @@ class PanelCall:
 
 def _in_arena(layers: list[dict[str, tuple[Callable, int]]]) -> None:
     """Each layer's panel variants also with the weights as the engine keeps them: interleaved by thread in one
-    arena in the order of the pass (interleave_parts), in 2 MiB pages where the kernel offers them; the variant
+    arena in the order of the pass (interleaved_views), in 2 MiB pages where the kernel offers them; the variant
     "... arena". "... arena 4K": the same in 4 KiB pages."""
     huge = huge_pages_offered()
     for name in [name for name, (call, _) in layers[0].items() if isinstance(call, PanelCall)]:
         for suffix, in_huge_pages in ((" arena 4K", False), (" arena", True)) if huge else ((" arena", False),):
             calls = [layer[name][0] for layer in layers]
-            weights = interleave_parts([call.weight for call in calls], in_huge_pages)
-            for layer, call, weight in zip(layers, calls, weights):
-                layer[f"{name}{suffix}"] = (PanelCall(weight, call.factor, call.bits, call.num_rows), layer[name][1])
+            views = interleaved_views([call.weight for call in calls], in_huge_pages)
+            for layer, call, view in zip(layers, calls, views):
+                moved = view.copy_(call.weight)
+                layer[f"{name}{suffix}"] = (PanelCall(moved, call.factor, call.bits, call.num_rows), layer[name][1])
 
 
 def _layer_calls(num_rows: int, in_features: int, group_size: int, generator: torch.Generator

@@ -82,12 +82,19 @@ def huge_page_arena(nbytes: int) -> torch.Tensor:
     return arena[start:start + nbytes]
 
 
+def arena_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where tensors of these byte sizes lie side by side in an arena, each at the next multiple of ALIGNMENT, and
+    the arena's size (a multiple of ALIGNMENT)."""
+    offsets, size = [], 0
+    for nbytes in sizes:
+        offsets.append(size)
+        size = _round_up(size + nbytes, ALIGNMENT)
+    return offsets, size
+
+
 def _arena_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Unwritten tensors of the given tensors' dtypes and shapes, side by side in one huge_page_arena."""
-    offsets, size = [], 0
-    for tensor in tensors:
-        offsets.append(size)
-        size = _round_up(size + tensor.nbytes, ALIGNMENT)
+    offsets, size = arena_offsets([tensor.nbytes for tensor in tensors])
     arena = huge_page_arena(size)
     return [arena[at:at + tensor.nbytes].view(tensor.dtype).view(tensor.shape) for tensor, at in zip(tensors, offsets)]
 

@@ -28,7 +28,7 @@ from kvforge.kernels.cpu.quant_gemv import pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panel_rows
 from kvforge.kernels.ops import OpTable
 from kvforge.kernels.quant_gemm import dequantize_ref, pack_codes
-from kvforge.loader.huge_pages import ALIGNMENT, huge_page_arena
+from kvforge.loader.huge_pages import arena_offsets, huge_page_arena
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 
@@ -62,10 +62,10 @@ class PanelKernel(WeightOnlyKernel):
         return panel_rows(self.weight, self.factor, self.bits, ids)
 
 
-@torch.no_grad()
-def interleave_parts(weights: list[torch.Tensor], huge_pages: bool) -> list[torch.Tensor]:
-    """Copies of panel-layout weights (the same number of parts T) in one arena of T regions, region t holding part t
-    of each weight one after another in the given order, each at a multiple of 64 bytes:
+def interleaved_views(weights: list[torch.Tensor], huge_pages: bool) -> list[torch.Tensor]:
+    """Unwritten tensors of the shapes of panel-layout weights (the same number of parts T), for copies of them, in
+    one arena of T regions, region t holding part t of each weight one after another in the given order, each at a
+    multiple of 64 bytes:
 
         arena  [w0 part 0 | w1 part 0 | ... | wn part 0 | w0 part 1 | w1 part 1 | ... | wn part T-1]
 
@@ -74,25 +74,24 @@ def interleave_parts(weights: list[torch.Tensor], huge_pages: bool) -> list[torc
     parts = {weight.shape[0] for weight in weights}
     if len(parts) != 1:
         raise ValueError(f"the weights are in different numbers of parts: {sorted(parts)}")
-    starts, region = [], 0
-    for weight in weights:
-        starts.append(region)
-        region = (region + weight[0].nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    starts, region = arena_offsets([weight[0].nbytes for weight in weights])
     size = len(weights[0]) * region
     arena = huge_page_arena(size) if huge_pages else torch.empty(size, dtype=torch.uint8)  # torch's: 64-byte aligned
-    return [arena.as_strided(weight.shape, (region, *weight.stride()[1:]), start).copy_(weight)
+    return [arena.as_strided(weight.shape, (region, *weight.stride()[1:]), start)
             for weight, start in zip(weights, starts)]
 
 
+@torch.no_grad()
 def interleave_panel_parts(model: nn.Module, huge_pages: bool) -> None:
-    """The model's panel-layout weights moved into one arena by interleave_parts, in module order, which is the order
+    """The model's panel-layout weights moved into one arena of interleaved_views, in module order, which is the order
     its decoder layers run their matmuls in (the LM head, or a tied embedding, first or last: the step's order runs
     round from the last to the first). Where the order differs, each thread reads the same bytes, only not in one
-    run. Call it before move_to_huge_pages, which then leaves these weights where they are."""
+    run. Each packed weight is freed as soon as it has moved (memory peaks at the weights plus the largest one). Call
+    it before move_to_huge_pages, which then leaves these weights where they are."""
     kernels = [module for module in model.modules() if isinstance(module, PanelKernel)]
     if kernels:
-        for kernel, weight in zip(kernels, interleave_parts([kernel.weight for kernel in kernels], huge_pages)):
-            kernel.weight = weight
+        for kernel, view in zip(kernels, interleaved_views([kernel.weight for kernel in kernels], huge_pages)):
+            kernel.weight = view.copy_(kernel.weight)
 
 
 class NativeKernel(WeightOnlyKernel):

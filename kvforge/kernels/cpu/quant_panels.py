@@ -21,7 +21,7 @@ group of B 32-column blocks of a tile one run of bytes, in the order the kernel 
     W[n, k] = (code[n, k] * scales[n, g] + offsets[n, g]) * factor,   g = k // group_size
 
 One row of x reads each tile as one run of memory. Thread t multiplies part t, so the loader puts part t of every
-weight, one after another in the order the model calls them, into one region of memory (interleave_parts in
+weight, one after another in the order the model calls them, into one region of memory (interleaved_views in
 quantization/weight_only_kernels.py): each thread then reads one run through a whole decode step. Half factors cut a
 4-bit weight's bytes from 0.75 to 0.625 per weight (as GGUF's Q4_1), and are exact for GGUF's blocks, whose scales
 and minimums are halves; float32 ones (RTN, GPTQ's integer zero points times a scale) round by at most 2^-11 of

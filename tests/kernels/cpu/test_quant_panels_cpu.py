@@ -16,7 +16,7 @@ from kvforge.kernels.cpu.quant_panels import (
     panels_available,
 )
 from kvforge.loader.huge_pages import huge_pages_offered
-from kvforge.quantization.weight_only_kernels import interleave_parts
+from kvforge.quantization.weight_only_kernels import interleaved_views
 from tests.kernels.cpu.test_quant_gemv_cpu import _tolerance, _weight
 
 pytestmark = pytest.mark.skipif(not panels_available(), reason="the panel kernel needs AVX-512 VNNI")
@@ -117,14 +117,15 @@ def test_any_number_of_parts_on_any_number_of_threads(bits: int, parts: int, thr
 
 @pytest.mark.parametrize("huge_pages", [False, True])
 def test_weights_interleaved_by_part_answer_as_before(huge_pages: bool) -> None:
-    """interleave_parts: each weight's parts apart in one arena (part t of every weight in region t, in order), the
+    """interleaved_views: each weight's parts apart in one arena (part t of every weight in region t, in order), the
     kernel and the row gather read them there with the same results."""
     if huge_pages and not huge_pages_offered():
         pytest.skip("the kernel offers no transparent huge pages")
     shapes = [(110, 576, 4), (37, 128, 8), (300, 1536, 4)]
     weights = [_weight(n, k, bits, 32, "int", seed=n) for n, k, bits in shapes]
     packed = [pack_panels(w.codes, w.scales, w.zeros, bits, parts=3) for w, (_, _, bits) in zip(weights, shapes)]
-    moved = interleave_parts([weight for weight, _ in packed], huge_pages)
+    views = interleaved_views([weight for weight, _ in packed], huge_pages)
+    moved = [view.copy_(weight) for view, (weight, _) in zip(views, packed)]
     region = moved[0].stride(0)
     assert region % 64 == 0 and all(weight.stride(0) == region for weight in moved)
     starts = [weight.data_ptr() for weight in moved]
@@ -141,8 +142,8 @@ def test_weights_interleaved_by_part_answer_as_before(huge_pages: bool) -> None:
 def test_interleaving_needs_one_number_of_parts() -> None:
     weight = _weight(32, 128, 4, 32, "int", seed=0)
     with pytest.raises(ValueError, match="different numbers of parts"):
-        interleave_parts([pack_panels(weight.codes, weight.scales, weight.zeros, 4, parts=parts)[0]
-                          for parts in (1, 2)], huge_pages=False)
+        interleaved_views([pack_panels(weight.codes, weight.scales, weight.zeros, 4, parts=parts)[0]
+                           for parts in (1, 2)], huge_pages=False)
 
 
 def test_layouts_that_do_not_match_are_refused() -> None:

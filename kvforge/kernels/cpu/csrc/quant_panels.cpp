@@ -162,17 +162,24 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
   }
 }
 
-// Panels first .. first + NP of a tile against every row of x: steps of 4 rows of x, then the 1-3 left.
+// Panels first .. first + NP of a tile against `rows` (1 .. 3) rows of x from m0, in one step.
 template <int BITS, int NP, int W, bool PREFETCH>
-void pair_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first) {
-  int64_t m0 = 0;
-  for (; m0 + 4 <= a.M; m0 += 4) panel_tile<BITS, 4, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
-  switch (a.M - m0) {
+void few_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0,
+              int64_t rows) {
+  switch (rows) {
     case 3: panel_tile<BITS, 3, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
     case 2: panel_tile<BITS, 2, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
     case 1: panel_tile<BITS, 1, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
     default: break;
   }
+}
+
+// Panels first .. first + NP of a tile against every row of x: steps of 4 rows of x, then the 1-3 left.
+template <int BITS, int NP, int W, bool PREFETCH>
+void pair_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= a.M; m0 += 4) panel_tile<BITS, 4, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
+  few_rows<BITS, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0, a.M - m0);
 }
 
 // The tile of W panels at `tile` (panel p0 on, `end` the end of its part) against every row of x: all W panels a
@@ -182,11 +189,8 @@ void tile_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* end, int6
   const uint8_t* ahead = tile + tile_panels<BITS>() * a.panel_bytes;  // the next tile
   if (ahead + W * a.panel_bytes > end) ahead = tile;
   if (a.M <= whole_tile_rows<BITS>()) {
-    switch (a.M) {
-      case 1: panel_tile<BITS, 1, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0); return;
-      case 2: panel_tile<BITS, 2, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0); return;
-      case 3: panel_tile<BITS, 3, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0); return;
-    }
+    few_rows<BITS, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0, a.M);
+    return;
   }
   int first = 0;
   if constexpr (W >= 2)
