@@ -71,7 +71,7 @@ def _has_op(name: str) -> bool:
 
 def panels_eligible(weight: QuantizedWeight) -> bool:
     """The AVX-512 VNNI panel kernel takes 4- and 8-bit codes with any zero points, in groups of whole 32-column
-    blocks."""
+    blocks or of half a block (16 columns: GGUF's Q6_K, Q3_K, Q2_K) in rows of whole blocks."""
     return panels_available() and panel_layout_fits(weight.bits, weight.codes.shape[1], weight.group_size)
 
 

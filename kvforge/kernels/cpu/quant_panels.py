@@ -5,7 +5,8 @@ one vpdpbusd multiplies 4 columns of 16 weight rows at once, so above a few rows
 GEMM's rate and never dequantizes the weight. Layout, one uint8 tensor a weight: P = ceil(N / 16) panels of 16 rows
 in T parts of S = ceil(P / T) panels (one part a thread; zero rows pad the last panels), each part in tiles of W
 panels (W = tile_panels(bits): 4 for 4-bit codes, 2 for 8-bit; the part's last tile has the 1 .. W left), and per
-group of B 32-column blocks of a tile one run of bytes, in the order the kernel reads them:
+group of B 32-column blocks of a tile (or of half a block: groups of 16 columns) one run of bytes, in the order the
+kernel reads them:
 
     weight   uint8 [T, S, G, 64 + B * V * 64]      the sizes of a panel's group; a tile's groups hold its W panels'
                                                    bytes interleaved: group g of the tile of panels s .. s + W is
@@ -13,6 +14,9 @@ group of B 32-column blocks of a tile one run of bytes, in the order the kernel 
                       the panels' rows side by side, times 2^e; vector j of a panel, one int32 lane (4 bytes) a row:
                       8 bits, V = 8:  [row 0: c(32b+4j .. 32b+4j+3) | row 1: ... | ... | row 15: ...]
                       4 bits, V = 4:  row r, byte c = c(r, 32b+8j+c) | c(r, 32b+8j+4+c) << 4
+        or, groups of 16 columns (GGUF's Q6_K, Q3_K, Q2_K; G even, the last dimension 64 + V/2 * 64):
+        scales half [W, 16] | offsets half [W, 16] | half h = g % 2 of block b = g // 2, [V/2, W, 64 bytes]
+                      its vectors j = V/2 * h .. V/2 * h + V/2 - 1 as above (columns 32b+16h .. 32b+16h+15)
                    the parts may lie apart in memory (the first stride, a multiple of 64 bytes)
     factor   2^-e  one power of two per weight, that puts its largest scale or offset in [2^14, 2^15): no half is
                    subnormal or overflows
@@ -20,12 +24,15 @@ group of B 32-column blocks of a tile one run of bytes, in the order the kernel 
 
     W[n, k] = (code[n, k] * scales[n, g] + offsets[n, g]) * factor,   g = k // group_size
 
+x is rounded to int8 per 32 columns in every layout; with groups of 16 the kernel keeps a block's int32 sums per half
+block, each times its own scale, and the sum of x over a group (times its offset) is the half block's q times dx.
+
 One row of x reads each tile as one run of memory. Thread t multiplies part t, so the loader puts part t of every
 weight, one after another in the order the model calls them, into one region of memory (interleaved_views in
 quantization/weight_only_kernels.py): each thread then reads one run through a whole decode step. Half factors cut a
-4-bit weight's bytes from 0.75 to 0.625 per weight (as GGUF's Q4_1), and are exact for GGUF's blocks, whose scales
-and minimums are halves; float32 ones (RTN, GPTQ's integer zero points times a scale) round by at most 2^-11 of
-their value.
+4-bit weight's bytes from 0.75 to 0.625 per weight (as GGUF's Q4_1), and are exact for GGUF's Q8_0, Q4_0 and Q4_1
+blocks, whose scales and minimums are halves; float32 ones (RTN, GPTQ's integer zero points times a scale, the
+K-quants' half times a sub-block scale) round by at most 2^-11 of their value.
 
 Reference beside it: panel_linear_ref (x rounded the same way, times the dequantized weight).
 """
@@ -41,6 +48,7 @@ from kvforge.kernels.cpu.extension import cpu_kernels
 
 PANEL_ROWS = 16
 BLOCK = 32  # columns per scale of x, and the group-size unit
+HALF_BLOCK = 16  # the one group size below a block (GGUF's Q6_K, Q3_K, Q2_K)
 
 
 @functools.cache
@@ -55,7 +63,9 @@ def tile_panels(bits: int) -> int:
 
 
 def panel_layout_fits(bits: int, in_features: int, group_size: int) -> bool:
-    return bits in (4, 8) and group_size % BLOCK == 0 and in_features % group_size == 0
+    """4- or 8-bit codes in groups of whole 32-column blocks, or of half a block (16 columns) in whole blocks."""
+    whole_blocks = group_size > 0 and group_size % BLOCK == 0
+    return bits in (4, 8) and (whole_blocks or group_size == HALF_BLOCK) and in_features % max(group_size, BLOCK) == 0
 
 
 def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
@@ -81,7 +91,8 @@ def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     else:
         halves = blocks.reshape(panels, PANEL_ROWS, -1, 4, 2, 4)  # [P, r, b, j, low/high, c]
         vectors = halves[..., 0, :] | (halves[..., 1, :] << 4)
-    # [T, S, G, B * V, 64]: per part, panel and group, the group's vectors (each 4 bytes of the panel's 16 rows)
+    # [T, S, G, B * V, 64]: per part, panel and group, the group's vectors (each 4 bytes of the panel's 16 rows); in
+    # groups of 16 columns [T, S, G, V / 2, 64], the vectors of a block split between its two groups
     grid = vectors.permute(0, 2, 3, 1, 4).reshape(parts, per_part, groups, -1, 4 * PANEL_ROWS)
 
     largest = max(scales.abs().max().item(), offsets.abs().max().item())
@@ -125,7 +136,7 @@ def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
 
     scales = halves(starts + 32 * places + 2 * lanes)
     offsets = halves(starts + 32 * (widths + places) + 2 * lanes)
-    vectors = torch.arange((group_bytes - 64) // 64)[:, None]  # [B * V, 1]
+    vectors = torch.arange((group_bytes - 64) // 64)[:, None]  # [B * V, 1] ([V / 2, 1] in groups of 16 columns)
     widths, places, lanes = widths[..., None, None], places[..., None, None], lanes[..., None, None]  # [len, 1, 1, 1]
     at = starts[..., None, None] + 64 * (widths + vectors * widths + places) + 4 * lanes + torch.arange(4)
     grid = flat[parts[:, None, None, None], at]

@@ -1,6 +1,7 @@
 """The AVX-512 VNNI panel kernel (csrc/quant_panels.cpp): against x rounded to int8 the same way in torch times the
 dequantized weight, up to its half scales (a wrong lane, column or scale shows), its row gather equal to the weight,
-within the rounding of x of the float product, and exact on GGUF's blocks."""
+within the rounding of x of the float product, and exact on GGUF's blocks; in groups of whole 32-column blocks and
+of half a block (16 columns, GGUF's Q6_K, Q3_K and Q2_K), with scales of either sign."""
 
 from __future__ import annotations
 
@@ -10,21 +11,33 @@ import torch
 from kvforge.kernels.cpu.quant_panels import (
     int8_rows,
     pack_panels,
+    panel_layout_fits,
     panel_linear,
     panel_linear_ref,
     panel_rows,
     panels_available,
 )
 from kvforge.loader.huge_pages import huge_pages_offered
+from kvforge.quantization.quantized_weight import QuantizedWeight
 from kvforge.quantization.weight_only_kernels import interleaved_views
 from tests.kernels.cpu.test_quant_gemv_cpu import _tolerance, _weight
 
 pytestmark = pytest.mark.skipif(not panels_available(), reason="the panel kernel needs AVX-512 VNNI")
 
+# Groups of half a block (16 columns): odd rows (17, 33, 100: tiles of 1-4 panels), 2, 3 and 8 blocks a row.
+HALF_BLOCK_SHAPES = [(17, 64, 16), (33, 96, 16), (100, 256, 16)]
 # (rows, columns, group size): rows that do not fill the last panel (37, 13, 9, 75, 110), one panel, groups of one
 # block, of a whole row, of three blocks (96), the default model's shapes, and 7 panels in two parts of 4 (on two
-# threads a tile of 4 panels, and one of 2 and one of 1, at one row of x).
-SHAPES = [(37, 128, 32), (16, 256, 256), (13, 576, 192), (9, 192, 96), (75, 576, 64), (40, 1536, 32), (110, 576, 32)]
+# threads a tile of 4 panels, and one of 2 and one of 1, at one row of x); then groups of half a block.
+SHAPES = [(37, 128, 32), (16, 256, 256), (13, 576, 192), (9, 192, 96), (75, 576, 64), (40, 1536, 32), (110, 576, 32),
+          *HALF_BLOCK_SHAPES]  # fmt: skip
+
+
+def _signed(weight: QuantizedWeight, seed: int) -> QuantizedWeight:
+    """weight with about half its scales negated (Q6_K's sub-block scales d * sc and Q3_K's d * (sc - 32) take either
+    sign)."""
+    signs = torch.randint(0, 2, weight.scales.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return QuantizedWeight(weight.codes, weight.scales * signs, weight.zeros, weight.bits)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -76,10 +89,11 @@ def test_kernel_is_within_the_rounding_of_x_of_the_float_product(bits: int) -> N
     assert error.mean() <= 1e-2 * scale and error.max() <= 5e-2 * scale
 
 
-def test_full_range_codes_and_activations() -> None:
+@pytest.mark.parametrize("group_size", [32, 16])
+def test_full_range_codes_and_activations(group_size: int) -> None:
     """8-bit codes 0 and 255 against q = +-127 (the largest int32 sums a block adds), bfloat16 in and out."""
     codes = torch.tensor([[0, 255] * 64, [255] * 128, [0] * 128], dtype=torch.uint8)
-    scales, zeros = torch.full((3, 4), 0.5), torch.full((3, 4), 128.0)
+    scales, zeros = torch.full((3, 128 // group_size), 0.5), torch.full((3, 128 // group_size), 128.0)
     x = torch.tensor([[-1.0, 1.0] * 64, [1.0] * 128], dtype=torch.bfloat16)
     out = panel_linear(x, *pack_panels(codes, scales, zeros, 8), 8, 3)
     assert out.dtype == torch.bfloat16
@@ -88,18 +102,27 @@ def test_full_range_codes_and_activations() -> None:
 
 
 def test_layouts_without_whole_blocks_are_refused() -> None:
+    """Groups of whole blocks or of half a block, in rows of whole blocks; nothing else."""
+    assert panel_layout_fits(8, 64, 16) and panel_layout_fits(4, 96, 16) and panel_layout_fits(4, 96, 32)
+    assert not panel_layout_fits(8, 48, 16)  # a row of one and a half blocks
+    assert not any(panel_layout_fits(4, 64, group_size) for group_size in (0, 8, 48))
+    assert not panel_layout_fits(2, 64, 16)
     with pytest.raises(ValueError, match="no panel layout"):
         pack_panels(torch.zeros(16, 48, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 8)
+    with pytest.raises(ValueError, match="no panel layout"):
+        pack_panels(torch.zeros(16, 48, dtype=torch.uint8), torch.ones(16, 3), torch.zeros(16, 3), 8)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("parts", [1, 2, 3, 5])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("num_tokens", [1, 5])
-def test_any_number_of_parts_on_any_number_of_threads(bits: int, parts: int, threads: int, num_tokens: int) -> None:
+@pytest.mark.parametrize("group_size", [32, 16])
+def test_any_number_of_parts_on_any_number_of_threads(bits: int, parts: int, threads: int, num_tokens: int,
+                                                      group_size: int) -> None:  # fmt: skip
     """A layout packed for one thread count runs on another (more parts than threads, or fewer; 9 panels in 5 parts
     of 2 end in a padding panel), with the same products and rows as the layout in one part."""
-    weight = _weight(140, 576, bits, 32, "float", seed=bits)
+    weight = _weight(140, 576, bits, group_size, "float", seed=bits)
     x = torch.randn(num_tokens, 576, generator=torch.Generator().manual_seed(0))
     packed = pack_panels(weight.codes, weight.scales, weight.zeros, bits, parts=parts)
     assert packed[0].shape[:2] == (parts, -(-9 // parts))
@@ -158,5 +181,31 @@ def test_layouts_that_do_not_match_are_refused() -> None:
         panel_linear(torch.randn(1, 96), packed, factor, 4, 64)
     with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
         torch.ops.kvforge_cpu.quant_gemm_panels(x, packed, 2, 64, factor)
+    half_blocks = torch.zeros(1, 4, 3, 64 + 2 * 64, dtype=torch.uint8)  # 4-bit half blocks, an odd number of them
+    with pytest.raises(RuntimeError, match="nor half a block of an even number of groups"):
+        panel_linear(torch.randn(1, 48), half_blocks, factor, 4, 64)
     with pytest.raises(ValueError, match="parts must be at least 1"):
         pack_panels(weight.codes, weight.scales, weight.zeros, 4, parts=0)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("num_rows,in_features,group_size", [*HALF_BLOCK_SHAPES, (37, 128, 32)])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 6, 64])
+def test_negative_scales(bits: int, num_rows: int, in_features: int, group_size: int, num_tokens: int) -> None:
+    """Scales of either sign with float zero points (GGUF's K-quants): every row gathered is the dequantized row,
+    and the kernel and the reference are the product with x rounded to int8, within the tolerance of the weight with
+    the scales' magnitudes."""
+    magnitudes = _weight(num_rows, in_features, bits, group_size, "float", seed=num_rows + bits)
+    weight = _signed(magnitudes, seed=num_rows)
+    packed = pack_panels(weight.codes, weight.scales, weight.zeros, bits, parts=2)
+    ids = torch.arange(num_rows)
+    error = (panel_rows(*packed, bits, ids).double() - weight.dequantize().double()).abs()
+    scales, zeros = (t.double().repeat_interleave(group_size, dim=1) for t in (magnitudes.scales, weight.zeros))
+    assert (error <= 2**-11 * (weight.codes.double() + zeros.abs()) * scales + 1e-6).all()
+    x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(num_tokens)) * 3
+    x[0, 16:32] = 0  # the second half of a block zero: its sum of x is 0, the first half's is not
+    reference = int8_rows(x).double() @ weight.dequantize().double().t()
+    tolerance = _tolerance(int8_rows(x), magnitudes, "panels")
+    assert ((panel_linear_ref(x, *packed, bits, num_rows) - reference).abs() <= tolerance).all()
+    error = (panel_linear(x, *packed, bits, num_rows).double() - reference).abs()
+    assert (error <= tolerance).all(), error.max().item()

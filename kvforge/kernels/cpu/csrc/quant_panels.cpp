@@ -10,6 +10,8 @@
 //              (an int32 lane a row):
 //                8 bits (V = 8): vector j, row r, byte c = code[r, 32 b + 4 j + c]
 //                4 bits (V = 4): low nibble code[r, 32 b + 8 j + c], high nibble code[r, 32 b + 8 j + 4 + c]
+//              or groups of 16 columns (GGUF's Q6_K, Q3_K, Q2_K: G even, the last dimension 64 + V/2 * 64): group
+//              g holds half of block g / 2, its vectors V/2 (g % 2) .. V/2 (g % 2) + V/2 - 1, [V/2, W, 64]
 //            the parts may lie apart (any stride between them, a multiple of 64 bytes); each part is contiguous
 //
 //   W[n, k] = (code[n, k] * scales[n, g] + offsets[n, g]) * factor,   factor = 2^-e
@@ -22,9 +24,11 @@
 //   out[m, rows] += offsets[g, rows] * xsum[m, g]                            once per group
 //
 // is one conversion and two multiply-adds per 512 products (a float GEMM needs 32 FMAs for them), and factor is
-// applied once per output. Thread t multiplies part t (with fewer threads than parts, a run of parts each). A step
-// loads each weight vector once for a whole tile against up to whole_tile_rows rows of x, reading the tile's bytes
-// in order; with more rows, for two panels of the tile against 4 rows of x.
+// applied once per output. With groups of 16 columns, a block's int32 sums are two, one a half block, the first line
+// is once per half block, and xsum[m, g] is the sum of the half block's q times its block's dx. Thread t multiplies
+// part t (with fewer threads than parts, a run of parts each). A step loads each weight vector once for a whole tile
+// against up to whole_tile_rows rows of x, reading the tile's bytes in order; with more rows, for two panels of the
+// tile against 4 rows of x.
 //
 // NOTE: the tile is what makes one row of x stream at the copy's rate: in it one row reads one run of memory, with
 // no software prefetch (the hardware prefetchers follow it), where panels one after another (each panel's codes,
@@ -48,6 +52,8 @@
 // NOTE: a tile reads its pointers into locals once, and prefetches without a branch (where the target lies past
 // the part, a tile prefetches its own bytes). With a branch at each load and the fields read through the
 // arguments, GCC 12 kept each loaded vector on the stack and read it back for each nibble: 1.72x slower in cache.
+// NOTE: groups of half a block are a template parameter (HALF_BLOCKS), not a branch in the loop: groups of whole
+// blocks compile to the same instructions as before there were halves (GCC 12, their disassembly compared).
 #include "ops.h"
 #include "quant_gemv.h"
 
@@ -69,6 +75,10 @@ inline void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 template <int BITS>
 constexpr int64_t vectors_per_block() { return 32 * BITS / 8 / 4; }  // of 64 bytes
+
+// Vectors a group's run holds per block it covers: a whole block's, or half of them (groups of 16 columns).
+template <int BITS, bool HALF_BLOCKS>
+constexpr int64_t vectors_per_chunk() { return vectors_per_block<BITS>() / (HALF_BLOCKS ? 2 : 1); }
 
 // Panels interleaved in a tile.
 template <int BITS>
@@ -99,12 +109,13 @@ inline __m512i broadcast4(const int8_t* q) {
 }
 
 // out[m0 .. m0 + MT, rows of panels first .. first + NP of the tile of W panels at `tile`, whose first panel is p0),
-// prefetching (PREFETCH) the same bytes at `ahead`.
-template <int BITS, int MT, int NP, int W, bool PREFETCH>
+// prefetching (PREFETCH) the same bytes at `ahead`. A group is `chunks` runs of V vectors: whole blocks, or with
+// HALF_BLOCKS one half block (G = 2 * blocks; group g the columns 16 g .. 16 g + 15 of block g / 2, and its dx).
+template <int BITS, bool HALF_BLOCKS, int MT, int NP, int W, bool PREFETCH>
 void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
-  constexpr int64_t V = vectors_per_block<BITS>();
-  const int64_t K = a.K, G = a.G, blocks = K / kBlock, blocks_per_group = blocks / G;
-  const int64_t group_bytes = W * (64 + blocks_per_group * V * 64);
+  constexpr int64_t V = vectors_per_chunk<BITS, HALF_BLOCKS>();
+  const int64_t K = a.K, G = a.G, blocks = K / kBlock, chunks = HALF_BLOCKS ? 1 : blocks / G;
+  const int64_t group_bytes = W * (64 + chunks * V * 64);
   const int8_t* const xq = a.xq + m0 * K;
   const float* const dx = a.dx + m0 * blocks;
   const float* const xsum = a.xsum + m0 * G;
@@ -122,8 +133,9 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
       for (int m = 0; m < MT; ++m)
         acc[m][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * G + g]), acc[m][p]);
     }
-    for (int64_t i = 0; i < blocks_per_group; ++i) {
-      const int64_t b = g * blocks_per_group + i;
+    for (int64_t i = 0; i < chunks; ++i) {
+      const int64_t b = HALF_BLOCKS ? g / 2 : g * chunks + i;
+      const int64_t half = HALF_BLOCKS ? 16 * (g % 2) : 0;  // the chunk's first column in its block
       __m512i sums[MT][NP];
       for (int m = 0; m < MT; ++m)
         for (int p = 0; p < NP; ++p) sums[m][p] = _mm512_setzero_si512();
@@ -134,12 +146,12 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
           const __m512i words = _mm512_loadu_si512(tile + at);
           if (BITS == 8) {
             for (int m = 0; m < MT; ++m)
-              sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], words, broadcast4(xq + m * K + 32 * b + 4 * j));
+              sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], words, broadcast4(xq + m * K + 32 * b + half + 4 * j));
           } else {
             const __m512i low = _mm512_and_si512(words, low_nibbles);
             const __m512i high = _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles);
             for (int m = 0; m < MT; ++m) {
-              const int8_t* q = xq + m * K + 32 * b + 8 * j;
+              const int8_t* q = xq + m * K + 32 * b + half + 8 * j;
               sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], low, broadcast4(q));
               sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], high, broadcast4(q + 4));
             }
@@ -163,71 +175,85 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
 }
 
 // Panels first .. first + NP of a tile against `rows` (1 .. 3) rows of x from m0, in one step.
-template <int BITS, int NP, int W, bool PREFETCH>
+template <int BITS, bool HALF_BLOCKS, int NP, int W, bool PREFETCH>
 void few_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0,
               int64_t rows) {
   switch (rows) {
-    case 3: panel_tile<BITS, 3, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
-    case 2: panel_tile<BITS, 2, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
-    case 1: panel_tile<BITS, 1, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 3: panel_tile<BITS, HALF_BLOCKS, 3, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 2: panel_tile<BITS, HALF_BLOCKS, 2, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 1: panel_tile<BITS, HALF_BLOCKS, 1, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
     default: break;
   }
 }
 
 // Panels first .. first + NP of a tile against every row of x: steps of 4 rows of x, then the 1-3 left.
-template <int BITS, int NP, int W, bool PREFETCH>
+template <int BITS, bool HALF_BLOCKS, int NP, int W, bool PREFETCH>
 void pair_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first) {
   int64_t m0 = 0;
-  for (; m0 + 4 <= a.M; m0 += 4) panel_tile<BITS, 4, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
-  few_rows<BITS, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0, a.M - m0);
+  for (; m0 + 4 <= a.M; m0 += 4) panel_tile<BITS, HALF_BLOCKS, 4, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
+  few_rows<BITS, HALF_BLOCKS, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0, a.M - m0);
 }
 
 // The tile of W panels at `tile` (panel p0 on, `end` the end of its part) against every row of x: all W panels a
 // step up to whole_tile_rows rows of x, else pairs of panels against 4 rows of x a step.
-template <int BITS, int W, bool PREFETCH>
+template <int BITS, bool HALF_BLOCKS, int W, bool PREFETCH>
 void tile_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* end, int64_t p0) {
   const uint8_t* ahead = tile + tile_panels<BITS>() * a.panel_bytes;  // the next tile
   if (ahead + W * a.panel_bytes > end) ahead = tile;
   if (a.M <= whole_tile_rows<BITS>()) {
-    few_rows<BITS, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0, a.M);
+    few_rows<BITS, HALF_BLOCKS, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0, a.M);
     return;
   }
   int first = 0;
   if constexpr (W >= 2)
-    for (; first + 2 <= W; first += 2) pair_rows<BITS, 2, W, PREFETCH>(a, tile, ahead, p0, first);
-  if (first < W) pair_rows<BITS, 1, W, PREFETCH>(a, tile, ahead, p0, first);
+    for (; first + 2 <= W; first += 2) pair_rows<BITS, HALF_BLOCKS, 2, W, PREFETCH>(a, tile, ahead, p0, first);
+  if (first < W) pair_rows<BITS, HALF_BLOCKS, 1, W, PREFETCH>(a, tile, ahead, p0, first);
 }
 
 // One part of `count` panels at `part` (its first is panel p0): its whole tiles, then its last tile of the 1 .. W - 1
 // panels left.
-template <int BITS, bool PREFETCH>
+template <int BITS, bool HALF_BLOCKS, bool PREFETCH>
 void part_gemm(const PanelArgs& a, const uint8_t* part, int64_t p0, int64_t count) {
   const uint8_t* const end = part + count * a.panel_bytes;
   int64_t s = 0;
   constexpr int T = tile_panels<BITS>();
-  for (; s + T <= count; s += T) tile_rows<BITS, T, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s);
+  constexpr bool H = HALF_BLOCKS;
+  for (; s + T <= count; s += T) tile_rows<BITS, H, T, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s);
   switch (count - s) {
-    case 3: if constexpr (T > 3) tile_rows<BITS, 3, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
-    case 2: if constexpr (T > 2) tile_rows<BITS, 2, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
-    case 1: tile_rows<BITS, 1, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
+    case 3: if constexpr (T > 3) tile_rows<BITS, H, 3, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
+    case 2: if constexpr (T > 2) tile_rows<BITS, H, 2, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
+    case 1: tile_rows<BITS, H, 1, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
     default: break;
   }
 }
 
-template <int BITS>
+template <int BITS, bool HALF_BLOCKS>
 void panel_gemm(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride) {
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       if (t * per_part * kPanel >= a.N) continue;  // padding alone
-      if (a.M > whole_tile_rows<BITS>()) part_gemm<BITS, true>(a, weight + t * part_stride, t * per_part, per_part);
-      else part_gemm<BITS, false>(a, weight + t * part_stride, t * per_part, per_part);
+      if (a.M > whole_tile_rows<BITS>())
+        part_gemm<BITS, HALF_BLOCKS, true>(a, weight + t * part_stride, t * per_part, per_part);
+      else part_gemm<BITS, HALF_BLOCKS, false>(a, weight + t * part_stride, t * per_part, per_part);
     }
   });
 }
 
-// q (in x's column order), dx and xsum of x [M, K].
+// q (in x's column order), dx and xsum of x [M, K]: groups of whole blocks, or of half a block (G = 2 * blocks).
 void quantize_rows(const float* x, int8_t* xq, float* dx, float* xsum, int64_t M, int64_t K, int64_t G) {
   const int64_t blocks = K / kBlock, blocks_per_group = blocks / G;
+  if (G == 2 * blocks) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        int8_t* const q = xq + m * K + b * kBlock;
+        const int32_t q_sum = quantize_block(x + m * K + b * kBlock, q, dx + m * blocks + b);
+        int32_t first = 0;  // of the first half block's q
+        for (int64_t k = 0; k < kBlock / 2; ++k) first += q[k];
+        xsum[m * G + 2 * b] = dx[m * blocks + b] * static_cast<float>(first);
+        xsum[m * G + 2 * b + 1] = dx[m * blocks + b] * static_cast<float>(q_sum - first);
+      }
+    return;
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       float sum = 0.f;
@@ -251,9 +277,12 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t b
               "weight must be a uint8 [parts, panels, groups, group bytes] CPU tensor");
   const int64_t parts = weight.size(0), per_part = weight.size(1), G = weight.size(2), group_bytes = weight.size(3);
   const int64_t vector_bytes = 64 * (bits == 8 ? 8 : 4);  // of codes, a 32-column block's
-  TORCH_CHECK(G > 0 && group_bytes > 64 && (group_bytes - 64) % vector_bytes == 0, "a group of ", group_bytes,
-              " bytes is not 64 bytes of scales and offsets and whole blocks of ", bits, "-bit codes");
-  const int64_t K = G * (group_bytes - 64) / vector_bytes * kBlock, panel_bytes = G * group_bytes;
+  const bool half_blocks = group_bytes - 64 == vector_bytes / 2;  // groups of 16 columns
+  TORCH_CHECK(G > 0 && group_bytes > 64 && ((group_bytes - 64) % vector_bytes == 0 || (half_blocks && G % 2 == 0)),
+              "a group of ", group_bytes, " bytes is not 64 bytes of scales and offsets and whole blocks of ", bits,
+              "-bit codes, nor half a block of an even number of groups");
+  const int64_t K = half_blocks ? G * kBlock / 2 : G * (group_bytes - 64) / vector_bytes * kBlock;
+  const int64_t panel_bytes = G * group_bytes;
   TORCH_CHECK(weight.stride(3) == 1 && weight.stride(2) == group_bytes && weight.stride(1) == panel_bytes &&
                   (parts == 1 || (weight.stride(0) >= per_part * panel_bytes && weight.stride(0) % 64 == 0)),
               "each part of the weight must be contiguous, the parts apart by a multiple of 64 bytes");
@@ -272,8 +301,11 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t b
   const PanelArgs args{xq.data(), dx.data(), xsum.data(), out.data_ptr<float>(), M, out_features, K, G, panel_bytes,
                        static_cast<float>(factor)};
   const uint8_t* const codes = weight.data_ptr<uint8_t>();
-  if (bits == 8) panel_gemm<8>(args, codes, parts, per_part, weight.stride(0));
-  else panel_gemm<4>(args, codes, parts, per_part, weight.stride(0));
+  const int64_t part_stride = weight.stride(0);
+  if (bits == 8 && half_blocks) panel_gemm<8, true>(args, codes, parts, per_part, part_stride);
+  else if (bits == 8) panel_gemm<8, false>(args, codes, parts, per_part, part_stride);
+  else if (half_blocks) panel_gemm<4, true>(args, codes, parts, per_part, part_stride);
+  else panel_gemm<4, false>(args, codes, parts, per_part, part_stride);
   return out;
 #else
   TORCH_CHECK(false, "the panel kernels need a build with AVX-512 VNNI");
