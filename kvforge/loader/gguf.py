@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from kvforge.quantization.gguf_quants import KEPT_TYPES, decode_blocks
+from kvforge.quantization.gguf_blocks import decode_blocks
+from kvforge.quantization.gguf_quants import KEPT_TYPES
 from kvforge.quantization.quantized_weight import QuantizedWeight
 from kvforge.tokenizer import Tokenizer
 

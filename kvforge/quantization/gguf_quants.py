@@ -1,22 +1,10 @@
-"""GGUF block formats kept quantized (`quantization="gguf"`): the Q8_0, Q4_0 and Q4_1 tensors of linear
-layers become QuantizedWeights as they are, without a detour through float, and run on the weight-only
-kernels.
+"""GGUF block formats kept quantized (`quantization="gguf"`): the linear-layer tensors of every block type
+with one scale per 32 columns (KEPT_TYPES: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS)
+become QuantizedWeights as they are, decoded by kvforge.quantization.gguf_blocks without a detour
+through float, and run on the weight-only kernels.
 
-Each row of K weights is cut into blocks of 32, each led by its float16 parameters:
-
-    Q8_0  [d: f16][q: 32 x int8]                      w = d * q
-    Q4_0  [d: f16][16 bytes of nibbles]               w = d * (q - 8)
-    Q4_1  [d: f16][m: f16][16 bytes of nibbles]       w = d * q + m
-          byte j holds q[j] in its low nibble and q[j + 16] in its high nibble
-
-A block is a group of 32 of a QuantizedWeight, W = (codes - zeros) * scales, with scales = d and
-
-    Q8_0  codes = q + 128 (as uint8), zeros = 128
-    Q4_0  codes = q,                  zeros = 8
-    Q4_1  codes = q,                  zeros = -m / d   (a float zero point, not an integer)
-
-Q8_0 and Q4_0 dequantize to gguf's values bit for bit; Q4_1 to within float32 rounding, because
-(q + m / d) * d rounds three times where d * q + m rounds twice.
+NOTE: Q6_K, Q3_K and Q2_K decode too, but with one scale per 16 columns, which a GGUFMethod layer
+(GGUF_GROUP_SIZE columns per scale) does not hold: their layers are dequantized.
 """
 
 from __future__ import annotations
@@ -25,12 +13,11 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from kvforge.quantization import quantizable_linears
+from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS
 from kvforge.quantization.linear_method import WeightOnlyMethod, drop_parameters
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
@@ -42,63 +29,15 @@ logger = logging.getLogger(__name__)
 GGUF_GROUP_SIZE = 32
 _VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 # GGUF type kept quantized -> bits of its codes.
-KEPT_TYPES = {GGMLQuantizationType.Q8_0: 8, GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4}
+KEPT_TYPES = {qtype: layout.bits for qtype, layout in BLOCK_LAYOUTS.items() if layout.group_size == GGUF_GROUP_SIZE}
 # The tensors a GGUFMethod layer loads in place of `weight`: name -> dtype; all [N, ...], rows first.
 GGUF_TENSORS = {"codes": torch.uint8, "scales": torch.float32, "zeros": torch.float32}
 
 
-def _half_field(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The float16 at byte offset of every block [N, G, block_bytes], as float32 [N, G]."""
-    return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0].astype(np.float32)
-
-
-def decode_blocks(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QuantizedWeight:
-    """The raw blocks of a Q8_0 / Q4_0 / Q4_1 tensor of shape [N, K] as a QuantizedWeight (lossless)."""
-    if qtype not in KEPT_TYPES:
-        raise ValueError(f"GGUF type {qtype.name} is not kept quantized; kept: {[t.name for t in KEPT_TYPES]}")
-    num_rows, in_features = shape
-    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
-    if (
-        block_size != GGUF_GROUP_SIZE
-        or in_features % block_size
-        or data.nbytes != num_rows * (in_features // block_size) * block_bytes
-    ):
-        raise ValueError(f"{data.nbytes} bytes of {qtype.name} blocks do not hold a {num_rows}x{in_features} matrix")
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(num_rows, -1, block_bytes)  # [N, G, bytes]
-    scales = _half_field(blocks, 0)  # [N, G]
-    if qtype == GGMLQuantizationType.Q8_0:
-        codes = blocks[..., 2:] ^ np.uint8(0x80)  # int8 q -> q + 128
-        zeros = np.full_like(scales, 128)
-    else:
-        nibbles = blocks[..., -16:]
-        codes = np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=-1)  # [N, G, 32]
-        if qtype == GGMLQuantizationType.Q4_0:
-            zeros = np.full_like(scales, 8)
-        else:
-            scales, zeros, codes = _q4_1_zero_points(scales, _half_field(blocks, 2), codes)
-    return QuantizedWeight(
-        torch.from_numpy(np.ascontiguousarray(codes).reshape(num_rows, in_features)),
-        torch.from_numpy(np.ascontiguousarray(scales)),
-        torch.from_numpy(np.ascontiguousarray(zeros)),
-        KEPT_TYPES[qtype],
-    )
-
-
-def _q4_1_zero_points(d: np.ndarray, m: np.ndarray, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(scales, zeros, codes) of Q4_1 blocks: d * q + m = (q - (-m / d)) * d.
-
-    NOTE: a block with d == 0 holds 32 copies of m, which no zero point of scale 0 gives back; it is
-    stored as codes 0, zero -1 and scale m instead."""
-    constant = d == 0
-    zeros = np.where(constant, np.float32(-1), -(m / np.where(constant, np.float32(1), d)))
-    codes = np.where(constant[..., None], np.uint8(0), codes)
-    return np.where(constant, m, d), zeros.astype(np.float32), codes
-
-
 class GGUFMethod(WeightOnlyMethod):
     """A Linear whose checkpoint shards are all kept GGUF blocks: it loads their codes [N, K], scales
-    [N, K / 32] and zero points [N, K / 32]. bits is 8 when any shard is Q8_0 (4-bit codes fit, as they
-    are, in an 8-bit layer), else 4."""
+    [N, K / 32] and zero points [N, K / 32]. bits is 8 when any shard has 8-bit codes (4-bit codes fit,
+    as they are, in an 8-bit layer), else 4."""
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
