@@ -9,7 +9,7 @@ from kvforge.options import check_options, option
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype; int8 / fp8: codes + scales
-QUANTIZATIONS = ("w8a16", "w4a16", "w8a8", "fp8", "gguf")  # at load time
+QUANTIZATIONS = ("w8a16", "w4a16", "w8a8", "fp8", "gguf", "none")  # at load time
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
@@ -40,10 +40,11 @@ class ModelConfig:
                         choices=DTYPES)
     max_model_len: int | None = option(None, "longest prompt + output, in tokens", minimum=1)
     quantization: str | None = option(
-        None, "quantize a float checkpoint's linear layers at load time (round-to-nearest, or fp8 e4m3); "
-              "gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized", choices=QUANTIZATIONS)
+        None, "quantize a float checkpoint's linear layers at load time (round-to-nearest, or fp8 e4m3); a GGUF "
+              "file keeps its quantized weights by default (gguf: insist on that), none: dequantize them",
+        choices=QUANTIZATIONS)
     quantize_lm_head: bool = option(
-        True, "keep the embedding and LM head in float: by default, with --quantization gguf they stay in the "
+        True, "keep the embedding and LM head in float: by default, a GGUF file's stay in the "
               "file's type (Q8_0), with w8a16/w4a16 they become int8 per row", flag="--no-quantize-lm-head")
     huge_pages: bool = option(
         True, "keep a CPU model's weights in 4 KiB pages: by default they move into 2 MiB pages where Linux offers "
@@ -51,6 +52,17 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+
+    @property
+    def keeps_gguf_blocks(self) -> bool:
+        """A GGUF file's quantized weights stay quantized: by default (no quantization asked for, dtype auto) or
+        on request ("gguf")."""
+        return self.quantization == "gguf" or (self.quantization is None and self.dtype == "auto")
+
+    @property
+    def online_quantization(self) -> str | None:
+        """The quantization applied to float weights at load time, if any."""
+        return None if self.quantization in (None, "gguf", "none") else self.quantization
 
 
 @dataclass(frozen=True, slots=True)

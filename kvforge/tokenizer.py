@@ -11,16 +11,13 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-
-if TYPE_CHECKING:
-    import gguf
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +96,12 @@ class Tokenizer:
         return cls(backend, chat_template, bos_token, eos_token, tuple(extra_eos))
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
-        """Rebuild the tokenizer a GGUF file describes in its `tokenizer.*` metadata.
+    def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
+        """Rebuild the tokenizer a GGUF file describes in its `tokenizer.*` metadata (kvforge.loader.gguf_file).
 
         Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported.
         """
-        meta = {key: f.contents() for key, f in reader.fields.items() if key.startswith("tokenizer.")}
+        meta = {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(

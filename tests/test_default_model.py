@@ -23,7 +23,8 @@ def default_llm():
     # requests: a cold compile of the default model in bucket 1's C++ wrapper alone took ~70 s of the default
     # suite's 15 minutes. That wrapper is checked against eager on every tiny family (tests/executor), and it is
     # what `kvforge generate` and the decode benchmarks run.
-    return LLM(kv_cache_memory="256MiB", compile_buckets=(4,))
+    # quantization="none": the float model transformers runs (the file's Q4_1 weights dequantized)
+    return LLM(kv_cache_memory="256MiB", compile_buckets=(4,), quantization="none")
 
 
 def test_chat_greedy_matches_transformers(default_llm, hf_default_tokenizer, hf_default_model):

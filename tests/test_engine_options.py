@@ -18,7 +18,7 @@ FLAGS_BEFORE = [
     ("--model", "model", None, None),
     ("--dtype", "dtype", "auto", ("auto", "float32", "bfloat16", "float16")),
     ("--max-model-len", "max_model_len", None, None),
-    ("--quantization", "quantization", None, ("w8a16", "w4a16", "w8a8", "fp8", "gguf")),
+    ("--quantization", "quantization", None, ("w8a16", "w4a16", "w8a8", "fp8", "gguf", "none")),
     ("--block-size", "block_size", 16, None),
     ("--kv-cache-memory", "kv_cache_memory", None, None),
     ("--gpu-memory-utilization", "gpu_memory_utilization", 0.9, None),

@@ -14,6 +14,7 @@ import tokenizers
 from tokenizers import pre_tokenizers, processors
 
 from kvforge.loader.default_model import default_model_path
+from kvforge.loader.gguf_file import GGUFFile
 from kvforge.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -66,7 +67,7 @@ def hf_tokenizer(hf_default_tokenizer):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return Tokenizer.from_gguf(gguf.GGUFReader(default_model_path()))
+    return Tokenizer.from_gguf(GGUFFile(default_model_path()).metadata)
 
 
 @pytest.fixture(scope="module")
@@ -207,4 +208,4 @@ def test_unknown_gguf_tokenizer_model_gives_value_error(tmp_path):
     writer.write_kv_data_to_file()
     writer.close()
     with pytest.raises(ValueError, match="'llama'"):
-        Tokenizer.from_gguf(gguf.GGUFReader(path))
+        Tokenizer.from_gguf(GGUFFile(str(path)).metadata)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 
@@ -35,16 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _kvforge_engine(kwargs: dict):
     """An engine of these options, warmed up with one request long enough to compile the single-stream decode
-    step (its bucket compiles after compile_after eager steps)."""
+    step (its bucket compiles after compile_after eager steps), and the seconds its load took (LLM(...))."""
     from kvforge import LLM, SamplingParams
 
+    start = time.perf_counter()
     engine = LLM(**kwargs).engine
+    load_s = time.perf_counter() - start
     warmup_tokens = kwargs.get("compile_after", CompilationConfig().compile_after) + 4
     engine.add_request("warmup", {"prompt_token_ids": list(range(1, 9))},
                        SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    return engine
+    return engine, load_s
 
 
 class _ExecutorClock:
@@ -82,19 +85,18 @@ def _time_request(engine, clock: _ExecutorClock, request_id: str, prompt: list[i
     return first - start, decode, (decode - (clock.seconds - in_executor)) / max(num_steps, 1)
 
 
-def _time_kvforge(args: argparse.Namespace, prompts: list[list[int]]) -> list[tuple[float, float, float]]:
-    engine = _kvforge_engine(engine_kwargs_from_args(args))
+def _time_kvforge(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[tuple[float, ...]], dict]:
+    engine, load_s = _kvforge_engine(engine_kwargs_from_args(args))
     clock = _ExecutorClock(engine)
-    return [_time_request(engine, clock, str(index), prompt, args.output_len) for index, prompt in enumerate(prompts)]
+    timings = [_time_request(engine, clock, str(index), prompt, args.output_len)
+               for index, prompt in enumerate(prompts)]
+    return timings, {"load_s": round(load_s, 2)}
 
 
 def _time_formats(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, list[tuple[float, ...]]]:
     """Timings per weight format, the formats taking turns request by request."""
     names = [name.strip() for name in args.compare_quantization.split(",")]
-    engines = {
-        name: _kvforge_engine({**engine_kwargs_from_args(args), "quantization": None if name == "none" else name})
-        for name in names
-    }
+    engines = {name: _kvforge_engine({**engine_kwargs_from_args(args), "quantization": name})[0] for name in names}
     clocks = {name: _ExecutorClock(engine) for name, engine in engines.items()}
     timings: dict[str, list[tuple[float, ...]]] = {name: [] for name in names}
     for index, prompt in enumerate(prompts):
@@ -103,11 +105,13 @@ def _time_formats(args: argparse.Namespace, prompts: list[list[int]]) -> dict[st
     return timings
 
 
-def _time_hf(args: argparse.Namespace, prompts: list[list[int]]) -> list[tuple[float, float]]:
+def _time_hf(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[tuple[float, ...]], dict]:
     """generate(1 token) is the time to the first token; generate(n) minus it is the decode time."""
     from kvforge.benchmarks.hf_reference import load_hf_model
 
+    start = time.perf_counter()
     model = load_hf_model(args.model, args.dtype)
+    load_s = time.perf_counter() - start
     timings = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -118,7 +122,7 @@ def _time_hf(args: argparse.Namespace, prompts: list[list[int]]) -> list[tuple[f
                 model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
                 times.append(time.perf_counter() - start)
             timings.append((times[0], times[1] - times[0]))
-    return timings
+    return timings, {"load_s": round(load_s, 2)}
 
 
 def _summary(timings: list[tuple[float, ...]], output_len: int) -> dict:
@@ -152,9 +156,11 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("--compare-quantization times kvforge engines; drop --backend hf")
         result = _run_comparison(args, prompts)
     else:
-        timings = (_time_hf if args.backend == "hf" else _time_kvforge)(args, prompts)
+        timings, load = (_time_hf if args.backend == "hf" else _time_kvforge)(args, prompts)
+        # NOTE: ru_maxrss is the process's peak resident memory (KiB on Linux): the load's peak or the run's
         result = {"backend": args.backend, "input_len": args.input_len, "output_len": args.output_len,
-                  **_summary(timings, args.output_len), "threads": torch.get_num_threads()}
+                  **_summary(timings, args.output_len), **load, "threads": torch.get_num_threads(),
+                  "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
         for key, value in result.items():
             print(f"{key:<32}  {value}")
     if args.json:

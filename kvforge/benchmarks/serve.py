@@ -53,9 +53,9 @@ class RequestResult:
 # ---- workloads --------------------------------------------------------------------------------
 def _load_tokenizer(path: str) -> Tokenizer:
     if Path(path).is_file():
-        import gguf
+        from kvforge.loader.gguf_file import GGUFFile
 
-        return Tokenizer.from_gguf(gguf.GGUFReader(path))
+        return Tokenizer.from_gguf(GGUFFile(path).metadata)
     return Tokenizer.from_dir(path)
 
 

@@ -40,8 +40,9 @@ class Worker:
             keep_python_memory()
         self.ops = op_table(None if backend == "auto" else backend)
         self.attention_backend = self.ops.backend
+        kv_cache_bytes = 0 if device.type != "cpu" else kv_cache_budget(config.cache.kv_cache_memory, device, 0.0)
         with building_with_ops(self.ops):
-            self.loaded: LoadedModel = load_model(config.model, device)
+            self.loaded: LoadedModel = load_model(config.model, device, kv_cache_bytes)
         self.kv_cache_spec = self.loaded.model.kv_cache_spec.with_kv_cache_dtype(config.cache.kv_cache_dtype)
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         self.runner: ModelRunner | None = None

@@ -38,6 +38,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.quant_method: LinearMethod | None = None
+        # (parameter, shard) filled while a quant method waits for them all; None once it has converted them
+        self.loaded_shards: set[tuple[str, int]] | None = set()
         self.dense_gemv = False
         self.onednn_weight: torch.Tensor | None = None  # the weight packed for oneDNN (set at load with dense_gemv)
 
@@ -58,8 +60,31 @@ class Linear(nn.Module):
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
         tensor = self.checkpoint_slice(param_name, shard, tensor)
-        if self.quant_method is not None and self.quant_method.load_shard(self, param_name, shard, tensor):
+        if self.quant_method is not None:
+            if not self.quant_method.load_shard(self, param_name, shard, tensor):
+                self.load_into(param_name, shard, tensor)
+            self._process_when_loaded(param_name, shard)
             return
+        self.load_into(param_name, shard, tensor)
+
+    def _process_when_loaded(self, param_name: str, shard: int) -> None:
+        """Convert the checkpoint tensors to the method's runtime layout as soon as every shard of every one is
+        in, so a load holds one layer's checkpoint tensors at a time, not the model's."""
+        if self.loaded_shards is None:
+            raise ValueError(f"checkpoint has a second {param_name} (shard {shard}) for a layer already converted")
+        self.loaded_shards.add((param_name, shard))
+        expected = {(name, s) for name, _ in self.named_parameters(recurse=False) for s in range(len(self.shard_sizes))}
+        if expected <= self.loaded_shards:
+            self.process_weights_after_loading()
+
+    def process_weights_after_loading(self) -> None:
+        """Once: the quant method's conversion of the loaded checkpoint tensors."""
+        if self.quant_method is not None and self.loaded_shards is not None:
+            self.quant_method.process_weights_after_loading(self)
+            self.loaded_shards = None
+
+    def load_into(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
+        """Copy this rank's part of a checkpoint tensor into its rows of the parameter."""
         param = getattr(self, param_name)
         if param is None:
             raise ValueError(f"checkpoint has a {param_name} that this layer does not use")

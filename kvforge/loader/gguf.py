@@ -12,17 +12,17 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-import gguf
 import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from kvforge.quantization.gguf_blocks import decode_blocks
-from kvforge.quantization.gguf_quants import KEPT_TYPES
+from kvforge.loader.gguf_file import GGUFFile, GGUFTensor
+from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS, BlockLayout, decode_blocks
 from kvforge.quantization.quantized_weight import QuantizedWeight
 from kvforge.tokenizer import Tokenizer
 
@@ -75,35 +75,45 @@ class GGUFCheckpoint:
     config: dict[str, Any]  # config.json vocabulary: architectures, hidden_size, ...
     tensors: Mapping[str, torch.Tensor]  # HF parameter name -> dense tensor (read on access)
     tokenizer: Tokenizer
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # HF weight name -> kept blocks
+    quantized: Mapping[str, QuantizedWeight] = field(default_factory=dict)  # HF weight name -> kept blocks (decoded
+    # on access)
+    quantized_layouts: dict[str, BlockLayout] = field(default_factory=dict)  # HF weight name -> its block layout
+    kept_bytes: int = 0  # of the kept tensors in the kernels' layout: codes, a half scale and offset per group
+    dense_numel: int = 0  # weights of the tensors that are dequantized
+
+    def weight_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the model's weights as loaded, the dequantized ones in dtype."""
+        return self.kept_bytes + self.dense_numel * dtype.itemsize
 
 
-def read_gguf_header(path: str) -> tuple[gguf.GGUFReader, str, dict, Tokenizer]:
-    """(reader, architecture, config.json view, tokenizer) of a GGUF file, from its metadata alone."""
+def read_gguf_header(path: str) -> tuple[GGUFFile, str, dict, Tokenizer]:
+    """(file, architecture, config.json view, tokenizer) of a GGUF file, from its metadata alone."""
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as e:
+        reader = GGUFFile(path)
+    except (ValueError, OSError, struct.error, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-    meta = {key: f.contents() for key, f in reader.fields.items() if not key.startswith("tokenizer.")}
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch not in _HF_ARCHITECTURES:
         raise ValueError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_HF_ARCHITECTURES)}"
         )
     try:
-        tokenizer = Tokenizer.from_gguf(reader)
+        tokenizer = Tokenizer.from_gguf(reader.metadata)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
-    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    shapes = {t.name: t.shape for t in reader.tensors}
     return reader, arch, _hf_config(path, arch, meta, shapes, tokenizer), tokenizer
 
 
 def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GGUFCheckpoint:
     """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer.
-    keep_quantized: linear-layer weights of a type in KEPT_TYPES go to `quantized` instead."""
+    keep_quantized: linear-layer weights of a type in BLOCK_LAYOUTS go to `quantized` instead."""
     reader, arch, config, tokenizer = read_gguf_header(path)
     readers: dict[str, Callable[[], torch.Tensor]] = {}
-    quantized: dict[str, QuantizedWeight] = {}
+    quantized: dict[str, Callable[[], QuantizedWeight]] = {}
+    quantized_layouts: dict[str, BlockLayout] = {}
+    kept_bytes = dense_numel = 0
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             logger.warning("%s: ignoring %s (llama3-style rope scaling is not applied)", path, _ROPE_FREQS)
@@ -113,21 +123,31 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
         if arch in _ROPE_PERMUTED_ARCHITECTURES and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
         if keep_quantized and _is_kept(tensor):
-            quantized[hf_name] = _decode_kept(path, tensor, heads)
+            quantized[hf_name] = functools.partial(_decode_kept, reader, tensor, heads)
+            layout = quantized_layouts[hf_name] = BLOCK_LAYOUTS[tensor.tensor_type]
+            kept_bytes += int(tensor.n_elements) * (layout.bits * layout.group_size + 32) // (8 * layout.group_size)
             continue
-        readers[hf_name] = functools.partial(_dense_tensor, path, tensor, heads, dtype)
-    return GGUFCheckpoint(config, LazyTensors(readers), tokenizer, quantized)
+        readers[hf_name] = functools.partial(_dense_tensor, reader, tensor, heads, dtype)
+        dense_numel += int(tensor.n_elements)
+    return GGUFCheckpoint(config, LazyTensors(readers), tokenizer, LazyTensors(quantized), quantized_layouts,
+                          kept_bytes, dense_numel)
 
 
-class LazyTensors(Mapping[str, torch.Tensor]):
-    """HF name -> dense tensor, dequantized from the memory-mapped file each time it is read, so a
-    loader (one rank of a parallel engine, say) holds one float tensor of the checkpoint at a time."""
+Value = TypeVar("Value")
 
-    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]) -> None:
+
+class LazyTensors(Mapping[str, Value], Generic[Value]):
+    """HF name -> tensor (dense, or kept blocks), read from the memory-mapped file each time it is read, so a
+    loader (one rank of a parallel engine, say) holds one tensor of the checkpoint at a time."""
+
+    def __init__(self, readers: dict[str, Callable[[], Value]]) -> None:
         self._readers = readers
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> Value:
         return self._readers[name]()
+
+    def __contains__(self, name: object) -> bool:  # NOTE: Mapping's would read the tensor
+        return name in self._readers
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._readers)
@@ -136,10 +156,10 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         return len(self._readers)
 
 
-def _dense_tensor(path: str, tensor: gguf.ReaderTensor, heads: int | None, dtype: torch.dtype) -> torch.Tensor:
-    weight = _dequantize(path, tensor)
+def _dense_tensor(file: GGUFFile, tensor: GGUFTensor, heads: int | None, dtype: torch.dtype) -> torch.Tensor:
+    weight = _dequantize(file, tensor)
     if heads is not None:
-        weight = _undo_rope_permutation(path, tensor.name, weight, heads)
+        weight = _undo_rope_permutation(file.path, tensor.name, weight, heads)
     return weight.to(dtype)
 
 
@@ -194,36 +214,34 @@ def _hf_name(path: str, name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
 
 
-def _dequantize(path: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
+def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
     """Dense float32 copy of a GGUF tensor, in PyTorch (row-major, [out, in]) order."""
     try:
-        values = dequantize(tensor.data, tensor.tensor_type)
+        values = dequantize(file.read(tensor), tensor.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
-            f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf cannot dequantize"
+            f"{file.path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf cannot dequantize"
         ) from e
-    # NOTE: a copy, because the reader's arrays are views of the memory-mapped file.
-    return torch.from_numpy(np.array(values, dtype=np.float32))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape))
 
 
-def _is_kept(tensor: gguf.ReaderTensor) -> bool:
+def _is_kept(tensor: GGUFTensor) -> bool:
     match = _LAYER_TENSOR.fullmatch(tensor.name)
     linear = match is not None and match.group(2) in _LINEAR_KINDS and match.group(3) == "weight"
-    return (linear or tensor.name in _VOCAB_TENSORS) and tensor.tensor_type in KEPT_TYPES
+    return (linear or tensor.name in _VOCAB_TENSORS) and tensor.tensor_type in BLOCK_LAYOUTS
 
 
-def _decode_kept(path: str, tensor: gguf.ReaderTensor, heads: int | None) -> QuantizedWeight:
+def _decode_kept(file: GGUFFile, tensor: GGUFTensor, heads: int | None) -> QuantizedWeight:
     """A kept tensor's blocks as a QuantizedWeight, its rows in HF order (the rope permutation only
     reorders output rows, so it moves codes, scales and zero points alike)."""
-    shape = tuple(int(n) for n in reversed(tensor.shape))
     try:
-        weight = decode_blocks(tensor.data, tensor.tensor_type, shape)
+        weight = decode_blocks(file.read(tensor), tensor.tensor_type, tensor.shape)
     except ValueError as e:
-        raise ValueError(f"{path}: tensor {tensor.name}: {e}") from e
+        raise ValueError(f"{file.path}: tensor {tensor.name}: {e}") from e
     if heads is None:
         return weight
     codes, scales, zeros = (
-        _undo_rope_permutation(path, tensor.name, t, heads) for t in (weight.codes, weight.scales, weight.zeros)
+        _undo_rope_permutation(file.path, tensor.name, t, heads) for t in (weight.codes, weight.scales, weight.zeros)
     )
     return QuantizedWeight(codes, scales, zeros, weight.bits)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,8 +12,10 @@ from torch import nn
 
 from kvforge.config import ModelConfig
 from kvforge.kernels.cpu.dense_gemv import use_dense_gemv
+from kvforge.loader.heap import release_freed_memory
 from kvforge.loader.hub_cache import resolve_model_path
 from kvforge.loader.huge_pages import huge_pages_offered, move_to_huge_pages
+from kvforge.loader.memory_fit import check_fits, safetensors_weight_bytes
 from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
 from kvforge.models.registry import resolve_model_class
 from kvforge.quantization import (
@@ -50,15 +53,23 @@ def resolve_dtype(requested: str, hf_config: dict, device: torch.device) -> torc
     return torch.float16 if stored == "float16" else torch.bfloat16
 
 
-def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
-    """Build the architecture named by the checkpoint and fill it with its weights."""
+def _releasing_freed_memory(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, the memory freed by converting the previous ones handed back before each."""
+    for item in weights:
+        release_freed_memory()
+        yield item
+
+
+def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 0) -> LoadedModel:
+    """Build the architecture named by the checkpoint and fill it with its weights. On the CPU, a model whose weights
+    and kv_cache_bytes do not fit in the memory left is refused first (loader/memory_fit.py)."""
     if config.model is None:
         from kvforge.loader.default_model import default_model_path
 
         path = Path(default_model_path())
     else:
         path = resolve_model_path(config.model)
-    keep_gguf = config.quantization == "gguf"  # keep a GGUF file's quantized tensors as they are
+    keep_gguf = path.is_file() and config.keeps_gguf_blocks  # keep a GGUF file's quantized tensors as they are
     if path.is_file():
         from kvforge.loader.gguf import load_gguf
 
@@ -66,15 +77,19 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
         hf_config, tokenizer = checkpoint.config, checkpoint.tokenizer
         weights = iter(checkpoint.tensors.items())
     else:
-        if keep_gguf:
+        if config.quantization == "gguf":
             raise ValueError(f"quantization='gguf' keeps a .gguf file's quantized tensors; {str(path)!r} is a folder")
         hf_config = read_hf_config(path)
         resolve_model_class(hf_config)  # an unknown architecture fails before anything else is read
         tokenizer = Tokenizer.from_dir(str(path))
         weights = None
     model_class = resolve_model_class(hf_config)
-    quant_config = resolve_quant_config(hf_config, None if keep_gguf else config.quantization)
+    quant_config = resolve_quant_config(hf_config, config.online_quantization)
     dtype = resolve_dtype(config.dtype, hf_config, device)
+    if device.type == "cpu":
+        weight_bytes = (checkpoint.weight_bytes(dtype) if path.is_file()
+                        else safetensors_weight_bytes(safetensors_files(path), dtype.itemsize))
+        check_fits(path.name, weight_bytes, kv_cache_bytes)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the run dtype; rope tables stay fp32
     try:
@@ -84,14 +99,14 @@ def load_model(config: ModelConfig, device: torch.device) -> LoadedModel:
                 quantize_model(model, quant_config, from_float="quantization_config" not in hf_config)
             if keep_gguf:
                 weights = keep_gguf_quantized(model, checkpoint.tensors, checkpoint.quantized,
-                                              vocab=config.quantize_lm_head)
+                                              checkpoint.quantized_layouts, vocab=config.quantize_lm_head)
     finally:
         torch.set_default_dtype(default_dtype)
     if weights is None:
         weights = iterate_safetensors(safetensors_files(path), dtype)
         if quant_config is not None and quant_config.method == "fp8" and "quantization_config" in hf_config:
             weights = fp8_checkpoint_tensors(weights)
-    model.load_weights(weights)
+    model.load_weights(_releasing_freed_memory(weights))
     process_weights_after_loading(model)
     if config.quantize_lm_head and quant_config is not None and quant_config.method == "rtn":
         quantize_vocab_rows(model)

@@ -61,8 +61,8 @@ def quantize_vocab_rows(model: nn.Module) -> None:
 def process_weights_after_loading(model: nn.Module) -> None:
     """Convert every quantized Linear's checkpoint tensors to its runtime layout."""
     for module in model.modules():
-        if isinstance(module, Linear) and module.quant_method is not None:
-            module.quant_method.process_weights_after_loading(module)
+        if isinstance(module, Linear):
+            module.process_weights_after_loading()
 
 
 __all__ = [

@@ -1,10 +1,7 @@
-"""GGUF block formats kept quantized (`quantization="gguf"`): the linear-layer tensors of every block type
-with one scale per 32 columns (KEPT_TYPES: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS)
-become QuantizedWeights as they are, decoded by kvforge.quantization.gguf_blocks without a detour
-through float, and run on the weight-only kernels.
-
-NOTE: Q6_K, Q3_K and Q2_K decode too, but with one scale per 16 columns, which a GGUFMethod layer
-(GGUF_GROUP_SIZE columns per scale) does not hold: their layers are dequantized.
+"""GGUF block formats kept quantized (a .gguf file by default, or `quantization="gguf"`): the linear-layer tensors
+of every block type in kvforge.quantization.gguf_blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K .. Q6_K,
+IQ4_XS) become QuantizedWeights as they are, decoded without a detour through float, and run on the weight-only
+kernels: 4-bit codes, or 8-bit ones for the types of more than 4 bits, in groups of 32 or 16 columns.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import torch
 from torch import nn
 
 from kvforge.quantization import quantizable_linears
-from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS
+from kvforge.quantization.gguf_blocks import BlockLayout
 from kvforge.quantization.linear_method import WeightOnlyMethod, drop_parameters
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
@@ -26,31 +23,39 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GGUF_GROUP_SIZE = 32
+GGUF_GROUP_SIZE = 32  # columns of a GGUF block (or a K-quant's sub-block), whose multiples a layer's rows are
 _VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
-# GGUF type kept quantized -> bits of its codes.
-KEPT_TYPES = {qtype: layout.bits for qtype, layout in BLOCK_LAYOUTS.items() if layout.group_size == GGUF_GROUP_SIZE}
 # The tensors a GGUFMethod layer loads in place of `weight`: name -> dtype; all [N, ...], rows first.
 GGUF_TENSORS = {"codes": torch.uint8, "scales": torch.float32, "zeros": torch.float32}
 
 
 class GGUFMethod(WeightOnlyMethod):
     """A Linear whose checkpoint shards are all kept GGUF blocks: it loads their codes [N, K], scales
-    [N, K / 32] and zero points [N, K / 32]. bits is 8 when any shard has 8-bit codes (4-bit codes fit,
-    as they are, in an 8-bit layer), else 4."""
+    [N, K / group_size] and zero points [N, K / group_size]. bits is 8 when any shard has 8-bit codes (4-bit codes
+    fit, as they are, in an 8-bit layer), else 4; group_size is the smallest of the shards' (16 or 32): a shard in
+    groups of 32 repeats each scale and zero point for the two halves of its groups."""
 
-    def __init__(self, bits: int) -> None:
-        self.bits = bits
+    def __init__(self, bits: int, group_size: int = GGUF_GROUP_SIZE) -> None:
+        self.bits, self.group_size = bits, group_size
 
     def create_weights(self, layer: Linear) -> None:
         if layer.in_features % GGUF_GROUP_SIZE:
             raise ValueError(f"in_features {layer.in_features} is not a multiple of {GGUF_GROUP_SIZE}")
         drop_parameters(layer, "weight")
-        widths = {"codes": layer.in_features, "scales": layer.in_features // GGUF_GROUP_SIZE}
+        widths = {"codes": layer.in_features, "scales": layer.in_features // self.group_size}
         widths["zeros"] = widths["scales"]
         for name, dtype in GGUF_TENSORS.items():
-            tensor = torch.zeros(layer.out_features, widths[name], dtype=dtype, device=layer.param_device)
+            tensor = torch.empty(layer.out_features, widths[name], dtype=dtype, device=layer.param_device)
             layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+    def load_shard(self, layer: Linear, param_name: str, shard: int, tensor: torch.Tensor) -> bool:
+        if param_name in ("scales", "zeros") and tensor.dim() == 2:
+            width = getattr(layer, param_name).shape[1]
+            if tensor.shape[1] != width and width % tensor.shape[1] == 0:
+                tensor = tensor.repeat_interleave(width // tensor.shape[1], dim=1)  # groups of 32 as two of 16
+            layer.load_into(param_name, shard, tensor)
+            return True
+        return False
 
     def checkpoint_axes(self, param_name: str) -> tuple[int | None, int | None] | None:
         return (0, 1) if param_name in GGUF_TENSORS else None
@@ -69,31 +74,35 @@ def _layer_and_shard(model: nn.Module, name: str) -> tuple[str, int]:
 
 
 def keep_gguf_quantized(
-    model: nn.Module, dense: Mapping[str, torch.Tensor], kept: dict[str, QuantizedWeight], vocab: bool = True
+    model: nn.Module, dense: Mapping[str, torch.Tensor], kept: Mapping[str, QuantizedWeight],
+    layouts: dict[str, BlockLayout], vocab: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Give a GGUFMethod to every quantizable Linear whose checkpoint weights are all in kept (HF weight
-    name -> QuantizedWeight); returns the tensors to load: `codes`/`scales`/`zeros` for those layers,
-    and float weights for the others (dense ones, and kept ones that share a layer with a dense shard:
-    dequantized here, so Q4_1 ones differ from gguf's values by float32 rounding). vocab: the embedding and
-    LM head stay quantized too (else they are dequantized)."""
+    name -> QuantizedWeight, decoded when read; layouts: each one's block layout); returns the tensors to
+    load, one at a time: `codes`/`scales`/`zeros` for those layers, and float weights for the others (dense ones,
+    and kept ones that share a layer with a dense shard: dequantized here, so Q4_1 ones differ from gguf's values
+    by float32 rounding). vocab: the embedding and LM head stay quantized too (else they are dequantized)."""
     linears = quantizable_linears(model)
     shards_of: dict[str, dict[int, str]] = {}
     kept_names = _keep_vocab_quantized(model, kept) if vocab else set()
-    for name in kept.keys() - kept_names:
+    for name in layouts.keys() - kept_names:
         layer_name, shard = _layer_and_shard(model, name)
         shards_of.setdefault(layer_name, {})[shard] = name
     for layer_name, shards in shards_of.items():
         layer = linears.get(layer_name)
         if layer is None or len(shards) != len(layer.shard_sizes):
             continue
-        layer.set_quant_method(GGUFMethod(max(kept[name].bits for name in shards.values())))
+        shard_layouts = [layouts[name] for name in shards.values()]
+        bits, group_size = max(lay.bits for lay in shard_layouts), min(lay.group_size for lay in shard_layouts)
+        layer.set_quant_method(GGUFMethod(bits, group_size))
         kept_names.update(shards.values())
-    if len(kept_names) < len(kept):
-        logger.info("%d GGUF tensors share a layer with float ones and are dequantized", len(kept) - len(kept_names))
+    if len(kept_names) < len(layouts):
+        logger.info("%d GGUF tensors share a layer with float ones and are dequantized",
+                    len(layouts) - len(kept_names))
     return _checkpoint_tensors(dense, kept, kept_names, kept_names & set(_VOCAB_NAMES))
 
 
-def _keep_vocab_quantized(model: nn.Module, kept: dict[str, QuantizedWeight]) -> set[str]:
+def _keep_vocab_quantized(model: nn.Module, kept: Mapping[str, QuantizedWeight]) -> set[str]:
     """The embedding and LM head take their kept tensors as they are (a tied head is the embedding, or under
     pipeline parallelism a copy of it on the last stage); returns the names taken. A stage without the
     module skips its tensor."""
@@ -103,22 +112,26 @@ def _keep_vocab_quantized(model: nn.Module, kept: dict[str, QuantizedWeight]) ->
                _VOCAB_NAMES[1]: [None if tied else head]}
     taken = set()
     for name, modules in targets.items():
-        if name in kept:
+        if name in kept and any(module is not None for module in modules):
+            weight = kept[name]
             for module in modules:
                 if module is not None:
-                    module.load_quantized(kept[name])
+                    module.load_quantized(weight)
+            taken.add(name)
+        elif name in kept:
             taken.add(name)
     return taken
 
 
 def _checkpoint_tensors(
-    dense: Mapping[str, torch.Tensor], kept: dict[str, QuantizedWeight], kept_names: set[str], installed: set[str]
+    dense: Mapping[str, torch.Tensor], kept: Mapping[str, QuantizedWeight], kept_names: set[str], installed: set[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """installed: kept tensors already in their modules (the vocabulary ones), not loaded again."""
     yield from dense.items()
-    for name, weight in kept.items():
+    for name in kept:
         if name in installed:
             continue
+        weight = kept[name]
         if name not in kept_names:
             yield name, weight.dequantize()
             continue

@@ -28,6 +28,7 @@ from kvforge.kernels.cpu.quant_gemv import pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panel_rows
 from kvforge.kernels.ops import OpTable
 from kvforge.kernels.quant_gemm import dequantize_ref, pack_codes
+from kvforge.loader.heap import release_freed_memory
 from kvforge.loader.huge_pages import arena_offsets, huge_page_arena
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
@@ -92,6 +93,7 @@ def interleave_panel_parts(model: nn.Module, huge_pages: bool) -> None:
     if kernels:
         for kernel, view in zip(kernels, interleaved_views([kernel.weight for kernel in kernels], huge_pages)):
             kernel.weight = view.copy_(kernel.weight)
+            release_freed_memory()
 
 
 class NativeKernel(WeightOnlyKernel):

@@ -76,7 +76,8 @@ def measure_cpu_engine() -> None:
     baseline = _resident_bytes("VmRSS")
     # NOTE: eager: compiling the decode step adds the compiler's own memory to the process once (a compiled run
     # peaked at 958 MiB of growth against this estimate's 834), which is no part of the engine's tensors
-    llm = LLM(kv_cache_memory=KV_CACHE_MEMORY, device="cpu", max_num_seqs=NUM_SEQS, enforce_eager=True)
+    llm = LLM(kv_cache_memory=KV_CACHE_MEMORY, device="cpu", max_num_seqs=NUM_SEQS, enforce_eager=True,
+              quantization="none")
     _resident_bytes("VmRSS")  # hand the loader's freed buffers back before the peak is reset
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # VmHWM restarts from the current resident size

@@ -7,6 +7,7 @@ import torch
 
 from kvforge.layers.linear import Linear
 from kvforge.quantization.formats import AWQ_ORDER, AWQMethod, GPTQMethod, pack_int32, unpack_int32
+from kvforge.quantization.quantized_weight import QuantizedWeight
 from tests.kernels.cpu.test_quant_gemv_cpu import native_layer_input
 
 
@@ -35,12 +36,22 @@ def test_awq_order_puts_column_order_i_in_nibble_i() -> None:
     assert [(word >> (4 * i)) & 0xF for i in range(8)] == list(AWQ_ORDER)
 
 
+def _converted_weights(layer: Linear) -> list[QuantizedWeight]:
+    """The QuantizedWeight the layer's method converts its checkpoint tensors into, once the last shard is in."""
+    seen: list[QuantizedWeight] = []
+    convert = layer.quant_method.to_quantized_weight
+    layer.quant_method.to_quantized_weight = lambda layer: seen.append(convert(layer)) or seen[-1]
+    return seen
+
+
 def _gptq_layer(
     shards: list[int], in_features: int, bits: int, group_size: int, fmt: str, act_order: bool
-) -> tuple[Linear, torch.Tensor]:
-    """A merged Linear loaded from per-shard GPTQ tensors; returns it and the expected float weight."""
+) -> tuple[Linear, torch.Tensor, list[QuantizedWeight]]:
+    """A merged Linear loaded from per-shard GPTQ tensors; returns it, the expected float weight and the weight its
+    method converted."""
     layer = Linear(in_features, shards)
     layer.set_quant_method(GPTQMethod(bits, group_size, fmt))
+    converted = _converted_weights(layer)
     num_groups = in_features // group_size
     expected = []
     g_idx = torch.arange(in_features, dtype=torch.int32) // group_size
@@ -56,7 +67,7 @@ def _gptq_layer(
         layer.load_shard("scales", shard, scales)
         layer.load_shard("g_idx", shard, g_idx)
         expected.append(((codes - zeros[g_idx.long()]) * scales[g_idx.long()]).t())
-    return layer, torch.cat(expected)
+    return layer, torch.cat(expected), converted
 
 
 @pytest.mark.parametrize(
@@ -65,11 +76,11 @@ def _gptq_layer(
 )
 def test_gptq_checkpoint_dequantizes_exactly(bits: int, fmt: str, act_order: bool) -> None:
     torch.manual_seed(0)
-    layer, expected = _gptq_layer([32, 16, 16], 128, bits, 32, fmt, act_order)
-    weight = layer.quant_method.to_quantized_weight(layer)
+    layer, expected, converted = _gptq_layer([32, 16, 16], 128, bits, 32, fmt, act_order)
+    (weight,) = converted  # converted once, when the last shard came in
     assert torch.equal(weight.dequantize(), expected)
     assert (weight.perm is not None) == act_order
-    layer.quant_method.process_weights_after_loading(layer)
+    layer.process_weights_after_loading()  # a second call does nothing
     x = torch.randn(3, 128)
     x_seen = native_layer_input(x, weight.perm, layer.kernel.name)  # the C++ kernels round x to int8 per 32 columns
     torch.testing.assert_close(layer(x), x_seen @ expected.t(), rtol=2e-2, atol=2e-2 * expected.abs().max().item())
@@ -79,6 +90,7 @@ def test_awq_checkpoint_dequantizes_exactly() -> None:
     torch.manual_seed(0)
     layer = Linear(64, [16, 32])
     layer.set_quant_method(AWQMethod(4, 32))
+    converted = _converted_weights(layer)
     expected = []
     for shard, rows in enumerate([16, 32]):
         codes, zeros = torch.randint(0, 16, (64, rows)), torch.randint(0, 16, (2, rows))
@@ -88,7 +100,7 @@ def test_awq_checkpoint_dequantizes_exactly() -> None:
         layer.load_shard("scales", shard, scales)
         groups = torch.arange(64) // 32
         expected.append(((codes - zeros[groups]) * scales[groups]).t())
-    assert torch.equal(layer.quant_method.to_quantized_weight(layer).dequantize(), torch.cat(expected))
+    assert torch.equal(converted[0].dequantize(), torch.cat(expected))
 
 
 def test_gptq_shards_with_different_g_idx_are_rejected() -> None:

@@ -47,7 +47,7 @@ def _layer(method: Fp8Method, weight: torch.Tensor, bias: torch.Tensor) -> Linea
     for shard in range(2):
         layer.load_shard("weight", shard, weight[shard * half : (shard + 1) * half])
         layer.load_shard("bias", shard, bias[shard * half : (shard + 1) * half])
-    layer.quant_method.process_weights_after_loading(layer)
+    layer.process_weights_after_loading()
     return layer
 
 
@@ -79,7 +79,7 @@ def test_dequant_path_in_bfloat16() -> None:
     layer = Linear(64, [32])
     layer.weight.data.copy_(weight)
     layer.set_quant_method(Fp8Method(from_float=True))
-    layer.quant_method.process_weights_after_loading(layer)
+    layer.process_weights_after_loading()
     out = layer(x.bfloat16())
     assert out.dtype == torch.bfloat16
     assert ((out.float() - x @ weight.t()).abs() <= 0.1 * (x.abs() @ weight.abs().t()) + 0.05).all()
@@ -167,7 +167,7 @@ def test_layer_on_the_gpu() -> None:
     layer = Linear(512, [256]).cuda().to(torch.bfloat16)
     layer.weight.data.copy_(weight)
     layer.set_quant_method(Fp8Method(from_float=True))
-    layer.quant_method.process_weights_after_loading(layer)
+    layer.process_weights_after_loading()
     supported = current_platform().has_native_fp8
     assert layer.kernel.name == ("scaled_mm" if supported else "dequant")
     out = layer(x.cuda().bfloat16()).float().cpu()

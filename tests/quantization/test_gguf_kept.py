@@ -29,14 +29,13 @@ from tests.loader.test_gguf import (
     TOKENS,
     Stored,
     llama_cpp_permute,
-    random_blocks,
     write_tiny_gguf,
 )
 
-# q/k/v in three kept types (an 8-bit merged layer), gate_up with a Q6_K shard (float), the rest kept.
+# q/k/v in three kept types (an 8-bit merged layer), gate_up with an F16 shard (float), the rest kept.
 PLAN = {"token_embd": Q.Q8_0, "output": Q.Q4_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0,
-        "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_0, "ffn_up": Q.Q6_K, "ffn_down": Q.Q8_0}  # fmt: skip
-ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory="16MiB")
+        "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_0, "ffn_up": Q.F16, "ffn_down": Q.Q8_0}  # fmt: skip
+ENGINE = dict(device="cpu", kv_cache_memory="16MiB")  # dtype auto (float32 on the CPU): an explicit one dequantizes
 
 
 def plan_tensors(rng: np.random.Generator) -> dict[str, Stored]:
@@ -44,9 +43,6 @@ def plan_tensors(rng: np.random.Generator) -> dict[str, Stored]:
 
     def matrix(kind: str, gguf_name: str, hf_name: str) -> None:
         qtype = PLAN[kind]
-        if qtype == Q.Q6_K:
-            tensors[hf_name] = Stored(gguf_name, qtype, random_blocks(rng, qtype, SHAPES[kind]), None)
-            return
         rows = rng.uniform(-0.1, 0.1, SHAPES[kind]).astype(np.float32)
         if kind in ("attn_q", "attn_k"):
             rows = llama_cpp_permute(rows, HEADS if kind == "attn_q" else KV_HEADS)
@@ -86,7 +82,7 @@ def test_kept_tensors_are_the_dequantized_ones(tiny_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_llms(tiny_path: Path) -> tuple[LLM, LLM]:
-    return LLM(str(tiny_path), **ENGINE), LLM(str(tiny_path), quantization="gguf", **ENGINE)
+    return LLM(str(tiny_path), quantization="none", **ENGINE), LLM(str(tiny_path), **ENGINE)
 
 
 def test_layers_get_the_kept_bits(tiny_llms: tuple[LLM, LLM]) -> None:
@@ -97,7 +93,7 @@ def test_layers_get_the_kept_bits(tiny_llms: tuple[LLM, LLM]) -> None:
                              ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)]
     }  # fmt: skip
     assert {k: m.bits for k, m in methods.items() if isinstance(m, GGUFMethod)} == {"qkv": 8, "o": 4, "down": 8}
-    assert methods["gate_up"] is None  # a Q6_K shard: the layer stays float
+    assert methods["gate_up"] is None  # an F16 shard: the layer stays float
 
 
 def test_tiny_model_logits_and_tokens_match_the_dequantized_load(tiny_llms: tuple[LLM, LLM]) -> None:
@@ -126,8 +122,8 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
-    dense = LLM(**ENGINE)
-    kept = LLM(quantization="gguf", **ENGINE)
+    dense = LLM(quantization="none", **ENGINE)
+    kept = LLM(**ENGINE)  # a GGUF file keeps its blocks by default
     model = kept.engine.local_model
     assert all(isinstance(layer.mlp.down_proj.quant_method, GGUFMethod) for layer in model.layers)
     # the linear layers go from 465 MiB of float32 to ~1.1 bytes per weight

@@ -80,7 +80,7 @@ def test_merged_layer_computes_with_the_gguf_weights(num_tokens: int, shard_type
         for name in ("codes", "scales", "zeros"):
             layer.load_shard(name, shard, getattr(weight, name))
         layer.load_shard("bias", shard, bias[64 * shard : 64 * (shard + 1)])
-    layer.quant_method.process_weights_after_loading(layer)
+    layer.process_weights_after_loading()
     assert layer.kernel.bits == bits and not hasattr(layer, "codes") and not hasattr(layer, "weight")
     reference = torch.from_numpy(np.concatenate([dequantize(d, q) for d, q in zip(shards, shard_types)]))
     x = torch.randn(num_tokens, 128)
@@ -105,7 +105,7 @@ def test_q4_1_layer_on_the_gpu_keeps_float_zero_points() -> None:
     weight = decode_blocks(data, Q.Q4_1, (64, 256))
     for name in ("codes", "scales", "zeros"):
         layer.load_shard(name, 0, getattr(weight, name))
-    layer.quant_method.process_weights_after_loading(layer)
+    layer.process_weights_after_loading()
     assert layer.w_zeros.dtype == torch.float32
     x = torch.randn(5, 256)
     reference = torch.from_numpy(dequantize(data, Q.Q4_1))

@@ -20,7 +20,7 @@ def _layer(method, weight: torch.Tensor, bias: torch.Tensor) -> Linear:
     for shard in range(2):
         layer.load_shard("weight", shard, weight[shard * half : (shard + 1) * half])
         layer.load_shard("bias", shard, bias[shard * half : (shard + 1) * half])
-    layer.quant_method.process_weights_after_loading(layer)
+    layer.process_weights_after_loading()
     return layer
 
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import pytest
 
 from kvforge.cli import main
 from kvforge.eval.perplexity import default_evaluation_texts
 from kvforge.loader.default_model import default_model_path
+from kvforge.loader.gguf_file import GGUFFile
 from kvforge.quantize.calibration import calibration_sequences, default_calibration_texts
 from kvforge.tokenizer import Tokenizer
 from tests.tiny_models import save_model
 
 
 def test_shipped_calibration_set_is_large_and_disjoint_from_the_held_out_texts() -> None:
-    tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(default_model_path()))
+    tokenizer = Tokenizer.from_gguf(GGUFFile(default_model_path()).metadata)
     calibration = default_calibration_texts()
     assert len(calibration) >= 5  # prose, technical, code, markup, dialogue
     assert sum(len(tokenizer.encode(text)) for text in calibration) >= 64_000

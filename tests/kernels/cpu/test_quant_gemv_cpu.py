@@ -126,7 +126,7 @@ def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size:
     layer = Linear(in_features, [num_rows], bias=True)
     layer.set_quant_method(_GivenWeight(weight))
     layer.load_shard("bias", 0, bias)
-    layer.quant_method.process_weights_after_loading(layer)
+    layer.process_weights_after_loading()
     assert layer.kernel.name == cpu_kernel_name() and not hasattr(layer, "weight")
     dequantized = weight.dequantize().double()  # input features in their original order
     kernel_weight = dequantized if weight.perm is None else dequantized[:, weight.perm]  # in the stored order
