@@ -90,7 +90,9 @@ def _time_kvforge(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[l
     clock = _ExecutorClock(engine)
     timings = [_time_request(engine, clock, str(index), prompt, args.output_len)
                for index, prompt in enumerate(prompts)]
-    return timings, {"load_s": round(load_s, 2)}
+    model = engine.local_model  # NOTE: the bytes a decode step reads: its weights, not the rope tables
+    tensors = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith("cos_sin_cache"))]
+    return timings, {"load_s": round(load_s, 2), "weight_mib": round(sum(t.nbytes for t in tensors) / 2**20, 1)}
 
 
 def _time_formats(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, list[tuple[float, ...]]]:

@@ -116,7 +116,10 @@ def test_mixture_of_experts_splits_the_experts(tmp_path, arch: str, split: dict)
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_quantized_checkpoints_load_sharded(tmp_path, method: str) -> None:
     """GPTQ and AWQ checkpoints written by `kvforge quantize` are cut into per-rank shards at load
-    (packed codes, scales, zero points and g_idx along their own axes) and give the tokens of one process."""
+    (packed codes, scales, zero points and g_idx along their own axes) and give the logits of one process.
+    NOTE: logits, not greedy tokens: the row-parallel layers sum their ranks' partial products in another order, and
+    on an AVX-512 VNNI Xeon that float rounding tipped a near tie of this tiny random model (the tokens of one process
+    and of two differed from the 8th of 12, on the tree before as after)."""
     from kvforge.cli import main
     from tests.tiny_models import save_model
 
@@ -124,4 +127,5 @@ def test_quantized_checkpoints_load_sharded(tmp_path, method: str) -> None:
     out = tmp_path / method
     assert main(["quantize", "--model", str(tmp_path / "float"), "--method", method, "--bits", "4",
                  "--group-size", "32", "--out", str(out), "--num-sequences", "2", "--sequence-length", "32"]) == 0
-    assert greedy_tokens(out, tensor_parallel_size=2) == greedy_tokens(out)
+    (_, logits), (_, want_logits) = greedy_tokens(out, score=True, tensor_parallel_size=2), greedy_tokens(out, score=True)
+    assert (logits - want_logits).abs().max().item() < 1e-4 * want_logits.abs().max().item()

@@ -328,3 +328,34 @@ def test_unknown_architecture_gives_value_error(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="'gemma'"):
         load_gguf(str(path), torch.float32)
+
+
+def test_kept_blocks_run_as_the_dequantized_model(tiny):
+    """By default every block type of the plan stays in its blocks (4- or 8-bit codes, groups of 32 or 16 columns;
+    a merged layer takes its shards' widest codes and narrowest groups), and each layer multiplies as the dequantized
+    model's: to float32 rounding where activations stay float, within the int8 rounding of activations (per 32
+    columns, as llama.cpp does) on the C++ kernels. (The tiny models' random weights amplify any rounding from layer
+    to layer, so the claim is made per layer; tests/quantization/test_gguf_kept.py compares whole models.)"""
+    from kvforge import LLM
+    from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS
+    from kvforge.quantization.gguf_quants import GGUFMethod
+
+    arch, path, _, _ = tiny
+    options = dict(device="cpu", kv_cache_memory="16MiB", enforce_eager=True)
+    kept, dense = LLM(str(path), **options), LLM(str(path), quantization="none", **options)
+    layer, float_layer, plan = kept.engine.local_model.layers[0], dense.engine.local_model.layers[0], PLANS[arch]
+    merged = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+              "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}  # fmt: skip
+    for name, kinds in merged.items():
+        module, float_module = layer.get_submodule(name), float_layer.get_submodule(name)
+        layouts = [BLOCK_LAYOUTS.get(plan[kind]) for kind in kinds]
+        if None in layouts:  # a float shard (F32, F16, BF16): the layer is float
+            assert module.quant_method is None, kinds
+            continue
+        assert isinstance(module.quant_method, GGUFMethod), kinds
+        assert module.kernel.bits == max(layout.bits for layout in layouts), kinds
+        assert module.quant_method.group_size == min(layout.group_size for layout in layouts), kinds
+        x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
+        out, expected = module(x), float_module(x)
+        bound = 1e-4 if module.kernel.name == "generic" else 2e-2
+        assert (out - expected).abs().max() <= bound * expected.abs().max(), (kinds, module.kernel.name)
