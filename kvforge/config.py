@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from kvforge.options import check_options, option
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model dtype; int8 / fp8: codes + scales
+# "auto": float16 on the CPU, the model dtype on GPUs; float32 / float16 / bfloat16: values; int8 / fp8: codes + scales
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 QUANTIZATIONS = ("w8a16", "w4a16", "w8a8", "fp8", "gguf", "none")  # at load time
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -77,8 +78,9 @@ class CacheConfig:
         0.9, "share of GPU memory the engine may use when --kv-cache-memory is not given")
     enable_prefix_caching: bool = option(True, "turn off reuse of cached prompt prefixes", flag="--no-prefix-caching")
     kv_cache_dtype: str = option(
-        "auto", "KV cache storage: auto (the model dtype), or int8 / fp8 (e4m3) codes with one scale per token and "
-                "KV head: ~2x (vs 16-bit) or ~3.8x (vs fp32) more tokens", choices=KV_CACHE_DTYPES)
+        "auto", "KV cache storage: auto (float16 on the CPU, the model dtype on GPUs), float32 / float16 / bfloat16, "
+                "or int8 / fp8 (e4m3) codes with one scale per token and KV head: ~2x (vs 16-bit) more tokens",
+        choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -23,8 +23,9 @@ def default_llm():
     # requests: a cold compile of the default model in bucket 1's C++ wrapper alone took ~70 s of the default
     # suite's 15 minutes. That wrapper is checked against eager on every tiny family (tests/executor), and it is
     # what `kvforge generate` and the decode benchmarks run.
-    # quantization="none": the float model transformers runs (the file's Q4_1 weights dequantized)
-    return LLM(kv_cache_memory="256MiB", compile_buckets=(4,), quantization="none")
+    # quantization="none" and a float32 cache: the float model transformers runs (the file's Q4_1 weights
+    # dequantized); the defaults (kept weights, a float16 cache) are tests/quantization/test_gguf_kept.py's
+    return LLM(kv_cache_memory="256MiB", compile_buckets=(4,), quantization="none", kv_cache_dtype="float32")
 
 
 def test_chat_greedy_matches_transformers(default_llm, hf_default_tokenizer, hf_default_model):

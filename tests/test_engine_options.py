@@ -23,7 +23,7 @@ FLAGS_BEFORE = [
     ("--kv-cache-memory", "kv_cache_memory", None, None),
     ("--gpu-memory-utilization", "gpu_memory_utilization", 0.9, None),
     ("--no-prefix-caching", "enable_prefix_caching", True, None),
-    ("--kv-cache-dtype", "kv_cache_dtype", "auto", ("auto", "int8", "fp8")),
+    ("--kv-cache-dtype", "kv_cache_dtype", "auto", ("auto", "float32", "float16", "bfloat16", "int8", "fp8")),
     ("--max-num-batched-tokens", "max_num_batched_tokens", 2048, None),
     ("--max-num-seqs", "max_num_seqs", 256, None),
     ("--long-prefill-token-threshold", "long_prefill_token_threshold", 0, None),

@@ -75,15 +75,13 @@ class LLMEngine:
         self._decode_logprobs = logprob_decoder(self.tokenizer)
         # NOTE: thread-safe; the async engine awaits compilations on its event loop, off the step loop
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
-        self._log_cache(info.dtype, info.kv_bytes_per_token)
+        self._log_cache(info.kv_cache_dtype, info.kv_bytes_per_token)
 
     def _log_cache(self, dtype: torch.dtype, bytes_per_token: int) -> None:
         logger.info("attention backend: %s", self.attention_backend)
         if torch.device(self.device).type == "cpu":
             logger.info("CPU kernels: %s", cpu_kernels_isa())
-        kv_dtype = self.config.cache.kv_cache_dtype
-        if kv_dtype == "auto":
-            kv_dtype = str(dtype).removeprefix("torch.")
+        kv_dtype = str(dtype).removeprefix("torch.")
         num_blocks, block_size = self.executor.num_blocks, self.config.cache.block_size
         logger.info("KV cache (%s, %d bytes/token): %d blocks of %d tokens = %d tokens (%.1f MiB per rank); "
                     "max model len %d", kv_dtype, bytes_per_token, num_blocks - 1, block_size,

@@ -22,5 +22,6 @@ class ModelInfo:
     vocab_size: int
     max_position: int  # the longest sequence the model's positions allow
     kv_bytes_per_token: int  # on this rank, all layers, in the KV cache dtype
+    kv_cache_dtype: torch.dtype  # of the cache's values or codes
     device: torch.device
     attention_backend: str  # the backend the worker runs: "torch" or "triton"

@@ -43,15 +43,21 @@ class Worker:
         kv_cache_bytes = 0 if device.type != "cpu" else kv_cache_budget(config.cache.kv_cache_memory, device, 0.0)
         with building_with_ops(self.ops):
             self.loaded: LoadedModel = load_model(config.model, device, kv_cache_bytes)
-        self.kv_cache_spec = self.loaded.model.kv_cache_spec.with_kv_cache_dtype(config.cache.kv_cache_dtype)
+        # NOTE: the CPU's C++ and torch attention kernels widen 16-bit cache rows under float32 queries; the Triton
+        # kernels (GPUs, or the interpreter) read the query dtype
+        widening = device.type == "cpu" and self.attention_backend == "torch"
+        self.kv_cache_spec = self.loaded.model.kv_cache_spec.with_kv_cache_dtype(
+            config.cache.kv_cache_dtype, self.loaded.dtype, widening)
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         self.runner: ModelRunner | None = None
 
     @property
     def model_info(self) -> ModelInfo:
         loaded, config = self.loaded, self.loaded.model.config
+        spec = self.kv_cache_spec
         return ModelInfo(loaded.name, loaded.hf_config, loaded.tokenizer, loaded.dtype, config.vocab_size,
-                         config.max_position, self.bytes_per_token, self.device, self.attention_backend)
+                         config.max_position, self.bytes_per_token, spec.code_dtype or spec.value_dtype or loaded.dtype,
+                         self.device, self.attention_backend)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -32,8 +32,8 @@ SCALE_DTYPE = torch.float32
 
 
 def kv_code_dtype(kv_cache_dtype: str, platform: Platform | None = None) -> torch.dtype | None:
-    """The code dtype of a --kv-cache-dtype value on platform (default: the current one); None for "auto"
-    (the cache holds model-dtype values). fp8 is e4m3fn, or e4m3fnuz on gfx942."""
+    """The code dtype of a --kv-cache-dtype value on platform (default: the current one); None for "auto" and
+    the float types (the cache holds values). fp8 is e4m3fn, or e4m3fnuz on gfx942."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     if kv_cache_dtype == "int8":

@@ -56,6 +56,8 @@ def gather_kv(
     num_blocks = -(-num_tokens // block_size)
     block_ids = block_tables[:, :num_blocks].reshape(-1).long()
     blocks = cache.view(cache.shape[0], -1).index_select(0, block_ids)
+    if cache.dtype in (torch.float16, torch.bfloat16) and cache.dtype != dtype:  # 16-bit values, float32 queries
+        blocks = blocks.to(dtype)
     return blocks.view(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :num_tokens]
 
 

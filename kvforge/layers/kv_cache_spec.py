@@ -5,7 +5,9 @@ Every cache tensor of a layer is paged the same way, [num_blocks, block_size, *t
     multi-head attention (Llama)   (key [num_kv_heads, head_dim], value [num_kv_heads, head_dim])
     latent attention (DeepSeek)    (latent [kv_lora_rank + qk_rope_head_dim],)
 
-A quantized cache (code_dtype int8 or fp8, see kernels/kv_quant.py) stores each tensor as codes and adds
+Values are stored in value_dtype (the model dtype when None; 16 bits on the CPU by default, which the attention kernels
+widen to float as they read). A quantized cache (code_dtype int8 or fp8, see kernels/kv_quant.py) stores each tensor
+as codes and adds
 one float32 scale per row of the last dim, in a tensor of the shape without it, after the codes:
 
     multi-head attention, int8     (key codes, value codes, key scales [num_kv_heads], value scales [num_kv_heads])
@@ -20,14 +22,17 @@ import torch
 
 from kvforge.kernels.kv_quant import SCALE_DTYPE, kv_code_dtype
 
+_VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     """layer_shapes[layer]: the per-token shape of each cache tensor of that layer; code_dtype: None to
-    store values in the model dtype, or the dtype of quantized codes (with scales beside them)."""
+    store values (in value_dtype, or the model dtype), or the dtype of quantized codes (with scales beside them)."""
 
     layer_shapes: tuple[tuple[tuple[int, ...], ...], ...]
     code_dtype: torch.dtype | None = None
+    value_dtype: torch.dtype | None = None
     quantizable: bool = True  # whether the model's attention reads a quantized cache
 
     def __post_init__(self) -> None:
@@ -49,21 +54,30 @@ class KVCacheSpec:
         # NOTE: the latent cache is already ~10x smaller than keys and values; MLA reads it unquantized.
         return cls((((latent_dim,),),) * num_layers, quantizable=False)
 
-    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> KVCacheSpec:
-        """This spec stored as kv_cache_dtype: "auto" (the model dtype), "int8" or "fp8"."""
+    def with_kv_cache_dtype(self, kv_cache_dtype: str, dtype: torch.dtype, widening: bool = False) -> KVCacheSpec:
+        """This spec stored as kv_cache_dtype for a model run in dtype: "auto" (float16 where the attention kernels
+        widen cached rows as they read them, `widening`: the CPU's, where a float32 cache doubles the bytes every
+        decode step reads; else the model dtype), "float32" / "float16" / "bfloat16" (with widening kernels, or the
+        model dtype), "int8" or "fp8"."""
         code_dtype = kv_code_dtype(kv_cache_dtype)
-        if code_dtype is not None and not self.quantizable:
+        value_dtype = _VALUE_DTYPES.get(kv_cache_dtype)
+        if kv_cache_dtype == "auto":
+            value_dtype = torch.float16 if widening and self.quantizable else dtype
+        if (code_dtype is not None or value_dtype != dtype) and not self.quantizable:
             raise ValueError(
                 f"kv_cache_dtype={kv_cache_dtype!r} (--kv-cache-dtype) is not supported by this model's "
                 f"latent attention (MLA) cache; use kv_cache_dtype='auto'"
             )
-        return replace(self, code_dtype=code_dtype)
+        if value_dtype not in (None, dtype) and not widening:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the Triton attention kernels (GPUs) read a cache "
+                             f"in the model dtype ({dtype}, kv_cache_dtype='auto'), int8 or fp8")
+        return replace(self, code_dtype=code_dtype, value_dtype=None if code_dtype is not None else value_dtype)
 
     def _layer_tensors(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype
                        ) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(per-token shape, dtype) of each tensor of one layer, in allocation order."""
         if self.code_dtype is None:
-            return [(shape, dtype) for shape in shapes]
+            return [(shape, self.value_dtype or dtype) for shape in shapes]
         return [(shape, self.code_dtype) for shape in shapes] + [(shape[:-1], SCALE_DTYPE) for shape in shapes]
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:

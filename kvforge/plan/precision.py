@@ -69,7 +69,7 @@ class Precision:
 def resolve_precision(weight_dtype: str, kv_cache_dtype: str, checkpoint_format: str, device: DeviceSpec
                       ) -> Precision:  # fmt: skip
     """Replace "auto": the engine runs float32 on a CPU and the checkpoint's format (bf16 for float
-    checkpoints) on an accelerator; the cache follows the activations."""
+    checkpoints) on an accelerator; the cache is float16 on a CPU and follows the activations elsewhere."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -77,5 +77,5 @@ def resolve_precision(weight_dtype: str, kv_cache_dtype: str, checkpoint_format:
     if weight_dtype == "auto":
         weight_dtype = "fp32" if device.host else checkpoint_format
     if kv_cache_dtype == "auto":
-        kv_cache_dtype = "fp32" if weight_dtype == "fp32" else "bf16"
+        kv_cache_dtype = "fp16" if device.host else "fp32" if weight_dtype == "fp32" else "bf16"
     return Precision(weight_dtype, kv_cache_dtype)

@@ -127,6 +127,6 @@ def test_quantized_checkpoints_load_sharded(tmp_path, method: str) -> None:
     out = tmp_path / method
     assert main(["quantize", "--model", str(tmp_path / "float"), "--method", method, "--bits", "4",
                  "--group-size", "32", "--out", str(out), "--num-sequences", "2", "--sequence-length", "32"]) == 0
-    _, logits = greedy_tokens(out, score=True, tensor_parallel_size=2)
-    _, want_logits = greedy_tokens(out, score=True)
+    _, logits = greedy_tokens(out, score=True, tensor_parallel_size=2, kv_cache_dtype="float32")
+    _, want_logits = greedy_tokens(out, score=True, kv_cache_dtype="float32")
     assert (logits - want_logits).abs().max().item() < 1e-4 * want_logits.abs().max().item()

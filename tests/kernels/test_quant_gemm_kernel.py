@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton, quantize_per_token_ref
 from kvforge.kernels.quant_gemm import pack_codes, quant_gemm_ref, quant_gemm_triton, unpack_codes
+from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS, decode_blocks
+
+# Byte offsets of the float16 d / dmin fields of each GGUF block type (the rest of a random block is any bytes).
+GGUF_SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,),
+                      Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+                      Q.IQ4_XS: (0,)}  # fmt: skip
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -60,3 +70,26 @@ def test_int8_gemm_matches_reference_exactly(
     torch.testing.assert_close(
         a.float() * a_scales[:, None], x, rtol=0, atol=x.abs().max().item() / 254 + 1e-6
     )
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_LAYOUTS, key=lambda q: q.name), ids=lambda q: q.name)
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_gguf_blocks_through_the_generic_kernel_match_gguf(device: torch.device, qtype, num_tokens: int) -> None:
+    """A GPU reads a GGUF file's blocks as the generic layout (codes, a scale and zero point per 16- or 32-column
+    group; gguf_blocks.py) and dequantizes them in the GEMM's K loop: equal to the `gguf` package's dequantization
+    followed by a float matmul."""
+    out_features, in_features = 33, 512
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    blocks = rng.integers(0, 256, (out_features, in_features // block_size, block_bytes), dtype=np.uint8)
+    for offset in GGUF_SCALE_OFFSETS[qtype]:  # sane float16 d / dmin fields
+        halves = rng.uniform(0.001, 0.01, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    data = blocks.reshape(out_features, -1)
+    weight = decode_blocks(data, qtype, (out_features, in_features))
+    reference = torch.from_numpy(dequantize(data, qtype).reshape(out_features, in_features))
+    x = torch.randn(num_tokens, in_features)
+    got = quant_gemm_triton(x.to(device), pack_codes(weight.codes, weight.bits).to(device), weight.scales.to(device),
+                            weight.zeros.to(device), weight.bits)
+    expected = x @ reference.t()
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -77,7 +77,7 @@ def tiny_llama(tmp_path_factory):
 
 def test_engine_weights_in_huge_pages_match_transformers(tiny_llama) -> None:
     folder, reference = tiny_llama
-    llm = LLM(str(folder), kv_cache_memory="16MiB")
+    llm = LLM(str(folder), kv_cache_memory="16MiB", kv_cache_dtype="float32")
     assert_logits_match(llm, reference, PROMPTS)
     tensors = _tensors(llm.engine.runner.model)
     start = min(t.data_ptr() for t in tensors)
@@ -90,6 +90,6 @@ def test_engine_weights_in_huge_pages_match_transformers(tiny_llama) -> None:
                     reason="in mode 'always' torch's own memory may be in huge pages too")
 def test_no_huge_pages_leaves_the_weights_in_small_pages(tiny_llama) -> None:
     folder, reference = tiny_llama
-    llm = LLM(str(folder), kv_cache_memory="16MiB", huge_pages=False)
+    llm = LLM(str(folder), kv_cache_memory="16MiB", huge_pages=False, kv_cache_dtype="float32")
     assert_logits_match(llm, reference, PROMPTS)
     assert sum(huge_page_bytes(t.data_ptr(), t.nbytes) for t in _tensors(llm.engine.runner.model)) == 0

@@ -40,7 +40,8 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_logits_match(tiny):
     folder, model, prompts, _ = tiny
-    llm = LLM(str(folder), kv_cache_memory="16MiB")
+    # a float32 cache: the math against transformers' (the CPU's default float16 cache: test_kv_cache_dtype.py)
+    llm = LLM(str(folder), kv_cache_memory="16MiB", kv_cache_dtype="float32")
     assert_logits_match(llm, model, prompts[:3] + prompts[4:5])
     # every layer reads the model's one cos/sin table (not a table per layer)
     tables = [name for name, _ in llm.engine.local_model.named_buffers() if name.endswith("cos_sin_cache")]

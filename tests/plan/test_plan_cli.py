@@ -37,7 +37,7 @@ def test_json_output(capsys):
 def test_default_model_on_the_cpu(capsys):
     assert main(["plan", "--device-type", "cpu", "--kv-cache-memory", "256MiB", "--context", "512"]) == 0
     out = capsys.readouterr().out
-    assert "SmolLM2-135M-Instruct" in out and "weights fp32, KV cache fp32" in out
+    assert "SmolLM2-135M-Instruct" in out and "weights fp32, KV cache fp16" in out
     assert "recommended: TP=1 x PP=1" in out
 
 

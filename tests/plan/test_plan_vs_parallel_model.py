@@ -69,5 +69,6 @@ def test_device_table_reuses_the_roofline_figures():
 def test_quantized_kv_cache_bytes_match_the_engine(name, tp, kv_cache_dtype, monkeypatch):
     shape, hf_config = _shape_and_config(name)
     (stage,) = build_stages(shape, tp, 1, Precision("bf16", kv_cache_dtype), 2048, 256)
-    spec = _rank_model(hf_config, monkeypatch, tp, 1, 0).kv_cache_spec.with_kv_cache_dtype(kv_cache_dtype)
+    model = _rank_model(hf_config, monkeypatch, tp, 1, 0)
+    spec = model.kv_cache_spec.with_kv_cache_dtype(kv_cache_dtype, torch.bfloat16)
     assert stage.kv_bytes_per_token == spec.bytes_per_token(torch.bfloat16)

@@ -35,7 +35,8 @@ from tests.loader.test_gguf import (
 # q/k/v in three kept types (an 8-bit merged layer), gate_up with an F16 shard (float), the rest kept.
 PLAN = {"token_embd": Q.Q8_0, "output": Q.Q4_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0,
         "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_0, "ffn_up": Q.F16, "ffn_down": Q.Q8_0}  # fmt: skip
-ENGINE = dict(device="cpu", kv_cache_memory="16MiB")  # dtype auto (float32 on the CPU): an explicit one dequantizes
+# dtype auto (float32 on the CPU: an explicit one dequantizes); a float32 cache, so that the weights alone differ
+ENGINE = dict(device="cpu", kv_cache_memory="16MiB", kv_cache_dtype="float32")
 
 
 def plan_tensors(rng: np.random.Generator) -> dict[str, Stored]:

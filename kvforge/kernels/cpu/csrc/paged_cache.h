@@ -1,8 +1,9 @@
 // The paged KV cache as the CPU attention kernels read it (paged_decode.cpp, paged_prefill.cpp): its geometry, rows
 // widened to floats, tiles of up to 16 tokens within a block, and the 16-float vector the kernels compute with.
 //
-// Cache: [num_blocks, block_size, num_kv_heads, head_dim] in the query dtype, or int8 / fp8 (e4m3) codes with one
-// float scale per (slot, kv head); a sequence's token t is in slot block_tables[seq][t / block_size] * block_size +
+// Cache: [num_blocks, block_size, num_kv_heads, head_dim] in the query dtype, in float16 / bfloat16 under float32
+// queries (the CPU's default cache: half the bytes a decode step reads), or int8 / fp8 (e4m3) codes with one float
+// scale per (slot, kv head); a sequence's token t is in slot block_tables[seq][t / block_size] * block_size +
 // t % block_size.
 #pragma once
 
@@ -16,6 +17,10 @@
 #include <utility>
 
 #include "vec16.h"
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace kvforge_cpu::paged {
 
@@ -42,6 +47,21 @@ inline void widen_row(const C* src, float* dst, int64_t n) {
     const float* table = fp8_e4m3_table();
     const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
     for (int64_t d = 0; d < n; ++d) dst[d] = table[bits[d]];
+  } else if constexpr (std::is_same_v<C, c10::Half>) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= n; d += 16)
+      _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+#elif defined(__F16C__)
+    for (; d + 8 <= n; d += 8)
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+#endif
+    for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+    uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;  // bfloat16: float's high half
   } else {
 #pragma omp simd
     for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
@@ -129,8 +149,9 @@ inline void with_block(int64_t n, F f) {
   f(std::integral_constant<int, Max>{});
 }
 
-// f(T{}, cache) with the query dtype T and the cache as Paged<C>, C its element type: T itself, or int8 / fp8 codes
-// when key_scale and value_scale are given (float32, one per slot and kv head; both or neither).
+// f(T{}, cache) with the query dtype T and the cache as Paged<C>, C its element type: T itself, float16 / bfloat16
+// values under other queries, or int8 / fp8 codes when key_scale and value_scale are given (float32, one per slot
+// and kv head; both or neither).
 template <class F>
 void dispatch_paged(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     const torch::Tensor& block_tables, const c10::optional<torch::Tensor>& key_scale,
@@ -145,8 +166,15 @@ void dispatch_paged(const torch::Tensor& query, const torch::Tensor& key_cache, 
                   block_tables.size(1)});
   };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    if (k_scale == nullptr) {
+    if (k_scale == nullptr && key_cache.scalar_type() == query.scalar_type()) {
       call(scalar_t{}, scalar_t{});
+    } else if (k_scale == nullptr && key_cache.scalar_type() == at::kHalf) {
+      call(scalar_t{}, c10::Half{});
+    } else if (k_scale == nullptr && key_cache.scalar_type() == at::kBFloat16) {
+      call(scalar_t{}, c10::BFloat16{});
+    } else if (k_scale == nullptr) {
+      TORCH_CHECK(false, name, ": a cache of ", key_cache.scalar_type(), " values under ", query.scalar_type(),
+                  " queries; value caches hold the query dtype, float16 or bfloat16");
     } else if (key_cache.scalar_type() == at::kChar) {
       call(scalar_t{}, int8_t{});
     } else if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
