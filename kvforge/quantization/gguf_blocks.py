@@ -44,17 +44,19 @@ As QuantizedWeights, one group per block or sub-block (codes of 5 bits and more,
     Q8_0    8     32     q + 128           d               128
     Q4_0    4     32     q                 d               8
     Q4_1    4     32     q                 d               -m / d
-    Q5_0    8     32     q                 d               16
+    Q5_0    8     32     q + 112           d               128
     Q5_1    8     32     q                 d               -m / d
     IQ4_NL  8     32     kvalues[q] + 128  d               128
     Q4_K    4     32     q                 d * sc          dmin * m / (d * sc)
     Q5_K    8     32     q                 d * sc          dmin * m / (d * sc)
-    Q6_K    8     16     q                 d * sc          32                      (sc may be negative)
-    Q3_K    4     16     q                 d * (sc - 32)   4
+    Q6_K    8     16     q + 96            d * sc          128                     (sc may be negative)
+    Q3_K    4     16     q + 4             d * (sc - 32)   8
     Q2_K    4     16     q                 d * sc          dmin * m / (d * sc)
     IQ4_XS  8     32     kvalues[q] + 128  d * (ls - 32)   128
 
-The types with integer zero points dequantize to gguf's values bit for bit; those with float ones
+The types with integer zero points take 8 (4-bit codes) or 128 (8-bit), shifting their codes there: the CPU's
+panel kernel keeps no offsets for such weights (kernels/cpu/quant_panels.py). They dequantize to gguf's values bit for
+bit; those with float ones
 (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) to within float32 rounding, because (q - z) * s rounds three times
 where s * q + o rounds twice.
 """
@@ -146,7 +148,7 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(blocks: np.ndarray) -> Decoded:
-    return _rows(_five_bits(blocks[..., 2:6], blocks[..., 6:]), _half(blocks, 0), 16)
+    return _rows(_five_bits(blocks[..., 2:6], blocks[..., 6:]) + np.uint8(112), _half(blocks, 0), 128)
 
 
 def _q5_1(blocks: np.ndarray) -> Decoded:
@@ -184,7 +186,7 @@ def _q6_k(blocks: np.ndarray) -> Decoded:
     high = _planes(blocks[..., 128:192].reshape(num_rows, num_blocks, 2, 32), 2)  # [N, B, 2, 4, 32]
     q = low.reshape(num_rows, num_blocks, 16, 16) | (high.reshape(num_rows, num_blocks, 16, 16) << np.uint8(4))
     scales = _half(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
-    return _rows(q, scales, 32)
+    return _rows(q + np.uint8(96), scales, 128)
 
 
 def _q3_k(blocks: np.ndarray) -> Decoded:
@@ -195,7 +197,7 @@ def _q3_k(blocks: np.ndarray) -> Decoded:
     sc_low = _planes(blocks[..., 96:104], 4).reshape(num_rows, num_blocks, 16)
     sc_high = _planes(blocks[..., 104:108], 2).reshape(num_rows, num_blocks, 16)
     sc = (sc_low | (sc_high << np.uint8(4))).astype(np.float32) - 32
-    return _rows(q, _half(blocks, 108)[..., None] * sc, 4)
+    return _rows(q + np.uint8(4), _half(blocks, 108)[..., None] * sc, 8)
 
 
 def _q2_k(blocks: np.ndarray) -> Decoded:

@@ -96,7 +96,15 @@ def test_q6_k_negative_scales_are_kept() -> None:
     rng = np.random.default_rng(0)
     data = random_blocks(rng, Q.Q6_K, (2, 256))
     weight = decode_blocks(data, Q.Q6_K, (2, 256))
-    assert (weight.scales < 0).any() and (weight.zeros == 32).all()
+    assert (weight.scales < 0).any() and (weight.zeros == 128).all()  # q + 96 about the 8-bit layouts' zero point
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda q: q.name)
+def test_symmetric_types_take_the_zero_point_of_their_codes_width(qtype: Q) -> None:
+    """8 for 4-bit codes, 128 for 8-bit: the panel kernel stores no offsets for such weights."""
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    weight = decode_blocks(random_blocks(np.random.default_rng(2), qtype, (3, block_size)), qtype, (3, block_size))
+    assert (weight.zeros == {4: 8, 8: 128}[weight.bits]).all()
 
 
 def test_scale_zero_groups_hold_their_offset() -> None:

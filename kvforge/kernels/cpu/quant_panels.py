@@ -17,6 +17,8 @@ kernel reads them:
         or, groups of 16 columns (GGUF's Q6_K, Q3_K, Q2_K; G even, the last dimension 64 + V/2 * 64):
         scales half [W, 16] | offsets half [W, 16] | half h = g % 2 of block b = g // 2, [V/2, W, 64 bytes]
                       its vectors j = V/2 * h .. V/2 * h + V/2 - 1 as above (columns 32b+16h .. 32b+16h+15)
+        symmetric weights (every zero point SYMMETRIC_ZERO[bits]: 8 or 128) keep no offsets (the last dimension
+        32 + ...): scales half [W, 16] | the vectors as above; the kernel takes offsets = -zero * scales
                    the parts may lie apart in memory (the first stride, a multiple of 64 bytes)
     factor   2^-e  one power of two per weight, that puts its largest scale or offset in [2^14, 2^15): no half is
                    subnormal or overflows
@@ -49,6 +51,7 @@ from kvforge.kernels.cpu.extension import cpu_kernels
 PANEL_ROWS = 16
 BLOCK = 32  # columns per scale of x, and the group-size unit
 HALF_BLOCK = 16  # the one group size below a block (GGUF's Q6_K, Q3_K, Q2_K)
+SYMMETRIC_ZERO = {4: 8, 8: 128}  # the zero point of a weight whose layout keeps no offsets
 
 
 @functools.cache
@@ -82,6 +85,7 @@ def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     per_part = -(-num_rows // (PANEL_ROWS * parts))  # ceil(ceil(N / 16) / T)
     panels = parts * per_part
     pad = panels * PANEL_ROWS - num_rows
+    symmetric = bool((zeros == SYMMETRIC_ZERO[bits]).all())  # then no offsets are stored
     codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
     offsets = torch.nn.functional.pad(-zeros.float() * scales.float(), (0, 0, 0, pad))
     scales = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad))
@@ -95,7 +99,7 @@ def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     # groups of 16 columns [T, S, G, V / 2, 64], the vectors of a block split between its two groups
     grid = vectors.permute(0, 2, 3, 1, 4).reshape(parts, per_part, groups, -1, 4 * PANEL_ROWS)
 
-    largest = max(scales.abs().max().item(), offsets.abs().max().item())
+    largest = max(scales.abs().max().item(), 0.0 if symmetric else offsets.abs().max().item())
     exponent = 0 if largest == 0 else 14 - math.floor(math.log2(largest))
 
     def side_by_side(factors: torch.Tensor) -> torch.Tensor:  # [P * 16, G] -> half [T, S, G, 16]
@@ -109,14 +113,19 @@ def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
             part = t[:, first:first + count * width]
             return part.reshape(parts, count, width, *t.shape[2:]).transpose(2, 3)
 
-        factors = torch.cat([cut(scales), cut(offsets)], dim=3).contiguous().view(torch.uint8)  # [T, q, G, 2w, 32]
+        stored = [cut(scales)] if symmetric else [cut(scales), cut(offsets)]
+        factors = torch.cat(stored, dim=3).contiguous().view(torch.uint8)  # [T, q, G, w or 2w, 32]
         vectors = cut(grid).transpose(3, 4)  # [T, q, G, B * V, w, 64]
         return torch.cat([factors.flatten(3), vectors.flatten(3)], dim=3).reshape(parts, -1)
 
     width = tile_panels(bits)
     whole = per_part // width * width
     weight = torch.cat([tiles(0, per_part // width, width), tiles(whole, 1, per_part - whole)], dim=1)
-    return weight.reshape(parts, per_part, groups, -1), 2.0**-exponent
+    group_bytes = weight.shape[1] // (per_part * groups)
+    # NOTE: a symmetric layout's part can end mid cache line; the kernel wants the parts 64 bytes apart
+    weight = torch.nn.functional.pad(weight, (0, -weight.shape[1] % 64))
+    shape = (parts, per_part, groups, group_bytes)
+    return weight.as_strided(shape, (weight.shape[1], groups * group_bytes, group_bytes, 1)), 2.0**-exponent
 
 
 def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor) -> torch.Tensor:
@@ -134,11 +143,12 @@ def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
     def halves(at: torch.Tensor) -> torch.Tensor:  # the half at each byte `at` [len, G] of the rows' parts
         return flat[parts[:, None, None], at[..., None] + torch.arange(2)].view(torch.float16)[..., 0].float()
 
+    header = 32 if group_bytes % 64 == 32 else 64  # a panel's bytes of scales (and offsets, unless symmetric)
     scales = halves(starts + 32 * places + 2 * lanes)
-    offsets = halves(starts + 32 * (widths + places) + 2 * lanes)
-    vectors = torch.arange((group_bytes - 64) // 64)[:, None]  # [B * V, 1] ([V / 2, 1] in groups of 16 columns)
+    offsets = halves(starts + 32 * (widths + places) + 2 * lanes) if header == 64 else -SYMMETRIC_ZERO[bits] * scales
+    vectors = torch.arange((group_bytes - header) // 64)[:, None]  # [B * V, 1] ([V / 2, 1] in groups of 16 columns)
     widths, places, lanes = widths[..., None, None], places[..., None, None], lanes[..., None, None]  # [len, 1, 1, 1]
-    at = starts[..., None, None] + 64 * (widths + vectors * widths + places) + 4 * lanes + torch.arange(4)
+    at = starts[..., None, None] + header * widths + 64 * (vectors * widths + places) + 4 * lanes + torch.arange(4)
     grid = flat[parts[:, None, None, None], at]
     if bits == 4:
         grid = torch.stack([grid & 0x0F, grid >> 4], dim=-2)  # [len, G, B * V, low/high, c]

@@ -52,12 +52,17 @@
 // NOTE: a tile reads its pointers into locals once, and prefetches without a branch (where the target lies past
 // the part, a tile prefetches its own bytes). With a branch at each load and the fields read through the
 // arguments, GCC 12 kept each loaded vector on the stack and read it back for each nibble: 1.72x slower in cache.
+// NOTE: symmetric weights (SYM: every zero point 8 for 4-bit codes, 128 for 8-bit: GGUF's Q4_0, Q8_0, Q5_0, Q6_K,
+// Q3_K, IQ4_NL, IQ4_XS, whose decoders shift codes to those zero points) keep only the scales in a group's header
+// (32 bytes a panel), and the kernel makes each offset as -zero * scale: 0.5625 bytes a 4-bit weight in groups of
+// 32 columns (GGUF's Q4_0 bytes) instead of 0.625, 1.125 an 8-bit one in groups of 16 instead of 1.25.
 // NOTE: groups of half a block are a template parameter (HALF_BLOCKS), not a branch in the loop: groups of whole
 // blocks compile to the same instructions as before there were halves (GCC 12, their disassembly compared).
 #include "ops.h"
 #include "quant_gemv.h"
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -111,11 +116,13 @@ inline __m512i broadcast4(const int8_t* q) {
 // out[m0 .. m0 + MT, rows of panels first .. first + NP of the tile of W panels at `tile`, whose first panel is p0),
 // prefetching (PREFETCH) the same bytes at `ahead`. A group is `chunks` runs of V vectors: whole blocks, or with
 // HALF_BLOCKS one half block (G = 2 * blocks; group g the columns 16 g .. 16 g + 15 of block g / 2, and its dx).
-template <int BITS, bool HALF_BLOCKS, int MT, int NP, int W, bool PREFETCH>
+template <int BITS, bool HALF_BLOCKS, bool SYM, int MT, int NP, int W, bool PREFETCH>
 void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
   constexpr int64_t V = vectors_per_chunk<BITS, HALF_BLOCKS>();
   const int64_t K = a.K, G = a.G, blocks = K / kBlock, chunks = HALF_BLOCKS ? 1 : blocks / G;
-  const int64_t group_bytes = W * (64 + chunks * V * 64);
+  constexpr int64_t header = SYM ? 32 : 64;  // a panel's bytes of a group's scales (and offsets)
+  const int64_t group_bytes = W * (header + chunks * V * 64);
+  const __m512 minus_zero = _mm512_set1_ps(BITS == 8 ? -128.f : -8.f);  // SYM: offsets = -zero * scales
   const int8_t* const xq = a.xq + m0 * K;
   const float* const dx = a.dx + m0 * blocks;
   const float* const xsum = a.xsum + m0 * G;
@@ -129,7 +136,8 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
     for (int p = 0; p < NP; ++p) {
       if (PREFETCH) prefetch_to_l2(ahead + group + 64 * (first + p));
       scale[p] = load_halves(tile + group + 32 * (first + p));
-      const __m512 offset = load_halves(tile + group + 32 * (W + first + p));
+      const __m512 offset =
+          SYM ? _mm512_mul_ps(scale[p], minus_zero) : load_halves(tile + group + 32 * (W + first + p));
       for (int m = 0; m < MT; ++m)
         acc[m][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * G + g]), acc[m][p]);
     }
@@ -141,7 +149,7 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
         for (int p = 0; p < NP; ++p) sums[m][p] = _mm512_setzero_si512();
       for (int64_t j = 0; j < V; ++j)
         for (int p = 0; p < NP; ++p) {
-          const int64_t at = group + 64 * (W + (i * V + j) * W + first + p);
+          const int64_t at = group + header * W + 64 * ((i * V + j) * W + first + p);
           if (PREFETCH) prefetch_to_l2(ahead + at);
           const __m512i words = _mm512_loadu_si512(tile + at);
           if (BITS == 8) {
@@ -175,66 +183,67 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
 }
 
 // Panels first .. first + NP of a tile against `rows` (1 .. 3) rows of x from m0, in one step.
-template <int BITS, bool HALF_BLOCKS, int NP, int W, bool PREFETCH>
+template <int BITS, bool HALF_BLOCKS, bool SYM, int NP, int W, bool PREFETCH>
 void few_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0,
               int64_t rows) {
   switch (rows) {
-    case 3: panel_tile<BITS, HALF_BLOCKS, 3, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
-    case 2: panel_tile<BITS, HALF_BLOCKS, 2, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
-    case 1: panel_tile<BITS, HALF_BLOCKS, 1, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 3: panel_tile<BITS, HALF_BLOCKS, SYM, 3, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 2: panel_tile<BITS, HALF_BLOCKS, SYM, 2, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 1: panel_tile<BITS, HALF_BLOCKS, SYM, 1, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
     default: break;
   }
 }
 
 // Panels first .. first + NP of a tile against every row of x: steps of 4 rows of x, then the 1-3 left.
-template <int BITS, bool HALF_BLOCKS, int NP, int W, bool PREFETCH>
+template <int BITS, bool HALF_BLOCKS, bool SYM, int NP, int W, bool PREFETCH>
 void pair_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first) {
   int64_t m0 = 0;
-  for (; m0 + 4 <= a.M; m0 += 4) panel_tile<BITS, HALF_BLOCKS, 4, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
-  few_rows<BITS, HALF_BLOCKS, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0, a.M - m0);
+  for (; m0 + 4 <= a.M; m0 += 4)
+    panel_tile<BITS, HALF_BLOCKS, SYM, 4, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
+  few_rows<BITS, HALF_BLOCKS, SYM, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0, a.M - m0);
 }
 
 // The tile of W panels at `tile` (panel p0 on, `end` the end of its part) against every row of x: all W panels a
 // step up to whole_tile_rows rows of x, else pairs of panels against 4 rows of x a step.
-template <int BITS, bool HALF_BLOCKS, int W, bool PREFETCH>
+template <int BITS, bool HALF_BLOCKS, bool SYM, int W, bool PREFETCH>
 void tile_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* end, int64_t p0) {
   const uint8_t* ahead = tile + tile_panels<BITS>() * a.panel_bytes;  // the next tile
   if (ahead + W * a.panel_bytes > end) ahead = tile;
   if (a.M <= whole_tile_rows<BITS>()) {
-    few_rows<BITS, HALF_BLOCKS, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0, a.M);
+    few_rows<BITS, HALF_BLOCKS, SYM, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0, a.M);
     return;
   }
   int first = 0;
   if constexpr (W >= 2)
-    for (; first + 2 <= W; first += 2) pair_rows<BITS, HALF_BLOCKS, 2, W, PREFETCH>(a, tile, ahead, p0, first);
-  if (first < W) pair_rows<BITS, HALF_BLOCKS, 1, W, PREFETCH>(a, tile, ahead, p0, first);
+    for (; first + 2 <= W; first += 2) pair_rows<BITS, HALF_BLOCKS, SYM, 2, W, PREFETCH>(a, tile, ahead, p0, first);
+  if (first < W) pair_rows<BITS, HALF_BLOCKS, SYM, 1, W, PREFETCH>(a, tile, ahead, p0, first);
 }
 
 // One part of `count` panels at `part` (its first is panel p0): its whole tiles, then its last tile of the 1 .. W - 1
 // panels left.
-template <int BITS, bool HALF_BLOCKS, bool PREFETCH>
+template <int BITS, bool HALF_BLOCKS, bool SYM, bool PREFETCH>
 void part_gemm(const PanelArgs& a, const uint8_t* part, int64_t p0, int64_t count) {
   const uint8_t* const end = part + count * a.panel_bytes;
   int64_t s = 0;
   constexpr int T = tile_panels<BITS>();
   constexpr bool H = HALF_BLOCKS;
-  for (; s + T <= count; s += T) tile_rows<BITS, H, T, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s);
+  for (; s + T <= count; s += T) tile_rows<BITS, H, SYM, T, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s);
   switch (count - s) {
-    case 3: if constexpr (T > 3) tile_rows<BITS, H, 3, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
-    case 2: if constexpr (T > 2) tile_rows<BITS, H, 2, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
-    case 1: tile_rows<BITS, H, 1, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
+    case 3: if constexpr (T > 3) tile_rows<BITS, H, SYM, 3, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
+    case 2: if constexpr (T > 2) tile_rows<BITS, H, SYM, 2, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
+    case 1: tile_rows<BITS, H, SYM, 1, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
     default: break;
   }
 }
 
-template <int BITS, bool HALF_BLOCKS>
+template <int BITS, bool HALF_BLOCKS, bool SYM>
 void panel_gemm(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride) {
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       if (t * per_part * kPanel >= a.N) continue;  // padding alone
       if (a.M > whole_tile_rows<BITS>())
-        part_gemm<BITS, HALF_BLOCKS, true>(a, weight + t * part_stride, t * per_part, per_part);
-      else part_gemm<BITS, HALF_BLOCKS, false>(a, weight + t * part_stride, t * per_part, per_part);
+        part_gemm<BITS, HALF_BLOCKS, SYM, true>(a, weight + t * part_stride, t * per_part, per_part);
+      else part_gemm<BITS, HALF_BLOCKS, SYM, false>(a, weight + t * part_stride, t * per_part, per_part);
     }
   });
 }
@@ -277,11 +286,13 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t b
               "weight must be a uint8 [parts, panels, groups, group bytes] CPU tensor");
   const int64_t parts = weight.size(0), per_part = weight.size(1), G = weight.size(2), group_bytes = weight.size(3);
   const int64_t vector_bytes = 64 * (bits == 8 ? 8 : 4);  // of codes, a 32-column block's
-  const bool half_blocks = group_bytes - 64 == vector_bytes / 2;  // groups of 16 columns
-  TORCH_CHECK(G > 0 && group_bytes > 64 && ((group_bytes - 64) % vector_bytes == 0 || (half_blocks && G % 2 == 0)),
-              "a group of ", group_bytes, " bytes is not 64 bytes of scales and offsets and whole blocks of ", bits,
-              "-bit codes, nor half a block of an even number of groups");
-  const int64_t K = half_blocks ? G * kBlock / 2 : G * (group_bytes - 64) / vector_bytes * kBlock;
+  const bool sym = group_bytes % 64 == 32;  // 32 bytes of scales alone: offsets = -zero * scales
+  const int64_t header = sym ? 32 : 64, codes_bytes = group_bytes - header;
+  const bool half_blocks = codes_bytes == vector_bytes / 2;  // groups of 16 columns
+  TORCH_CHECK(G > 0 && codes_bytes > 0 && (codes_bytes % vector_bytes == 0 || (half_blocks && G % 2 == 0)),
+              "a group of ", group_bytes, " bytes is not 64 bytes of scales and offsets (or 32 of scales) and whole "
+              "blocks of ", bits, "-bit codes, nor half a block of an even number of groups");
+  const int64_t K = half_blocks ? G * kBlock / 2 : G * codes_bytes / vector_bytes * kBlock;
   const int64_t panel_bytes = G * group_bytes;
   TORCH_CHECK(weight.stride(3) == 1 && weight.stride(2) == group_bytes && weight.stride(1) == panel_bytes &&
                   (parts == 1 || (weight.stride(0) >= per_part * panel_bytes && weight.stride(0) % 64 == 0)),
@@ -302,10 +313,20 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t b
                        static_cast<float>(factor)};
   const uint8_t* const codes = weight.data_ptr<uint8_t>();
   const int64_t part_stride = weight.stride(0);
-  if (bits == 8 && half_blocks) panel_gemm<8, true>(args, codes, parts, per_part, part_stride);
-  else if (bits == 8) panel_gemm<8, false>(args, codes, parts, per_part, part_stride);
-  else if (half_blocks) panel_gemm<4, true>(args, codes, parts, per_part, part_stride);
-  else panel_gemm<4, false>(args, codes, parts, per_part, part_stride);
+  const auto run = [&](auto bits_c, auto half_c, auto sym_c) {
+    panel_gemm<decltype(bits_c)::value, decltype(half_c)::value, decltype(sym_c)::value>(args, codes, parts, per_part,
+                                                                                         part_stride);
+  };
+  const auto with_sym = [&](auto bits_c, auto half_c) {
+    if (sym) run(bits_c, half_c, std::true_type{});
+    else run(bits_c, half_c, std::false_type{});
+  };
+  const auto with_half = [&](auto bits_c) {
+    if (half_blocks) with_sym(bits_c, std::true_type{});
+    else with_sym(bits_c, std::false_type{});
+  };
+  if (bits == 8) with_half(std::integral_constant<int, 8>{});
+  else with_half(std::integral_constant<int, 4>{});
   return out;
 #else
   TORCH_CHECK(false, "the panel kernels need a build with AVX-512 VNNI");
