@@ -9,7 +9,10 @@
 # Usage: bash scripts/bench_gguf_sizes_vs_llamacpp.sh LLAMA_CPP_BIN_DIR MODEL_DIR [OUT_DIR] [TYPES...]
 #   e.g. bash scripts/bench_gguf_sizes_vs_llamacpp.sh "$(bash ../shared/peers/llama-cpp.sh)" /work/models \
 #        results/sizes Q4_0 Q4_K_M           (files MODEL_DIR/llama-1b-TYPE.gguf; PREFIX=llama-8b for the 8B file)
-# SKIP_BATCHED=1 leaves out the batched runs (the 8B file).
+# SKIP_BATCHED=1 leaves out the batched runs (the 8B file). NATIVE_BIN=DIR also times tg128 (and its peak memory) with
+# a second llama.cpp build: on a VM that reports AMX but does not enable it, the native build decodes (faster, with its
+# repacked AMX/AVX-512 kernels) but dies on prompts, so LLAMA_CPP_BIN_DIR is then a build with AMX off
+# (benchmarks/RESULTS.md has its cmake line) and NATIVE_BIN the native one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -37,6 +40,10 @@ for type in "${types[@]}"; do
   name="$prefix-$type"
   peak "$out/$name.llama_bench.rss" "$bin/llama-bench" -m "$model" -t 2 -p 512 -n 128 -r 3 -o json \
     > "$out/$name.llama_bench.json"
+  if [ -n "${NATIVE_BIN:-}" ]; then
+    peak "$out/$name.native.rss" "$NATIVE_BIN/llama-bench" -m "$model" -t 2 -p 0 -n 128 -r 3 -o json \
+      > "$out/$name.native_tg.json"
+  fi
   peak "$out/$name.kvforge_decode.rss" kvforge bench latency --model "$model" --input-len 128 --output-len 128 \
     --num-requests 3 --kv-cache-memory 256MiB --json "$out/$name.kvforge_decode.json" > /dev/null
   kvforge bench latency --model "$model" --input-len 512 --output-len 2 --num-requests 3 --kv-cache-memory 256MiB \
@@ -55,8 +62,8 @@ load = lambda path: json.load(open(os.path.join(out, path)))  # noqa: E731
 rss = lambda path: int(open(os.path.join(out, path)).read().split()[-1]) / 1024  # noqa: E731  MiB
 copy = load("copy.json")["copy_gbs"]
 print(f"copy {copy} GB/s; llama.cpp / kvforge per file, 2 threads")
-print("| file | tg128 | kvforge decode | x | weights GB/s (of copy) | pp512 | kvforge 512 | x | 16 streams | kvforge "
-      "| x | peak RSS llama.cpp | kvforge | x | kvforge load s |")
+print("| file | tg128 | native tg128 | kvforge decode | x | x native | weights GB/s (of copy) | pp512 | kvforge 512 | x "
+      "| 16 streams | kvforge | x | peak RSS llama.cpp | kvforge | x | kvforge load s |")
 for t in types:
     name = f"{prefix}-{t}"
     bench = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in load(f"{name}.llama_bench.json")}
@@ -71,7 +78,11 @@ for t in types:
         batched = float(rows[0].split("|")[10]) if rows else math.nan
         ours = load(f"{name}.kvforge_batched16.json")["total_tokens_per_s"]
     peer_rss, our_rss = rss(f"{name}.llama_bench.rss"), rss(f"{name}.kvforge_decode.rss")
-    print(f"| {t} | {bench['tg']:.1f} | {tokens_s:.1f} | {tokens_s / bench['tg']:.2f} | {read_gbs:.1f} "
+    native = math.nan
+    if os.path.exists(os.path.join(out, f"{name}.native_tg.json")):
+        native = load(f"{name}.native_tg.json")[0]["avg_ts"]
+    print(f"| {t} | {bench['tg']:.1f} | {native:.1f} | {tokens_s:.1f} | {tokens_s / bench['tg']:.2f} | "
+          f"{tokens_s / native:.2f} | {read_gbs:.1f} "
           f"({read_gbs / copy:.0%}) | {bench['pp']:.1f} | {pp:.1f} | {pp / bench['pp']:.2f} | {batched:.1f} | "
           f"{ours:.1f} | {ours / batched:.2f} | {peer_rss:.0f} MiB | {our_rss:.0f} MiB | {our_rss / peer_rss:.2f} | "
           f"{decode['load_s']} |")
