@@ -220,6 +220,7 @@ def _iq4_xs(blocks: np.ndarray) -> Decoded:
 
 
 _Q = GGMLQuantizationType
+DECODE_WEIGHTS = 1 << 24  # weights decoded at a time
 # GGUF block type -> its layout. F32 / F16 / BF16 are not blocks, and the other types have no decoder.
 BLOCK_LAYOUTS: dict[GGMLQuantizationType, BlockLayout] = {
     _Q.Q8_0: BlockLayout(32, 34, bits=8, group_size=32, decode=_q8_0),
@@ -253,10 +254,13 @@ def decode_blocks(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[in
             f"(blocks of {layout.block_size} columns in {layout.block_bytes} bytes)"
         )
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(num_rows, num_blocks, layout.block_bytes)
-    codes, scales, zeros = layout.decode(blocks)
-    return QuantizedWeight(
-        torch.from_numpy(np.ascontiguousarray(codes)),
-        torch.from_numpy(np.ascontiguousarray(scales)),
-        torch.from_numpy(np.ascontiguousarray(zeros)),
-        layout.bits,
-    )
+    groups = in_features // layout.group_size
+    codes = np.empty((num_rows, in_features), dtype=np.uint8)
+    scales, zeros = (np.empty((num_rows, groups), dtype=np.float32) for _ in range(2))
+    # NOTE: in runs of rows, so that a decoder's temporaries (several times the codes) stay a few tens of MB for a
+    # vocabulary of 128k rows, not several GB
+    step = max(1, DECODE_WEIGHTS // in_features)
+    for first in range(0, num_rows, step):
+        rows = slice(first, first + step)
+        codes[rows], scales[rows], zeros[rows] = layout.decode(blocks[rows])
+    return QuantizedWeight(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros), layout.bits)
