@@ -47,7 +47,7 @@ class MoEModelMixin:
             shared_expert_gate=Linear(hidden, [1]) if shared_expert_gate else None,
         )
 
-    def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
+    def load_tensor(self, name: str, tensor: torch.Tensor, params: set[str]) -> str:
         for old, new in self.checkpoint_renames.items():
             name = name.replace(old, new)
         return load_expert_tensor(self, name, tensor) or super().load_tensor(name, tensor, params)

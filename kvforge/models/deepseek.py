@@ -86,7 +86,7 @@ class DeepseekV2ForCausalLM(MoEModelMixin, LlamaForCausalLM):
         dims = self.stage_layers[0].self_attn.dims
         return KVCacheSpec.latent(len(self.stage_layers), dims.cache_dim)
 
-    def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
+    def load_tensor(self, name: str, tensor: torch.Tensor, params: set[str]) -> str:
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) >= self.config.num_layers:
             return name  # the multi-token-prediction layers after the last layer: not used here

@@ -228,7 +228,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, each cut to this rank's share; every parameter must be covered."""
-        params = dict(self.named_parameters())
+        # NOTE: names, not the parameters: a quantized layer drops its checkpoint tensors once its shards are in,
+        # and a dict of them here kept every layer's alive until the end of the load (1 GB of a 1B model's codes)
+        params = {name for name, _ in self.named_parameters()}
         missing = set(params)
         tied = self.config.tie_word_embeddings
         for name, tensor in weights:
@@ -257,8 +259,9 @@ class LlamaForCausalLM(nn.Module):
             filled.add("lm_head.weight")
         return filled
 
-    def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
-        """Copy one checkpoint tensor (name without "model.") into place; returns the parameter filled."""
+    def load_tensor(self, name: str, tensor: torch.Tensor, params: set[str]) -> str:
+        """Copy one checkpoint tensor (name without "model.") into place; returns the parameter filled. params: the
+        names of the model's parameters before the load."""
         for fragment, (merged, shard) in self.merged_params.items():
             if fragment in name:
                 layer_name, param_name = name.replace(fragment, merged).rsplit(".", 1)
@@ -271,12 +274,13 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(module, Linear):  # cut to this rank's share, or handed to a quantization method
             module.load_shard(param_name, 0, tensor)
             return name
-        if params[name].shape != tensor.shape:
+        param = getattr(module, param_name)
+        if param.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(params[name].shape)}"
+                f"expected {tuple(param.shape)}"
             )
-        params[name].data.copy_(tensor)
+        param.data.copy_(tensor)
         return name
 
 
