@@ -78,7 +78,7 @@ class GGUFCheckpoint:
     quantized: Mapping[str, QuantizedWeight] = field(default_factory=dict)  # HF weight name -> kept blocks (decoded
     # on access)
     quantized_layouts: dict[str, BlockLayout] = field(default_factory=dict)  # HF weight name -> its block layout
-    kept_bytes: int = 0  # of the kept tensors in the kernels' layout: codes, a half scale and offset per group
+    kept_bytes: int = 0  # of the kept tensors in the kernels' layout, at most: codes, a half scale and offset per group
     dense_numel: int = 0  # weights of the tensors that are dequantized
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
@@ -137,8 +137,8 @@ Value = TypeVar("Value")
 
 
 class LazyTensors(Mapping[str, Value], Generic[Value]):
-    """HF name -> tensor (dense, or kept blocks), read from the memory-mapped file each time it is read, so a
-    loader (one rank of a parallel engine, say) holds one tensor of the checkpoint at a time."""
+    """HF name -> tensor (dense, or kept blocks), read from the file each time it is read, so a loader (one rank of
+    a parallel engine, say) holds one tensor of the checkpoint at a time."""
 
     def __init__(self, readers: dict[str, Callable[[], Value]]) -> None:
         self._readers = readers

@@ -26,9 +26,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+# metadata value type -> its little-endian numpy dtype
+_NUMBERS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+            12: "<f8"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +103,16 @@ class GGUFFile:
             element, count = self._u32(), self._u64()
             if element == _STRING:
                 return [self._string() for _ in range(count)]
-            if element not in _NUMPY:
+            if element not in _NUMBERS:
                 return [self._value(element) for _ in range(count)]
-            width = np.dtype(_NUMPY[element]).itemsize
-            return np.frombuffer(self._take(width * count), dtype=_NUMPY[element]).tolist()
-        if kind not in _SCALARS:
+            return self._numbers(element, count).tolist()
+        return self._numbers(kind, 1)[0].item()
+
+    def _numbers(self, kind: int, count: int) -> np.ndarray:
+        if kind not in _NUMBERS:
             raise ValueError(f"unknown GGUF metadata value type {kind}")
-        fmt = _SCALARS[kind]
-        return struct.unpack(fmt, self._take(struct.calcsize(fmt)))[0]
+        dtype = np.dtype(_NUMBERS[kind])
+        return np.frombuffer(self._take(dtype.itemsize * count), dtype=dtype)
 
     def _tensor_entry(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int, int]:
         name = self._string()

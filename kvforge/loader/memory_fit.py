@@ -11,15 +11,11 @@ no message of its own.
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 WORKING_SET = 512 * 2**20  # activations, the step's buffers, one layer's checkpoint tensors while it converts
 _CGROUP_V2 = ("memory.max", "memory.current")
 _CGROUP_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes")
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                      "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 
 
 def available_memory() -> int:
@@ -56,24 +52,6 @@ def _cgroup_limits() -> list[tuple[int, int]]:
         if limit.isdigit() and int(limit) < 2**60:
             found.append((int(limit), int(usage)))
     return found
-
-
-def safetensors_weight_bytes(files: list[Path], dtype_bytes: int) -> int:
-    """Bytes of safetensors files' weights as loaded: float tensors in the run dtype, integer ones as stored."""
-    total = 0
-    for file in files:
-        with open(file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            numel = 1
-            for size in entry["shape"]:
-                numel *= size
-            stored = _SAFETENSORS_BYTES.get(entry["dtype"], 4)
-            total += numel * (dtype_bytes if entry["dtype"].startswith(("F", "BF")) else stored)
-    return total
 
 
 def check_fits(what: str, weight_bytes: int, kv_cache_bytes: int, available: int | None = None) -> None:

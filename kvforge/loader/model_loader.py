@@ -15,8 +15,13 @@ from kvforge.kernels.cpu.dense_gemv import use_dense_gemv
 from kvforge.loader.heap import release_freed_memory
 from kvforge.loader.hub_cache import resolve_model_path
 from kvforge.loader.huge_pages import huge_pages_offered, move_to_huge_pages
-from kvforge.loader.memory_fit import check_fits, safetensors_weight_bytes
-from kvforge.loader.safetensors_dir import iterate_safetensors, read_hf_config, safetensors_files
+from kvforge.loader.memory_fit import check_fits
+from kvforge.loader.safetensors_dir import (
+    iterate_safetensors,
+    read_hf_config,
+    safetensors_files,
+    safetensors_weight_bytes,
+)
 from kvforge.models.registry import resolve_model_class
 from kvforge.quantization import (
     process_weights_after_loading,
@@ -88,7 +93,7 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
     dtype = resolve_dtype(config.dtype, hf_config, device)
     if device.type == "cpu":
         weight_bytes = (checkpoint.weight_bytes(dtype) if path.is_file()
-                        else safetensors_weight_bytes(safetensors_files(path), dtype.itemsize))
+                        else safetensors_weight_bytes(safetensors_files(path), dtype))
         check_fits(path.name, weight_bytes, kv_cache_bytes)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the run dtype; rope tables stay fp32

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,15 +38,43 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+# Stored bytes of each safetensors dtype name.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+
+
+def _is_codes(floating: bool, element_bytes: int) -> bool:
+    """Integer and fp8 tensors (quantized codes) load as they are stored; the other floats in the run dtype."""
+    return not floating or element_bytes == 1
+
+
+@contextmanager
+def _opened(file: Path) -> Iterator:
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            yield handle
+    except (OSError, SafetensorError) as err:
+        raise ValueError(f"cannot read safetensors file {file}: {err}") from err
+
+
 def iterate_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one tensor at a time, so peak memory stays near one tensor. Float tensors are
     cast to dtype; integer and fp8 ones (quantized codes) are kept as they are."""
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    tensor = handle.get_tensor(name)
-                    is_codes = not tensor.is_floating_point() or tensor.element_size() == 1
-                    yield name, tensor if is_codes else tensor.to(dtype)
-        except (OSError, SafetensorError) as err:
-            raise ValueError(f"cannot read safetensors file {file}: {err}") from err
+        with _opened(file) as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                yield name, tensor if _is_codes(tensor.is_floating_point(), tensor.element_size()) else tensor.to(dtype)
+
+
+def safetensors_weight_bytes(files: list[Path], dtype: torch.dtype) -> int:
+    """Bytes the files' tensors take as iterate_safetensors loads them, read from their headers alone."""
+    total = 0
+    for file in files:
+        with _opened(file) as handle:
+            for name in handle.keys():
+                part = handle.get_slice(name)
+                stored = _DTYPE_BYTES.get(part.get_dtype(), 4)
+                floating = part.get_dtype().startswith(("F", "BF"))
+                total += math.prod(part.get_shape()) * (stored if _is_codes(floating, stored) else dtype.itemsize)
+    return total
