@@ -71,6 +71,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import IQ4_NL
 
+from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.quantization.quantized_weight import QuantizedWeight
 
 # codes uint8 [N, K], scales float32 [N, K / group_size], zeros float32 [N, K / group_size]
@@ -253,7 +254,18 @@ def decode_blocks(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[in
             f"{data.nbytes} bytes of {qtype.name} blocks do not hold a {num_rows}x{in_features} matrix "
             f"(blocks of {layout.block_size} columns in {layout.block_bytes} bytes)"
         )
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(num_rows, num_blocks, layout.block_bytes)
+    # NOTE: a read-only array (a mapped file's) is copied: torch takes only writable ones
+    blocks = np.require(data, requirements=("C", "W")).view(np.uint8).reshape(num_rows, num_blocks, layout.block_bytes)
+    if cpu_kernels() is not None:  # the same values in one pass, rows in parallel (csrc/gguf_decode.cpp)
+        codes, scales, zeros = torch.ops.kvforge_cpu.gguf_decode(torch.from_numpy(blocks), int(qtype))
+        return QuantizedWeight(codes, scales, zeros, layout.bits)
+    return decode_blocks_ref(blocks, layout)
+
+
+def decode_blocks_ref(blocks: np.ndarray, layout: BlockLayout) -> QuantizedWeight:
+    """decode_blocks in numpy (the reference, and the path without the C++ extension): blocks [N, B, block bytes]."""
+    num_rows, num_blocks = blocks.shape[:2]
+    in_features = num_blocks * layout.block_size
     groups = in_features // layout.group_size
     codes = np.empty((num_rows, in_features), dtype=np.uint8)
     scales, zeros = (np.empty((num_rows, groups), dtype=np.float32) for _ in range(2))

@@ -15,7 +15,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS, decode_blocks
+from kvforge.kernels.cpu.extension import cpu_kernels
+from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS, decode_blocks, decode_blocks_ref
 
 EXACT = {Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.IQ4_NL, Q.Q6_K, Q.Q3_K, Q.IQ4_XS}
 # byte offsets of each type's float16 fields (d first, then m or dmin)
@@ -137,3 +138,15 @@ def test_decoders_take_any_array_of_the_right_bytes() -> None:
     weight, expected = decode_blocks(view, Q.Q5_K, (4, 256)), decode_blocks(data, Q.Q5_K, (4, 256))
     for name in ("codes", "scales", "zeros"):
         assert getattr(weight, name).is_contiguous() and torch.equal(getattr(weight, name), getattr(expected, name))
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="needs the C++ extension")
+@pytest.mark.parametrize("qtype", BLOCK_LAYOUTS, ids=lambda q: q.name)
+def test_the_extension_decodes_as_the_numpy_reference(qtype: Q) -> None:
+    """The C++ decoder (the path the loader takes) gives the reference's bytes and float32 values, bit for bit."""
+    layout, shape = BLOCK_LAYOUTS[qtype], (37, 512)
+    data = random_blocks(np.random.default_rng(int(qtype)), qtype, shape)
+    ours = decode_blocks(data, qtype, shape)
+    reference = decode_blocks_ref(data.reshape(shape[0], -1, layout.block_bytes), layout)
+    for name in ("codes", "scales", "zeros"):
+        assert torch.equal(getattr(ours, name), getattr(reference, name)), name

@@ -10,6 +10,10 @@ nodes:
     quant_gemv_isa() -> "avx512-vnni" | "avx2" | "portable"  (the build's instruction set, logged at engine start)
     quant_gemm_panels(x [M, K], weight, bits, out_features, factor) -> [M, N] fp32   (quant_panels.py, AVX-512 VNNI
         builds)
+    pack_panels(codes [N, K], scales [N, G], offsets [N, G] or None, bits, parts, multiplier) -> uint8 [T, bytes]
+        (the panel layout, at load time)                                         (quant_panels.py)
+    gguf_decode(blocks [N, B, block bytes], type) -> (codes [N, K], scales [N, G], zeros [N, G])   (GGUF blocks
+        at load time: quantization/gguf_blocks.py)
     dense_gemv(x [M, K], weight [N, K]) -> [M, N] fp32 (AVX2 builds)             (dense_gemv.py)
     onednn_linear(x [M, K], weight [N, K], bias) -> [M, N] fp32  (oneDNN's matmul; torch builds with mkldnn)
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
@@ -40,9 +44,10 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [CSRC / name for name in ("argmax.cpp", "c_shims.cpp", "dense_gemv.cpp", "layer_ops.cpp",
-                                        "paged_decode.cpp", "paged_prefill.cpp", "quant_gemv.cpp",
-                                        "quant_gemv_int8.cpp", "quant_panels.cpp", "python_arenas.cpp")]
+_SOURCES = [CSRC / name for name in ("argmax.cpp", "c_shims.cpp", "dense_gemv.cpp", "gguf_decode.cpp",
+                                        "layer_ops.cpp", "paged_decode.cpp", "paged_prefill.cpp", "panel_pack.cpp",
+                                        "quant_gemv.cpp", "quant_gemv_int8.cpp", "quant_panels.cpp",
+                                        "python_arenas.cpp")]
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
 
 

@@ -36,7 +36,8 @@ quantization/weight_only_kernels.py): each thread then reads one run through a w
 blocks, whose scales and minimums are halves; float32 ones (RTN, GPTQ's integer zero points times a scale, the
 K-quants' half times a sub-block scale) round by at most 2^-11 of their value.
 
-Reference beside it: panel_linear_ref (x rounded the same way, times the dequantized weight).
+References beside it: panel_linear_ref (x rounded the same way, times the dequantized weight), pack_panels_ref (the
+layout in torch ops).
 """
 
 from __future__ import annotations
@@ -71,21 +72,46 @@ def panel_layout_fits(bits: int, in_features: int, group_size: int) -> bool:
     return bits in (4, 8) and (whole_blocks or group_size == HALF_BLOCK) and in_features % max(group_size, BLOCK) == 0
 
 
-def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                parts: int | None = None) -> tuple[torch.Tensor, float]:
-    """codes [N, K] in [0, 2**bits), scales and zeros [N, G] -> (weight, factor) of the layout, in `parts` parts
-    (default: torch's thread count)."""
-    num_rows, in_features = codes.shape
-    groups = scales.shape[1]
+def _panel_factors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, parts: int | None
+                   ) -> tuple[torch.Tensor | None, int, int]:  # fmt: skip
+    """The layout's checks, then (the offsets, None for a symmetric weight; the exponent e; the number of parts)."""
+    in_features, groups = codes.shape[1], scales.shape[1]
     if not panel_layout_fits(bits, in_features, in_features // groups) or in_features % groups:
         raise ValueError(f"no panel layout for {bits}-bit codes of width {in_features} in {groups} groups")
     parts = torch.get_num_threads() if parts is None else parts
     if parts < 1:
         raise ValueError(f"parts must be at least 1, got {parts}")
+    symmetric = bool((zeros == SYMMETRIC_ZERO[bits]).all())  # then no offsets are stored
+    offsets = None if symmetric else -zeros.float() * scales.float()
+    largest = max(scales.abs().max().item(), 0.0 if offsets is None else offsets.abs().max().item())
+    return offsets, 0 if largest == 0 else 14 - math.floor(math.log2(largest)), parts
+
+
+def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                parts: int | None = None) -> tuple[torch.Tensor, float]:
+    """codes [N, K] in [0, 2**bits), scales and zeros [N, G] -> (weight, factor) of the layout, in `parts` parts
+    (default: torch's thread count), written in one pass, tiles in parallel (csrc/panel_pack.cpp)."""
+    offsets, exponent, parts = _panel_factors(codes, scales, zeros, bits, parts)
+    weight = torch.ops.kvforge_cpu.pack_panels(codes.to(torch.uint8), scales.float(), offsets, bits, parts,
+                                               2.0**exponent)  # [T, part bytes]
+    (num_rows, in_features), groups = codes.shape, scales.shape[1]
+    per_part = -(-num_rows // (PANEL_ROWS * parts))
+    vectors = (8 if bits == 8 else 4) * in_features // groups // BLOCK  # 64-byte vectors a panel's group
+    group_bytes = (32 if offsets is None else 64) + 64 * vectors
+    shape = (parts, per_part, groups, group_bytes)
+    return weight.as_strided(shape, (weight.shape[1], groups * group_bytes, group_bytes, 1)), 2.0**-exponent
+
+
+def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                    parts: int | None = None) -> tuple[torch.Tensor, float]:
+    """What pack_panels writes, in torch ops (the reference)."""
+    offsets, exponent, parts = _panel_factors(codes, scales, zeros, bits, parts)
+    symmetric = offsets is None
+    num_rows, in_features = codes.shape
+    groups = scales.shape[1]
     per_part = -(-num_rows // (PANEL_ROWS * parts))  # ceil(ceil(N / 16) / T)
     panels = parts * per_part
     pad = panels * PANEL_ROWS - num_rows
-    symmetric = bool((zeros == SYMMETRIC_ZERO[bits]).all())  # then no offsets are stored
     codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
     offsets = torch.nn.functional.pad(-zeros.float() * scales.float(), (0, 0, 0, pad))
     scales = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad))
@@ -98,9 +124,6 @@ def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     # [T, S, G, B * V, 64]: per part, panel and group, the group's vectors (each 4 bytes of the panel's 16 rows); in
     # groups of 16 columns [T, S, G, V / 2, 64], the vectors of a block split between its two groups
     grid = vectors.permute(0, 2, 3, 1, 4).reshape(parts, per_part, groups, -1, 4 * PANEL_ROWS)
-
-    largest = max(scales.abs().max().item(), 0.0 if symmetric else offsets.abs().max().item())
-    exponent = 0 if largest == 0 else 14 - math.floor(math.log2(largest))
 
     def side_by_side(factors: torch.Tensor) -> torch.Tensor:  # [P * 16, G] -> half [T, S, G, 16]
         halves = (factors * 2.0**exponent).to(torch.float16)

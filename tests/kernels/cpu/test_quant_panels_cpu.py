@@ -11,6 +11,7 @@ import torch
 from kvforge.kernels.cpu.quant_panels import (
     int8_rows,
     pack_panels,
+    pack_panels_ref,
     panel_layout_fits,
     panel_linear,
     panel_linear_ref,
@@ -209,3 +210,18 @@ def test_negative_scales(bits: int, num_rows: int, in_features: int, group_size:
     assert ((panel_linear_ref(x, *packed, bits, num_rows) - reference).abs() <= tolerance).all()
     error = (panel_linear(x, *packed, bits, num_rows).double() - reference).abs()
     assert (error <= tolerance).all(), error.max().item()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("num_rows,in_features,group_size", [(37, 128, 32), (13, 576, 192), (110, 576, 32),
+                                                             *HALF_BLOCK_SHAPES])
+@pytest.mark.parametrize("zeros", ["sym", "float"])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_the_extension_packs_the_reference_layout(bits: int, num_rows: int, in_features: int, group_size: int,
+                                                  zeros: str, parts: int) -> None:  # fmt: skip
+    weight = _signed(_weight(num_rows, in_features, bits, group_size, zeros, seed=num_rows), seed=parts)
+    packed, factor = pack_panels(weight.codes, weight.scales, weight.zeros, bits, parts=parts)
+    expected, expected_factor = pack_panels_ref(weight.codes, weight.scales, weight.zeros, bits, parts=parts)
+    assert factor == expected_factor and packed.shape == expected.shape and packed.stride() == expected.stride()
+    whole = (parts, packed.stride(0)), (packed.stride(0), 1)  # each part with its padding
+    assert torch.equal(packed.as_strided(*whole), expected.as_strided(*whole))
