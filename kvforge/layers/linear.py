@@ -38,6 +38,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.quant_method: LinearMethod | None = None
+        self.kernel: nn.Module | None = None  # the quant method's kernel object, holding the weight (set at load)
+        self.register_buffer("w_perm", None, persistent=False)  # a weight-only method's input order (GPTQ act-order)
         # (parameter, shard) filled while a quant method waits for them all; None once it has converted them
         self.loaded_shards: set[tuple[str, int]] | None = set()
         self.dense_gemv = False

@@ -14,8 +14,9 @@ Each kernel is a small module holding the weight in the layout it streams best:
     int4pack   torch's _weight_int4pack_mm_for_cpu: 4-bit, rows a multiple of 16, groups 32 to 256
     generic    the op table's quant_gemm (Triton on GPUs, dequantize + matmul on the CPU)
 
-`select_kernel` picks the first that fits the weight and the device (see quantization/packed_gemm.py for the
-CPU measurements behind the order).
+Each kernel says which weights it takes (`fits`); `select_kernel` takes the first in WEIGHT_ONLY_KERNELS, the
+order of preference (kernels/cpu/packed_gemm.py has the CPU measurements behind it), that fits the weight and the
+device. A new format adds a kernel class and its place in that tuple; the layers and the loader stay as they are.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ class WeightOnlyKernel(nn.Module):
 
     name = ""
 
+    @classmethod
+    def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
+        """This kernel takes weight on device (needs_rows: it must also gather rows, as a tied embedding)."""
+        raise NotImplementedError
+
+    @classmethod
+    def build(cls, ops: OpTable, dtype: torch.dtype) -> WeightOnlyKernel:
+        """An empty kernel, to prepare (dtype: the layer's float type)."""
+        return cls()
+
     def prepare(self, weight: QuantizedWeight) -> None:
         raise NotImplementedError
 
@@ -48,8 +59,17 @@ class WeightOnlyKernel(nn.Module):
         raise NotImplementedError
 
 
+def _on_cpu(device: torch.device, ops: OpTable) -> bool:
+    """The CPU kernels run here: a CPU device whose op table is torch's (not Triton's, as the interpreter's tests)."""
+    return device.type == "cpu" and ops.backend == "torch"
+
+
 class PanelKernel(WeightOnlyKernel):
     name = "panels"
+
+    @classmethod
+    def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
+        return _on_cpu(device, ops) and packed_gemm.panels_eligible(weight)
 
     def prepare(self, weight: QuantizedWeight) -> None:
         self.bits, self.out_features = weight.bits, weight.codes.shape[0]
@@ -99,6 +119,10 @@ def interleave_panel_parts(model: nn.Module, huge_pages: bool) -> None:
 class NativeKernel(WeightOnlyKernel):
     name = "native"
 
+    @classmethod
+    def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
+        return _on_cpu(device, ops) and packed_gemm.native_eligible(weight)
+
     def prepare(self, weight: QuantizedWeight) -> None:
         self.bits = weight.bits
         codes, scales, offsets = pack_weight(weight.codes, weight.scales, weight.zeros, weight.bits)
@@ -119,6 +143,10 @@ class NativeKernel(WeightOnlyKernel):
 class Int8PackKernel(WeightOnlyKernel):
     name = "int8pack"
 
+    @classmethod
+    def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
+        return _on_cpu(device, ops) and packed_gemm.int8pack_eligible(weight)
+
     def prepare(self, weight: QuantizedWeight) -> None:
         codes, scales = packed_gemm.prepack_int8(weight)
         self.register_buffer("codes", codes, persistent=False)
@@ -135,6 +163,10 @@ class Int4PackKernel(WeightOnlyKernel):
     """NOTE: torch's int4 layout has no row gather: layers that are also embeddings never get this kernel."""
 
     name = "int4pack"
+
+    @classmethod
+    def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
+        return _on_cpu(device, ops) and not needs_rows and packed_gemm.int4pack_eligible(weight)
 
     def prepare(self, weight: QuantizedWeight) -> None:
         self.group_size = weight.group_size
@@ -153,6 +185,14 @@ class GenericKernel(WeightOnlyKernel):
         super().__init__()
         self.ops, self.dtype = ops, dtype
 
+    @classmethod
+    def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
+        return True
+
+    @classmethod
+    def build(cls, ops: OpTable, dtype: torch.dtype) -> WeightOnlyKernel:
+        return cls(ops, dtype)
+
     def prepare(self, weight: QuantizedWeight) -> None:
         self.bits = weight.bits
         self.register_buffer("codes", pack_codes(weight.codes, weight.bits), persistent=False)
@@ -169,20 +209,16 @@ class GenericKernel(WeightOnlyKernel):
         return dequantize_ref(self.codes[ids], self.scales[ids].float(), self.zeros[ids].float(), self.bits)
 
 
+# In order of preference: the first that fits a weight runs it (the generic kernel takes any).
+WEIGHT_ONLY_KERNELS: tuple[type[WeightOnlyKernel], ...] = (
+    PanelKernel, NativeKernel, Int8PackKernel, Int4PackKernel, GenericKernel,
+)
+
+
 def select_kernel(weight: QuantizedWeight, device: torch.device, dtype: torch.dtype, ops: OpTable,
                   needs_rows: bool = False) -> WeightOnlyKernel:
-    """The fastest kernel for weight on device, prepared and moved there. needs_rows: the weight is also
-    looked up by row (a tied embedding), which int4pack's layout cannot do."""
-    on_cpu = device.type == "cpu" and ops.backend == "torch"
-    if on_cpu and packed_gemm.panels_eligible(weight):
-        kernel: WeightOnlyKernel = PanelKernel()
-    elif on_cpu and packed_gemm.native_eligible(weight):
-        kernel = NativeKernel()
-    elif on_cpu and packed_gemm.int8pack_eligible(weight):
-        kernel = Int8PackKernel()
-    elif on_cpu and not needs_rows and packed_gemm.int4pack_eligible(weight):
-        kernel = Int4PackKernel()
-    else:
-        kernel = GenericKernel(ops, dtype)
+    """The first of WEIGHT_ONLY_KERNELS that takes weight on device, prepared and moved there. needs_rows: the
+    weight is also looked up by row (a tied embedding)."""
+    kernel = next(k for k in WEIGHT_ONLY_KERNELS if k.fits(weight, device, ops, needs_rows)).build(ops, dtype)
     kernel.prepare(weight)
     return kernel.to(device)
