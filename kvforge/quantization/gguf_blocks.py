@@ -38,25 +38,25 @@ its own integer scale sc[s] (and min m[s]) times the block's d (and dmin):
             ls[s] = (scales_l[s // 2] >> 4 * (s % 2) & 15) | (scales_h (uint16) >> 2s & 3) << 4
             qs[16s + j] = q[32s + j] | q[32s + 16 + j] << 4          (j < 16)
 
-As QuantizedWeights, one group per block or sub-block (codes of 5 bits and more, and kvalues, take 8):
+As QuantizedWeights, one group per block or sub-block (codes of 5 and 6 bits take 6, kvalues 8):
 
     type    bits  group  codes             scales          zeros
     Q8_0    8     32     q + 128           d               128
     Q4_0    4     32     q                 d               8
     Q4_1    4     32     q                 d               -m / d
-    Q5_0    8     32     q + 112           d               128
-    Q5_1    8     32     q                 d               -m / d
+    Q5_0    6     32     q + 16            d               32
+    Q5_1    6     32     q                 d               -m / d
     IQ4_NL  8     32     kvalues[q] + 128  d               128
     Q4_K    4     32     q                 d * sc          dmin * m / (d * sc)
-    Q5_K    8     32     q                 d * sc          dmin * m / (d * sc)
-    Q6_K    8     16     q + 96            d * sc          128                     (sc may be negative)
+    Q5_K    6     32     q                 d * sc          dmin * m / (d * sc)
+    Q6_K    6     16     q                 d * sc          32                      (sc may be negative)
     Q3_K    4     16     q + 4             d * (sc - 32)   8
     Q2_K    4     16     q                 d * sc          dmin * m / (d * sc)
     IQ4_XS  8     32     kvalues[q] + 128  d * (ls - 32)   128
 
-The types with integer zero points take 8 (4-bit codes) or 128 (8-bit), shifting their codes there: the CPU's
-panel kernel keeps no offsets for such weights (kernels/cpu/quant_panels.py). They dequantize to gguf's values bit for
-bit; those with float ones
+The types with integer zero points take 8 (4-bit codes), 32 (6-bit) or 128 (8-bit), shifting their codes there: the
+CPU's panel kernel keeps no offsets for such weights (kernels/cpu/quant_panels.py). They dequantize to gguf's values
+bit for bit; those with float ones
 (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) to within float32 rounding, because (q - z) * s rounds three times
 where s * q + o rounds twice.
 """
@@ -87,7 +87,7 @@ class BlockLayout:
 
     block_size: int  # columns per block
     block_bytes: int
-    bits: int  # of the codes the kernel reads: 4 or 8
+    bits: int  # of the codes the kernel reads: 4, 6 or 8
     group_size: int  # columns per scale and zero point
     decode: Callable[[np.ndarray], Decoded]
 
@@ -149,7 +149,7 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(blocks: np.ndarray) -> Decoded:
-    return _rows(_five_bits(blocks[..., 2:6], blocks[..., 6:]) + np.uint8(112), _half(blocks, 0), 128)
+    return _rows(_five_bits(blocks[..., 2:6], blocks[..., 6:]) + np.uint8(16), _half(blocks, 0), 32)
 
 
 def _q5_1(blocks: np.ndarray) -> Decoded:
@@ -187,7 +187,7 @@ def _q6_k(blocks: np.ndarray) -> Decoded:
     high = _planes(blocks[..., 128:192].reshape(num_rows, num_blocks, 2, 32), 2)  # [N, B, 2, 4, 32]
     q = low.reshape(num_rows, num_blocks, 16, 16) | (high.reshape(num_rows, num_blocks, 16, 16) << np.uint8(4))
     scales = _half(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
-    return _rows(q + np.uint8(96), scales, 128)
+    return _rows(q, scales, 32)
 
 
 def _q3_k(blocks: np.ndarray) -> Decoded:
@@ -227,12 +227,12 @@ BLOCK_LAYOUTS: dict[GGMLQuantizationType, BlockLayout] = {
     _Q.Q8_0: BlockLayout(32, 34, bits=8, group_size=32, decode=_q8_0),
     _Q.Q4_0: BlockLayout(32, 18, bits=4, group_size=32, decode=_q4_0),
     _Q.Q4_1: BlockLayout(32, 20, bits=4, group_size=32, decode=_q4_1),
-    _Q.Q5_0: BlockLayout(32, 22, bits=8, group_size=32, decode=_q5_0),
-    _Q.Q5_1: BlockLayout(32, 24, bits=8, group_size=32, decode=_q5_1),
+    _Q.Q5_0: BlockLayout(32, 22, bits=6, group_size=32, decode=_q5_0),
+    _Q.Q5_1: BlockLayout(32, 24, bits=6, group_size=32, decode=_q5_1),
     _Q.IQ4_NL: BlockLayout(32, 18, bits=8, group_size=32, decode=_iq4_nl),
     _Q.Q4_K: BlockLayout(256, 144, bits=4, group_size=32, decode=_q4_k),
-    _Q.Q5_K: BlockLayout(256, 176, bits=8, group_size=32, decode=_q5_k),
-    _Q.Q6_K: BlockLayout(256, 210, bits=8, group_size=16, decode=_q6_k),
+    _Q.Q5_K: BlockLayout(256, 176, bits=6, group_size=32, decode=_q5_k),
+    _Q.Q6_K: BlockLayout(256, 210, bits=6, group_size=16, decode=_q6_k),
     _Q.Q3_K: BlockLayout(256, 110, bits=4, group_size=16, decode=_q3_k),
     _Q.Q2_K: BlockLayout(256, 84, bits=4, group_size=16, decode=_q2_k),
     _Q.IQ4_XS: BlockLayout(256, 136, bits=8, group_size=32, decode=_iq4_xs),

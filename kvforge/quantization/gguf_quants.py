@@ -1,7 +1,8 @@
 """GGUF block formats kept quantized (a .gguf file by default, or `quantization="gguf"`): the linear-layer tensors
 of every block type in kvforge.quantization.gguf_blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K .. Q6_K,
 IQ4_XS) become QuantizedWeights as they are, decoded without a detour through float, and run on the weight-only
-kernels: 4-bit codes, or 8-bit ones for the types of more than 4 bits, in groups of 32 or 16 columns.
+kernels: 4-bit codes, 6-bit ones for the 5- and 6-bit types, 8-bit ones for Q8_0 and the IQ4 types (whose codes
+are a table's int8 values), in groups of 32 or 16 columns.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ GGUF_TENSORS = {"codes": torch.uint8, "scales": torch.float32, "zeros": torch.fl
 
 class GGUFMethod(WeightOnlyMethod):
     """A Linear whose checkpoint shards are all kept GGUF blocks: it loads their codes [N, K], scales
-    [N, K / group_size] and zero points [N, K / group_size]. bits is 8 when any shard has 8-bit codes (4-bit codes
-    fit, as they are, in an 8-bit layer), else 4; group_size is the smallest of the shards' (16 or 32): a shard in
-    groups of 32 repeats each scale and zero point for the two halves of its groups."""
+    [N, K / group_size] and zero points [N, K / group_size]. bits is the widest of the shards' codes (narrower
+    codes fit, as they are, in a wider layer: 4 in 6 or 8, 6 in 8); group_size is the smallest of the shards' (16 or
+    32): a shard in groups of 32 repeats each scale and zero point for the two halves of its groups."""
 
     def __init__(self, bits: int, group_size: int = GGUF_GROUP_SIZE) -> None:
         self.bits, self.group_size = bits, group_size

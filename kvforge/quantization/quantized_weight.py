@@ -20,18 +20,21 @@ class QuantizedWeight:
     codes: torch.Tensor  # [N, K] uint8, in [0, 2**bits)
     scales: torch.Tensor  # [N, G] float32
     zeros: torch.Tensor  # [N, G] float32, zero points in code units (integers, but GGUF Q4_1's are not)
-    bits: int
+    bits: int  # 4, 8, or 6 (GGUF's 5- and 6-bit types; kernels without a 6-bit layout take them as 8-bit codes)
     perm: torch.Tensor | None = None  # [K] int64: column k of codes is input feature perm[k]
 
     @property
     def group_size(self) -> int:
         return self.codes.shape[1] // self.scales.shape[1]
 
+    def widened(self) -> QuantizedWeight:
+        """The same weight with 6-bit codes as 8-bit ones (the same codes and zero points)."""
+        return QuantizedWeight(self.codes, self.scales, self.zeros, 8 if self.bits == 6 else self.bits, self.perm)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], input features in their original order."""
-        weight = dequantize_ref(
-            pack_codes(self.codes, self.bits), self.scales.float(), self.zeros.float(), self.bits
-        )
+        bits = self.widened().bits
+        weight = dequantize_ref(pack_codes(self.codes, bits), self.scales.float(), self.zeros.float(), bits)
         if self.perm is None:
             return weight
         restored = torch.empty_like(weight)

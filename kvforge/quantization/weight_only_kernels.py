@@ -6,7 +6,7 @@ Each kernel is a small module holding the weight in the layout it streams best:
     apply(x)           x [M, K] float -> x W^T [M, N] in x's dtype
     gather_rows(ids)   rows W[ids] [len(ids), K] float32 (an embedding lookup that dequantizes only those rows)
 
-    panels     the C++ AVX-512 VNNI kernel (kernels/cpu/quant_panels.py): 4- and 8-bit codes, any zero points,
+    panels     the C++ AVX-512 VNNI kernel (kernels/cpu/quant_panels.py): 4-, 6- and 8-bit codes, any zero points,
                x rounded to int8 per 32 columns at every batch size, 16 weight rows interleaved per panel
     native     the C++ AVX2 kernels (kernels/cpu/quant_gemv.py): 4- and 8-bit codes, any zero points; the
                decode GEMV rounds x to int8 per 32 columns, as llama.cpp does
@@ -38,6 +38,7 @@ class WeightOnlyKernel(nn.Module):
     """Base: a quantized weight [N, K] in one kernel's layout."""
 
     name = ""
+    code_bits = (4, 8)  # the widths of codes its layout stores (6-bit codes are given to the others as 8-bit ones)
 
     @classmethod
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
@@ -66,6 +67,7 @@ def _on_cpu(device: torch.device, ops: OpTable) -> bool:
 
 class PanelKernel(WeightOnlyKernel):
     name = "panels"
+    code_bits = (4, 6, 8)
 
     @classmethod
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
@@ -219,6 +221,10 @@ def select_kernel(weight: QuantizedWeight, device: torch.device, dtype: torch.dt
                   needs_rows: bool = False) -> WeightOnlyKernel:
     """The first of WEIGHT_ONLY_KERNELS that takes weight on device, prepared and moved there. needs_rows: the
     weight is also looked up by row (a tied embedding)."""
-    kernel = next(k for k in WEIGHT_ONLY_KERNELS if k.fits(weight, device, ops, needs_rows)).build(ops, dtype)
-    kernel.prepare(weight)
+    def stored(kernel_class: type[WeightOnlyKernel]) -> QuantizedWeight:  # the weight as its layout stores it
+        return weight if weight.bits in kernel_class.code_bits else weight.widened()
+
+    kernel_class = next(k for k in WEIGHT_ONLY_KERNELS if k.fits(stored(k), device, ops, needs_rows))
+    kernel = kernel_class.build(ops, dtype)
+    kernel.prepare(stored(kernel_class))
     return kernel.to(device)

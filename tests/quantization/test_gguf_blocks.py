@@ -90,22 +90,22 @@ def test_registry_and_gguf_agree_on_block_sizes() -> None:
     assert {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0} <= set(QUANTIZED)
     for qtype, layout in BLOCK_LAYOUTS.items():
         assert (layout.block_size, layout.block_bytes) == GGML_QUANT_SIZES[qtype], qtype.name
-        assert layout.bits in (4, 8) and layout.group_size in (16, 32) and layout.block_size % layout.group_size == 0
+        assert layout.bits in (4, 6, 8) and layout.group_size in (16, 32) and layout.block_size % layout.group_size == 0
 
 
 def test_q6_k_negative_scales_are_kept() -> None:
     rng = np.random.default_rng(0)
     data = random_blocks(rng, Q.Q6_K, (2, 256))
     weight = decode_blocks(data, Q.Q6_K, (2, 256))
-    assert (weight.scales < 0).any() and (weight.zeros == 128).all()  # q + 96 about the 8-bit layouts' zero point
+    assert (weight.scales < 0).any() and (weight.zeros == 32).all()  # q about the 6-bit layouts' zero point
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS], ids=lambda q: q.name)
 def test_symmetric_types_take_the_zero_point_of_their_codes_width(qtype: Q) -> None:
-    """8 for 4-bit codes, 128 for 8-bit: the panel kernel stores no offsets for such weights."""
+    """8 for 4-bit codes, 32 for 6-bit, 128 for 8-bit: the panel kernel stores no offsets for such weights."""
     block_size = GGML_QUANT_SIZES[qtype][0]
     weight = decode_blocks(random_blocks(np.random.default_rng(2), qtype, (3, block_size)), qtype, (3, block_size))
-    assert (weight.zeros == {4: 8, 8: 128}[weight.bits]).all()
+    assert (weight.zeros == {4: 8, 6: 32, 8: 128}[weight.bits]).all()
 
 
 def test_scale_zero_groups_hold_their_offset() -> None:

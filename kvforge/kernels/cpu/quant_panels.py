@@ -4,7 +4,7 @@ One kernel for every batch size (decode, batched decode, prefill chunks): x is r
 one vpdpbusd multiplies 4 columns of 16 weight rows at once, so above a few rows it is several times the float
 GEMM's rate and never dequantizes the weight. Layout, one uint8 tensor a weight: P = ceil(N / 16) panels of 16 rows
 in T parts of S = ceil(P / T) panels (one part a thread; zero rows pad the last panels), each part in tiles of W
-panels (W = tile_panels(bits): 4 for 4-bit codes, 2 for 8-bit; the part's last tile has the 1 .. W left), and per
+panels (W = tile_panels(bits): 4 for 4- and 6-bit codes, 2 for 8-bit; the part's last tile has the 1 .. W left), and per
 group of B 32-column blocks of a tile (or of half a block: groups of 16 columns) one run of bytes, in the order the
 kernel reads them:
 
@@ -14,10 +14,12 @@ kernel reads them:
                       the panels' rows side by side, times 2^e; vector j of a panel, one int32 lane (4 bytes) a row:
                       8 bits, V = 8:  [row 0: c(32b+4j .. 32b+4j+3) | row 1: ... | ... | row 15: ...]
                       4 bits, V = 4:  row r, byte c = c(r, 32b+8j+c) | c(r, 32b+8j+4+c) << 4
-        or, groups of 16 columns (GGUF's Q6_K, Q3_K, Q2_K; G even, the last dimension 64 + V/2 * 64):
+                      6 bits, V = 6:  j = 3h + v (h < 2): v < 2 the low 4 bits of the 4-bit vector 2h + v; v = 2
+                                      the top 2 bits of columns 32b+16h+4i+c in bits 2i, 2i+1 of byte c (i < 4)
+        or, groups of 16 columns (GGUF's Q6_K, Q3_K, Q2_K; G even, the last dimension 64 + V/2 * 64; 6 bits: one h):
         scales half [W, 16] | offsets half [W, 16] | half h = g % 2 of block b = g // 2, [V/2, W, 64 bytes]
                       its vectors j = V/2 * h .. V/2 * h + V/2 - 1 as above (columns 32b+16h .. 32b+16h+15)
-        symmetric weights (every zero point SYMMETRIC_ZERO[bits]: 8 or 128) keep no offsets (the last dimension
+        symmetric weights (every zero point SYMMETRIC_ZERO[bits]: 8, 32 or 128) keep no offsets (the last dimension
         32 + ...): scales half [W, 16] | the vectors as above; the kernel takes offsets = -zero * scales
                    the parts may lie apart in memory (the first stride, a multiple of 64 bytes)
     factor   2^-e  one power of two per weight, that puts its largest scale or offset in [2^14, 2^15): no half is
@@ -52,7 +54,7 @@ from kvforge.kernels.cpu.extension import cpu_kernels
 PANEL_ROWS = 16
 BLOCK = 32  # columns per scale of x, and the group-size unit
 HALF_BLOCK = 16  # the one group size below a block (GGUF's Q6_K, Q3_K, Q2_K)
-SYMMETRIC_ZERO = {4: 8, 8: 128}  # the zero point of a weight whose layout keeps no offsets
+SYMMETRIC_ZERO = {4: 8, 6: 32, 8: 128}  # the zero point of a weight whose layout keeps no offsets
 
 
 @functools.cache
@@ -63,13 +65,14 @@ def panels_available() -> bool:
 
 def tile_panels(bits: int) -> int:
     """Panels interleaved in a tile."""
-    return 4 if bits == 4 else 2
+    return 2 if bits == 8 else 4
 
 
 def panel_layout_fits(bits: int, in_features: int, group_size: int) -> bool:
-    """4- or 8-bit codes in groups of whole 32-column blocks, or of half a block (16 columns) in whole blocks."""
+    """4-, 6- or 8-bit codes in groups of whole 32-column blocks, or of half a block (16 columns) in whole blocks."""
     whole_blocks = group_size > 0 and group_size % BLOCK == 0
-    return bits in (4, 8) and (whole_blocks or group_size == HALF_BLOCK) and in_features % max(group_size, BLOCK) == 0
+    fits_blocks = whole_blocks or group_size == HALF_BLOCK
+    return bits in (4, 6, 8) and fits_blocks and in_features % max(group_size, BLOCK) == 0
 
 
 def _panel_factors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, parts: int | None
@@ -96,7 +99,7 @@ def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
                                                2.0**exponent)  # [T, part bytes]
     (num_rows, in_features), groups = codes.shape, scales.shape[1]
     per_part = -(-num_rows // (PANEL_ROWS * parts))
-    vectors = (8 if bits == 8 else 4) * in_features // groups // BLOCK  # 64-byte vectors a panel's group
+    vectors = bits * in_features // groups // BLOCK  # 64-byte vectors a panel's group: `bits` a 32-column block
     group_bytes = (32 if offsets is None else 64) + 64 * vectors
     shape = (parts, per_part, groups, group_bytes)
     return weight.as_strided(shape, (weight.shape[1], groups * group_bytes, group_bytes, 1)), 2.0**-exponent
@@ -118,9 +121,15 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     blocks = codes.reshape(panels, PANEL_ROWS, in_features // BLOCK, BLOCK)  # [P, r, b, 32]
     if bits == 8:
         vectors = blocks.reshape(panels, PANEL_ROWS, -1, 8, 4)  # [P, r, b, j, c]
-    else:
+    elif bits == 4:
         halves = blocks.reshape(panels, PANEL_ROWS, -1, 4, 2, 4)  # [P, r, b, j, low/high, c]
         vectors = halves[..., 0, :] | (halves[..., 1, :] << 4)
+    else:
+        halves = blocks.reshape(panels, PANEL_ROWS, -1, 2, 2, 2, 4)  # [P, r, b, h, v, low/high, c]
+        nibbles = (halves[..., 0, :] & 15) | ((halves[..., 1, :] & 15) << 4)  # [P, r, b, h, v, c]
+        top = (halves >> 4).flatten(4, 5)  # [P, r, b, h, i = 2v + low/high, c]
+        top = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+        vectors = torch.cat([nibbles, top[..., None, :]], dim=4).flatten(2, 4).reshape(panels, PANEL_ROWS, -1, 6, 4)
     # [T, S, G, B * V, 64]: per part, panel and group, the group's vectors (each 4 bytes of the panel's 16 rows); in
     # groups of 16 columns [T, S, G, V / 2, 64], the vectors of a block split between its two groups
     grid = vectors.permute(0, 2, 3, 1, 4).reshape(parts, per_part, groups, -1, 4 * PANEL_ROWS)
@@ -175,6 +184,11 @@ def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
     grid = flat[parts[:, None, None, None], at]
     if bits == 4:
         grid = torch.stack([grid & 0x0F, grid >> 4], dim=-2)  # [len, G, B * V, low/high, c]
+    elif bits == 6:
+        triples = grid.reshape(*grid.shape[:2], -1, 3, 4)  # [len, G, h, v (2 nibbles, then the top bits), c]
+        nibbles = torch.stack([triples[..., :2, :] & 0x0F, triples[..., :2, :] >> 4], dim=-2)  # [len, G, h, v, lh, c]
+        top = torch.stack([(triples[..., 2, :] >> (2 * i)) & 3 for i in range(4)], dim=-2)  # [len, G, h, i, c]
+        grid = nibbles | (top.reshape(nibbles.shape) << 4)
     row_codes = grid.reshape(ids.shape[0], -1).float()
     group_size = row_codes.shape[1] // groups
     return (row_codes * scales.repeat_interleave(group_size, dim=1)

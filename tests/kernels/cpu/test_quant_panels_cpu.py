@@ -41,7 +41,7 @@ def _signed(weight: QuantizedWeight, seed: int) -> QuantizedWeight:
     return QuantizedWeight(weight.codes, weight.scales * signs, weight.zeros, weight.bits)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("num_rows,in_features,group_size", SHAPES)
 @pytest.mark.parametrize("zeros", ["sym", "int", "float"])
 def test_rows_of_the_layout_are_the_weight(bits: int, num_rows: int, in_features: int, group_size: int,
@@ -56,7 +56,7 @@ def test_rows_of_the_layout_are_the_weight(bits: int, num_rows: int, in_features
     assert (error <= 2**-11 * terms + 1e-6).all()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("num_rows,in_features,group_size", SHAPES)
 @pytest.mark.parametrize("zeros", ["sym", "int", "float"])
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 6, 64])
@@ -78,7 +78,7 @@ def test_kernel_is_the_product_with_x_rounded_to_int8(
     assert (error <= tolerance).all(), error.max().item()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_kernel_is_within_the_rounding_of_x_of_the_float_product(bits: int) -> None:
     """Each element of x moves by at most dx / 2; the errors of a row's terms mostly cancel."""
     weight = _weight(96, 576, bits, 32, "float", seed=bits)
@@ -90,15 +90,17 @@ def test_kernel_is_within_the_rounding_of_x_of_the_float_product(bits: int) -> N
     assert error.mean() <= 1e-2 * scale and error.max() <= 5e-2 * scale
 
 
+@pytest.mark.parametrize("bits", [8, 6])
 @pytest.mark.parametrize("group_size", [32, 16])
-def test_full_range_codes_and_activations(group_size: int) -> None:
-    """8-bit codes 0 and 255 against q = +-127 (the largest int32 sums a block adds), bfloat16 in and out."""
-    codes = torch.tensor([[0, 255] * 64, [255] * 128, [0] * 128], dtype=torch.uint8)
-    scales, zeros = torch.full((3, 128 // group_size), 0.5), torch.full((3, 128 // group_size), 128.0)
+def test_full_range_codes_and_activations(bits: int, group_size: int) -> None:
+    """Codes 0 and the largest against q = +-127 (the largest int32 sums a block adds), bfloat16 in and out."""
+    top, zero = 2**bits - 1, 2.0 ** (bits - 1)
+    codes = torch.tensor([[0, top] * 64, [top] * 128, [0] * 128], dtype=torch.uint8)
+    scales, zeros = torch.full((3, 128 // group_size), 0.5), torch.full((3, 128 // group_size), zero)
     x = torch.tensor([[-1.0, 1.0] * 64, [1.0] * 128], dtype=torch.bfloat16)
-    out = panel_linear(x, *pack_panels(codes, scales, zeros, 8), 8, 3)
+    out = panel_linear(x, *pack_panels(codes, scales, zeros, bits), bits, 3)
     assert out.dtype == torch.bfloat16
-    weight = (codes.double() - 128) * 0.5
+    weight = (codes.double() - zero) * 0.5
     torch.testing.assert_close(out.double(), x.double() @ weight.t(), rtol=1e-2, atol=1e-6)
 
 
@@ -114,7 +116,7 @@ def test_layouts_without_whole_blocks_are_refused() -> None:
         pack_panels(torch.zeros(16, 48, dtype=torch.uint8), torch.ones(16, 3), torch.zeros(16, 3), 8)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("parts", [1, 2, 3, 5])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("num_tokens", [1, 5])
@@ -180,7 +182,7 @@ def test_layouts_that_do_not_match_are_refused() -> None:
         panel_linear(x, packed.transpose(0, 1), factor, 4, 64)
     with pytest.raises(RuntimeError, match="x must be a float32"):
         panel_linear(torch.randn(1, 96), packed, factor, 4, 64)
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
         torch.ops.kvforge_cpu.quant_gemm_panels(x, packed, 2, 64, factor)
     half_blocks = torch.zeros(1, 4, 3, 64 + 2 * 64, dtype=torch.uint8)  # 4-bit half blocks, an odd number of them
     with pytest.raises(RuntimeError, match="nor half a block of an even number of groups"):
@@ -189,7 +191,7 @@ def test_layouts_that_do_not_match_are_refused() -> None:
         pack_panels(weight.codes, weight.scales, weight.zeros, 4, parts=0)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("num_rows,in_features,group_size", [*HALF_BLOCK_SHAPES, (37, 128, 32)])
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 6, 64])
 def test_negative_scales(bits: int, num_rows: int, in_features: int, group_size: int, num_tokens: int) -> None:
@@ -212,7 +214,7 @@ def test_negative_scales(bits: int, num_rows: int, in_features: int, group_size:
     assert (error <= tolerance).all(), error.max().item()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("num_rows,in_features,group_size", [(37, 128, 32), (13, 576, 192), (110, 576, 32),
                                                              *HALF_BLOCK_SHAPES])
 @pytest.mark.parametrize("zeros", ["sym", "float"])

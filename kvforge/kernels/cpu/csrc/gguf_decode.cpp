@@ -85,9 +85,9 @@ void q4_1(const uint8_t* b, uint8_t* codes, float* scales, float* zeros) {
 
 void q5_0(const uint8_t* b, uint8_t* codes, float* scales, float* zeros) {
   five_bits(b + 2, b + 6, codes);
-  for (int64_t i = 0; i < 32; ++i) codes[i] += 112;
+  for (int64_t i = 0; i < 32; ++i) codes[i] += 16;
   scales[0] = half_at(b);
-  zeros[0] = 128.f;
+  zeros[0] = 32.f;
 }
 
 void q5_1(const uint8_t* b, uint8_t* codes, float* scales, float* zeros) {
@@ -139,10 +139,9 @@ void q6_k(const uint8_t* b, uint8_t* codes, float* scales, float* zeros) {
     for (int64_t j = 0; j < 4; ++j)
       for (int64_t l = 0; l < 32; ++l) codes[128 * h + 32 * j + l] |= ((qh[32 * h + l] >> (2 * j)) & 3) << 4;
   }
-  for (int64_t i = 0; i < 256; ++i) codes[i] += 96;
   for (int64_t s = 0; s < 16; ++s) {
     scales[s] = d * static_cast<float>(static_cast<int8_t>(b[192 + s]));
-    zeros[s] = 128.f;
+    zeros[s] = 32.f;
   }
 }
 

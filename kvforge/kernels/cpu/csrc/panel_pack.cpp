@@ -15,22 +15,30 @@ namespace {
 
 constexpr int64_t kPanel = 16, kBlock = 32;
 
-// Row n's 4 bytes of vector u of a panel (vector u = 8 b + j of 8-bit codes: columns 4u .. 4u + 3; u = 4 b + j of
-// 4-bit ones: columns 8u .. 8u + 3 in the low nibbles, 8u + 4 .. 8u + 7 in the high ones)
+// Row n's 4 bytes of vector u of a panel: u = 8 b + j of 8-bit codes, columns 4u .. 4u + 3; u = 4 b + j of 4-bit
+// ones, columns 8u .. 8u + 3 in the low nibbles, 8u + 4 .. 8u + 7 in the high ones; u = 6 b + 3 h + v of 6-bit ones,
+// the low 4 bits as the 4-bit ones' vectors 4 b + 2 h + v (v < 2), and v = 2 their top 2 bits, of columns
+// 32 b + 16 h + 4 i + c in bits 2i, 2i + 1 of byte c
 inline void lane(const uint8_t* row, int64_t u, int64_t bits, uint8_t* out) {
   if (bits == 8) {
     std::memcpy(out, row + 4 * u, 4);
     return;
   }
-  const uint8_t* c = row + 8 * u;
-  for (int64_t i = 0; i < 4; ++i) out[i] = (c[i] & 15) | (c[i + 4] << 4);
+  if (bits == 6 && u % 3 == 2) {
+    const uint8_t* c = row + 32 * (u / 6) + 16 * (u % 6 / 3);
+    for (int64_t i = 0; i < 4; ++i)
+      out[i] = (c[i] >> 4) | (c[i + 4] >> 4) << 2 | (c[i + 8] >> 4) << 4 | (c[i + 12] >> 4) << 6;
+    return;
+  }
+  const uint8_t* c = row + (bits == 6 ? 32 * (u / 6) + 16 * (u % 6 / 3) + 8 * (u % 3) : 8 * u);
+  for (int64_t i = 0; i < 4; ++i) out[i] = (c[i] & 15) | (c[i + 4] & 15) << 4;
 }
 
 }  // namespace
 
 torch::Tensor pack_panels(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
                           int64_t bits, int64_t parts, double multiplier) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.device().is_cpu(),
               "codes must be a uint8 [N, K] CPU tensor");
   const int64_t N = codes.size(0), K = codes.size(1);
@@ -45,11 +53,11 @@ torch::Tensor pack_panels(torch::Tensor codes, torch::Tensor scales, c10::option
   codes = codes.contiguous();
   scales = scales.contiguous();
   const torch::Tensor offs = offsets.has_value() ? offsets->contiguous() : torch::Tensor();
-  const int64_t V = bits == 8 ? 8 : 4;                     // vectors a 32-column block
+  const int64_t V = bits;                                  // vectors a 32-column block
   const int64_t group_vectors = V * (K / G) / kBlock;      // vectors a group (a half block: V / 2)
   const int64_t header = offs.defined() ? 64 : 32;         // a panel's bytes of scales (and offsets)
   const int64_t panel_group = header + 64 * group_vectors;  // a panel's bytes of a group
-  const int64_t W = bits == 4 ? 4 : 2;                     // panels a tile
+  const int64_t W = bits == 8 ? 2 : 4;                     // panels a tile
   const int64_t per_part = (N + kPanel * parts - 1) / (kPanel * parts);
   const int64_t part_bytes = (per_part * G * panel_group + 63) / 64 * 64;
   auto out = torch::empty({parts, part_bytes}, codes.options());

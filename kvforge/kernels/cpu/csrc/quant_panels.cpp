@@ -10,6 +10,9 @@
 //              (an int32 lane a row):
 //                8 bits (V = 8): vector j, row r, byte c = code[r, 32 b + 4 j + c]
 //                4 bits (V = 4): low nibble code[r, 32 b + 8 j + c], high nibble code[r, 32 b + 8 j + 4 + c]
+//                6 bits (V = 6): j = 3 h + v: v < 2 the low 4 bits as the 4-bit vector 2 h + v, v = 2 the top 2
+//                                bits of columns 32 b + 16 h + 4 i + c in bits 2 i, 2 i + 1 of byte c (GGUF's 5- and
+//                                6-bit types: 0.75 bytes a weight where 8-bit codes take 1)
 //              or groups of 16 columns (GGUF's Q6_K, Q3_K, Q2_K: G even, the last dimension 64 + V/2 * 64): group
 //              g holds half of block g / 2, its vectors V/2 (g % 2) .. V/2 (g % 2) + V/2 - 1, [V/2, W, 64]
 //            the parts may lie apart (any stride between them, a multiple of 64 bytes); each part is contiguous
@@ -52,10 +55,10 @@
 // NOTE: a tile reads its pointers into locals once, and prefetches without a branch (where the target lies past
 // the part, a tile prefetches its own bytes). With a branch at each load and the fields read through the
 // arguments, GCC 12 kept each loaded vector on the stack and read it back for each nibble: 1.72x slower in cache.
-// NOTE: symmetric weights (SYM: every zero point 8 for 4-bit codes, 128 for 8-bit: GGUF's Q4_0, Q8_0, Q5_0, Q6_K,
-// Q3_K, IQ4_NL, IQ4_XS, whose decoders shift codes to those zero points) keep only the scales in a group's header
-// (32 bytes a panel), and the kernel makes each offset as -zero * scale: 0.5625 bytes a 4-bit weight in groups of
-// 32 columns (GGUF's Q4_0 bytes) instead of 0.625, 1.125 an 8-bit one in groups of 16 instead of 1.25.
+// NOTE: symmetric weights (SYM: every zero point 8 for 4-bit codes, 32 for 6-bit, 128 for 8-bit: GGUF's Q4_0, Q8_0,
+// Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS, whose decoders shift codes to those zero points) keep only the scales in a group's
+// header (32 bytes a panel), and the kernel makes each offset as -zero * scale: 0.5625 bytes a 4-bit weight in groups
+// of 32 columns (GGUF's Q4_0 bytes) instead of 0.625, 0.875 a 6-bit one in groups of 16 instead of 1.
 // NOTE: groups of half a block are a template parameter (HALF_BLOCKS), not a branch in the loop: groups of whole
 // blocks compile to the same instructions as before there were halves (GCC 12, their disassembly compared).
 #include "ops.h"
@@ -87,11 +90,11 @@ constexpr int64_t vectors_per_chunk() { return vectors_per_block<BITS>() / (HALF
 
 // Panels interleaved in a tile.
 template <int BITS>
-constexpr int tile_panels() { return BITS == 4 ? 4 : 2; }
+constexpr int tile_panels() { return BITS == 8 ? 2 : 4; }
 
 // Up to these rows of x, a step multiplies a whole tile, and prefetches nothing.
 template <int BITS>
-constexpr int64_t whole_tile_rows() { return BITS == 4 ? 3 : 1; }
+constexpr int64_t whole_tile_rows() { return BITS == 4 ? 3 : BITS == 6 ? 2 : 1; }
 
 struct PanelArgs {
   const int8_t* xq;  // [M, K]
@@ -122,7 +125,7 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
   const int64_t K = a.K, G = a.G, blocks = K / kBlock, chunks = HALF_BLOCKS ? 1 : blocks / G;
   constexpr int64_t header = SYM ? 32 : 64;  // a panel's bytes of a group's scales (and offsets)
   const int64_t group_bytes = W * (header + chunks * V * 64);
-  const __m512 minus_zero = _mm512_set1_ps(BITS == 8 ? -128.f : -8.f);  // SYM: offsets = -zero * scales
+  const __m512 minus_zero = _mm512_set1_ps(BITS == 8 ? -128.f : BITS == 6 ? -32.f : -8.f);  // SYM: -zero * scales
   const int8_t* const xq = a.xq + m0 * K;
   const float* const dx = a.dx + m0 * blocks;
   const float* const xsum = a.xsum + m0 * G;
@@ -147,24 +150,51 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
       __m512i sums[MT][NP];
       for (int m = 0; m < MT; ++m)
         for (int p = 0; p < NP; ++p) sums[m][p] = _mm512_setzero_si512();
-      for (int64_t j = 0; j < V; ++j)
-        for (int p = 0; p < NP; ++p) {
-          const int64_t at = group + header * W + 64 * ((i * V + j) * W + first + p);
-          if (PREFETCH) prefetch_to_l2(ahead + at);
-          const __m512i words = _mm512_loadu_si512(tile + at);
-          if (BITS == 8) {
-            for (int m = 0; m < MT; ++m)
-              sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], words, broadcast4(xq + m * K + 32 * b + half + 4 * j));
-          } else {
-            const __m512i low = _mm512_and_si512(words, low_nibbles);
-            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles);
-            for (int m = 0; m < MT; ++m) {
-              const int8_t* q = xq + m * K + 32 * b + half + 8 * j;
-              sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], low, broadcast4(q));
-              sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], high, broadcast4(q + 4));
+      if constexpr (BITS == 6) {
+        // pairs of nibble vectors and their top bits: [nibbles 2h | nibbles 2h + 1 | top bits h], h < V / 3
+        const __m512i top_bits = _mm512_set1_epi8(0x30);
+        for (int64_t h = 0; h < V / 3; ++h)
+          for (int p = 0; p < NP; ++p) {
+            const int64_t at = group + header * W + 64 * ((i * V + 3 * h) * W + first + p), next = 64 * W;
+            if (PREFETCH)
+              for (int64_t v = 0; v < 3; ++v) prefetch_to_l2(ahead + at + v * next);
+            const __m512i top = _mm512_loadu_si512(tile + at + 2 * next);
+            for (int s = 0; s < 2; ++s) {
+              const __m512i words = _mm512_loadu_si512(tile + at + s * next);
+              // bits 4-5 of the codes: planes 2s and 2s + 1 of the top byte
+              const __m512i top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
+              const __m512i top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
+              const __m512i low = _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits,
+                                                            0xF8);  // a | (b & c)
+              const __m512i high = _mm512_ternarylogic_epi32(
+                  _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles), top_high, top_bits, 0xF8);
+              for (int m = 0; m < MT; ++m) {
+                const int8_t* q = xq + m * K + 32 * b + half + 16 * h + 8 * s;
+                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], low, broadcast4(q));
+                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], high, broadcast4(q + 4));
+              }
             }
           }
-        }
+      } else {
+        for (int64_t j = 0; j < V; ++j)
+          for (int p = 0; p < NP; ++p) {
+            const int64_t at = group + header * W + 64 * ((i * V + j) * W + first + p);
+            if (PREFETCH) prefetch_to_l2(ahead + at);
+            const __m512i words = _mm512_loadu_si512(tile + at);
+            if (BITS == 8) {
+              for (int m = 0; m < MT; ++m)
+                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], words, broadcast4(xq + m * K + 32 * b + half + 4 * j));
+            } else {
+              const __m512i low = _mm512_and_si512(words, low_nibbles);
+              const __m512i high = _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles);
+              for (int m = 0; m < MT; ++m) {
+                const int8_t* q = xq + m * K + 32 * b + half + 8 * j;
+                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], low, broadcast4(q));
+                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], high, broadcast4(q + 4));
+              }
+            }
+          }
+      }
       for (int m = 0; m < MT; ++m) {
         const __m512 d = _mm512_set1_ps(dx[m * blocks + b]);
         for (int p = 0; p < NP; ++p)
@@ -281,11 +311,11 @@ void quantize_rows(const float* x, int8_t* xq, float* dx, float* xsum, int64_t M
 torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t bits, int64_t out_features,
                                 double factor) {
 #ifdef KVFORGE_PANELS_VNNI
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 4 && weight.device().is_cpu(),
               "weight must be a uint8 [parts, panels, groups, group bytes] CPU tensor");
   const int64_t parts = weight.size(0), per_part = weight.size(1), G = weight.size(2), group_bytes = weight.size(3);
-  const int64_t vector_bytes = 64 * (bits == 8 ? 8 : 4);  // of codes, a 32-column block's
+  const int64_t vector_bytes = 64 * bits;  // of codes, a 32-column block's
   const bool sym = group_bytes % 64 == 32;  // 32 bytes of scales alone: offsets = -zero * scales
   const int64_t header = sym ? 32 : 64, codes_bytes = group_bytes - header;
   const bool half_blocks = codes_bytes == vector_bytes / 2;  // groups of 16 columns
@@ -326,6 +356,7 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t b
     else with_sym(bits_c, std::false_type{});
   };
   if (bits == 8) with_half(std::integral_constant<int, 8>{});
+  else if (bits == 6) with_half(std::integral_constant<int, 6>{});
   else with_half(std::integral_constant<int, 4>{});
   return out;
 #else
