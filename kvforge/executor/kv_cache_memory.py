@@ -40,7 +40,7 @@ def memory_limits(device: torch.device, gpu_memory_utilization: float) -> list[t
         free = max(available_memory() - WORKING_SET, 0)
         return [(f"the CPU's default budget of {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:g} GiB (--kv-cache-memory)",
                  DEFAULT_CPU_KV_CACHE_BYTES),
-                (f"the memory free ({free / 2**30:.1f} GiB beyond a working set)", free)]
+                (f"the memory free ({free / 2**20:.0f} MiB beyond a working set)", free)]
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     used_by_others = total - free - allocated
