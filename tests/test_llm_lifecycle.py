@@ -72,6 +72,7 @@ def test_an_engine_after_shutdown_refuses_work(tiny_llama_dir) -> None:
     engine.add_request("a", "Hello", SamplingParams(max_tokens=2))
     engine.shutdown()
     assert engine.runner is None  # the model runner, which held the KV cache and the compiled graphs, is gone
-    for use in (engine.step, lambda: engine.add_request("b", "Hello", SamplingParams()), lambda: engine.score([1, 2])):
+    for use in (engine.step, lambda: engine.add_request("b", "Hello", SamplingParams()), lambda: engine.score([1, 2]),
+                lambda: engine.local_model):
         with pytest.raises(RuntimeError, match="the engine has been shut down"):
             use()

@@ -100,6 +100,7 @@ class LLMEngine:
     def local_model(self) -> nn.Module:
         """This process's share of the model (the whole model on one device), for tools and tests that
         read its weights. Generation never needs it."""
+        self._check_running()
         return self.executor.local_model
 
     def kv_cache_bytes(self) -> int:

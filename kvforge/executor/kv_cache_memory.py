@@ -6,8 +6,8 @@
     num_blocks  kv_cache_memory // block bytes, when kv_cache_memory is given (the size asked for)
                 else the smallest of needed, budget and free; the engine's log names the one that chose it
 
-So a tiny model's cache is the few MB its sequences can fill, and a model whose sequences need more than the
-budget (the default model: 256 sequences of 8192 tokens, 48 GB) gets the budget, as before.
+So a tiny model's cache is the MBs its sequences can fill (the tests' 2-layer Llama: 256 x 512 tokens, 32 MiB), and
+a model whose sequences need more than the budget (the default model: 256 x 8192 tokens, 48 GB) gets the budget.
 """
 
 from __future__ import annotations
