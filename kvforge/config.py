@@ -68,12 +68,14 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV cache: block size, byte budget (None = automatic), prefix caching, and what a cached key
-    or value is stored as: the model dtype ("auto"), or int8 / fp8 codes with a scale per token and head."""
+    """Paged KV cache: block size, size in bytes (None = what max_num_seqs sequences of max_model_len tokens need,
+    within a budget and the memory free: executor/kv_cache_memory.py), prefix caching, and what a cached key or
+    value is stored as: the model dtype ("auto"), or int8 / fp8 codes with a scale per token and head."""
 
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_memory: int | None = option(
-        None, "KV cache byte budget, e.g. 2GiB (default: 2GiB on CPU, free GPU memory share)", parse=parse_bytes)
+        None, "KV cache size, e.g. 2GiB (default: what --max-num-seqs sequences of --max-model-len tokens need, at "
+              "most 2GiB and the memory free on the CPU, the free share of GPU memory on GPUs)", parse=parse_bytes)
     gpu_memory_utilization: float = option(
         0.9, "share of GPU memory the engine may use when --kv-cache-memory is not given")
     enable_prefix_caching: bool = option(True, "turn off reuse of cached prompt prefixes", flag="--no-prefix-caching")

@@ -22,10 +22,27 @@ class LLM:
     `LLM()` runs the default model; keyword arguments are the engine options declared in
     `kvforge.config` (dtype, kv_cache_memory, block_size, ...; `inspect.signature(LLM)` lists them
     with their defaults, and `kvforge generate --help` explains them).
+
+    `shutdown()` (or `close()`, or the end of a `with LLM(...) as llm:` block) releases the model, its KV cache,
+    compiled graphs, threads and the other ranks' processes at once; so does dropping the last reference to it.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
-        self.engine = LLMEngine(build_engine_config(model=model, **engine_kwargs))
+        self._engine: LLMEngine | None = LLMEngine(build_engine_config(model=model, **engine_kwargs))
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine this LLM drives (RuntimeError once shut down)."""
+        if self._engine is None:
+            raise RuntimeError("this LLM has been shut down (shutdown(), close() or the end of its with block): "
+                               "make a new LLM(...) to generate again")
+        return self._engine
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -36,8 +53,13 @@ class LLM:
         self.engine.reset_caches()
 
     def shutdown(self) -> None:
-        """Stop the other ranks' processes when running tensor or pipeline parallel (else nothing)."""
-        self.engine.shutdown()
+        """Release the model, its KV cache, compiled graphs, threads and the other ranks' processes (with tensor or
+        pipeline parallelism). Using the LLM afterwards raises RuntimeError; a second call does nothing."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    close = shutdown
 
     def generate(
         self,

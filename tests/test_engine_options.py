@@ -70,7 +70,8 @@ def test_help_lists_the_same_engine_options_and_defaults_as_before(words):
     for flag, _, _, choices in FLAGS_BEFORE:
         shown = flag if choices is None or flag == "--no-prefix-caching" else f"{flag} {{{','.join(choices)}}}"
         assert shown in text
-    assert "KV cache byte budget, e.g. 2GiB (default: 2GiB on CPU, free GPU memory share)" in text
+    assert ("KV cache size, e.g. 2GiB (default: what --max-num-seqs sequences of --max-model-len tokens need, at most "
+            "2GiB and the memory free on the CPU, the free share of GPU memory on GPUs)") in text
 
 
 def test_parsed_flags_build_the_config_the_same_keywords_build():

@@ -142,13 +142,14 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
-        """Stop the engine thread after its current step; pending requests fail with EngineDeadError."""
-        if self._thread is None or not self._thread.is_alive():
-            return
-        self._commands.put(_STOP)
-        await asyncio.to_thread(self._thread.join)
-        await asyncio.sleep(0)  # let the thread's last callbacks run
-        self.engine.shutdown()  # the other ranks' processes, if any
+        """Stop the engine thread after its current step (pending requests fail with EngineDeadError), then release
+        the engine: its model, KV cache, compiled graphs, threads and the other ranks' processes. Also after the
+        thread died, or when it never started."""
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(_STOP)
+            await asyncio.to_thread(self._thread.join)
+            await asyncio.sleep(0)  # let the thread's last callbacks run
+        self.engine.shutdown()
 
     @property
     def is_alive(self) -> bool:

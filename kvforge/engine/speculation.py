@@ -62,6 +62,9 @@ class Speculation:
     def reset(self) -> None:
         self.proposer.reset()
 
+    def shutdown(self) -> None:
+        self.proposer.shutdown()
+
     def stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_verified_requests, tuple(self.num_drafted_per_position),
                                tuple(self.num_accepted_per_position))

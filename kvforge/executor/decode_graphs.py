@@ -23,10 +23,10 @@ others from its Python one. Inductor's on-disk caches make a second start of the
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -99,8 +99,8 @@ class DecodeGraphs:
         # NOTE: torch.compile keeps its graphs (and its recompile count) on the code object of the function it
         # compiles: a copy of _step's code per instance keeps each engine's buckets apart from other engines'.
         step = types.FunctionType(DecodeGraphs._step.__code__.replace(), globals(), "_step")
-        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=self._inductor)
-        self._compiled = functools.partial(compiled, self)
+        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=_WeakBackend(self))
+        self._compiled = compiled  # NOTE: called with self, not bound to it: no reference cycle
         self._graph: tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]] | None = None  # the last compiled
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> its ready graph
         self._building = 0  # the bucket being compiled
@@ -133,7 +133,7 @@ class DecodeGraphs:
         # NOTE: one graph per bucket of one compiled function: allow as many recompiles as there are buckets
         self._building = bucket  # for the backend, which dynamo calls with the graph alone
         with torch._dynamo.config.patch(recompile_limit=len(self.buckets), accumulated_recompile_limit=10**6):
-            self._compiled(ids, positions, metadata)
+            self._compiled(self, ids, positions, metadata)
         assert self._graph is not None, "dynamo ran the bucket's step without compiling it"
         graph, inputs = self._graph
         self._graph = None
@@ -225,6 +225,24 @@ class DecodeGraphs:
             self.failed = True
             return None
         return replay
+
+
+class _WeakBackend:
+    """The torch.compile backend of one DecodeGraphs: its `_inductor`, reached through a weak reference.
+
+    NOTE: torch.compile keeps every backend it is given in a process-wide table (torch._dynamo.eval_frame's
+    cached_backends, emptied only by torch._dynamo.reset()). A bound method there would hold the DecodeGraphs, its
+    model and its KV cache for the life of the process: measured, each dropped engine of a tiny model kept its 2 GiB
+    of KV cache. The table keeps this object alone."""
+
+    def __init__(self, graphs: DecodeGraphs) -> None:
+        self._graphs = weakref.ref(graphs)
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
+                 ) -> Callable[..., list[torch.Tensor]]:
+        graphs = self._graphs()
+        assert graphs is not None, "a dropped engine's decode step compiled"
+        return graphs._inductor(graph, example_inputs)
 
 
 def _capture(step: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:

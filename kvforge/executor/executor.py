@@ -18,17 +18,23 @@ from kvforge.config import EngineConfig
 from kvforge.distributed.parallel_state import ParallelState
 from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.device import resolve_device
+from kvforge.executor.kv_cache_memory import KVCacheSize
 from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunnerOutput
-from kvforge.executor.worker import Worker, agree_num_blocks
+from kvforge.executor.worker import Worker, agree_kv_cache_size
 
 
 class Executor:
     """The engine's handle on the workers. `worker` is the one in this process (rank 0)."""
 
     worker: Worker
-    num_blocks: int
+    kv_cache_size: KVCacheSize  # agreed by every rank
     max_in_flight: int = 1  # steps that may be submitted before the oldest is collected
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of every rank's KV cache, the null block included."""
+        return self.kv_cache_size.num_blocks
 
     @property
     def model_info(self) -> ModelInfo:
@@ -56,7 +62,9 @@ class Executor:
         raise NotImplementedError
 
     def shutdown(self) -> None:
-        """Stop the workers (if any); the executor is unusable afterwards."""
+        """Release this process's worker (its model, KV cache and compiled graphs) and stop the other ranks' (if
+        any); the executor is unusable afterwards."""
+        self.worker.shutdown()
 
 
 class InProcessExecutor(Executor):
@@ -64,7 +72,7 @@ class InProcessExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config, resolve_device(config.device))
-        self.num_blocks = agree_num_blocks(self.worker, ParallelState())
+        self.kv_cache_size = agree_kv_cache_size(self.worker, ParallelState())
         self.worker.init_cache(self.num_blocks)
         self._results: deque[ModelRunnerOutput] = deque()
 

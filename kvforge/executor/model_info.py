@@ -20,7 +20,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     dtype: torch.dtype
     vocab_size: int
-    max_position: int  # the longest sequence the model's positions allow
+    max_model_len: int  # the longest sequence: max_model_len as configured, within the model's positions
     kv_bytes_per_token: int  # on this rank, all layers, in the KV cache dtype
     kv_cache_dtype: torch.dtype  # of the cache's values or codes
     device: torch.device

@@ -45,7 +45,7 @@ from kvforge.executor.device import resolve_device
 from kvforge.executor.executor import Executor
 from kvforge.executor.model_runner import ModelRunnerOutput
 from kvforge.executor.rank_process import RankArgs, start_rank
-from kvforge.executor.worker import Worker, agree_num_blocks
+from kvforge.executor.worker import Worker, agree_kv_cache_size
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def run_worker(rank: int, config: EngineConfig, init_method: str, local_rank: in
     torch.manual_seed(config.seed)
     with building_with(state):
         worker = Worker(config, device)
-        worker.init_cache(agree_num_blocks(worker, state))
+        worker.init_cache(agree_kv_cache_size(worker, state).num_blocks)
     while True:
         kind, payload = recv_object(state, 0, TAG_COMMAND)
         if kind == _SHUTDOWN:
@@ -103,6 +103,7 @@ class DistributedExecutor(Executor):
         self.processes: list[subprocess.Popen] = []
         self._results: deque[ModelRunnerOutput | None] = deque()
         self._closed = False
+        self._num_threads = torch.get_num_threads()  # this process's, restored at shutdown
         if dist.is_initialized():
             self._closed = True
             raise ValueError("this process already runs a distributed engine; shut it down first (LLM.shutdown())")
@@ -114,7 +115,7 @@ class DistributedExecutor(Executor):
                 0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, init_method, device))
             with building_with(self.state):
                 self.worker = Worker(config, device)
-                self.num_blocks = self._guarded(agree_num_blocks, self.worker, self.state)
+                self.kv_cache_size = self._guarded(agree_kv_cache_size, self.worker, self.state)
                 self.worker.init_cache(self.num_blocks)
         except BaseException:
             self.shutdown()
@@ -226,6 +227,9 @@ class DistributedExecutor(Executor):
                 process.wait()
         forget_sends()
         leave_world()
+        torch.set_num_threads(self._num_threads)
+        if hasattr(self, "worker"):
+            super().shutdown()
 
 
 def _shutdown_at_exit(executor: weakref.ref[DistributedExecutor]) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from kvforge.config import CompilationConfig, EngineConfig
 from kvforge.distributed.parallel_state import ParallelState, get_parallel_state
 from kvforge.engine.scheduler import SchedulerOutput
-from kvforge.executor.kv_cache_memory import kv_cache_budget, num_blocks_for_budget
+from kvforge.executor.kv_cache_memory import KVCacheSize, memory_limits, size_kv_cache
 from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
 from kvforge.kernels.cpu.extension import keep_python_memory
@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    """Loads this rank's shard of the model; `init_cache` then allocates its paged KV cache."""
+    """Loads this rank's shard of the model; `init_cache` then allocates its paged KV cache; `shutdown` releases
+    both."""
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
@@ -40,15 +41,19 @@ class Worker:
             keep_python_memory()
         self.ops = op_table(None if backend == "auto" else backend)
         self.attention_backend = self.ops.backend
-        kv_cache_bytes = 0 if device.type != "cpu" else kv_cache_budget(config.cache.kv_cache_memory, device, 0.0)
+        # NOTE: a cache sized by default fits the memory left after the load (kv_cache_memory.py); one asked for
+        # counts in the load's check that the model fits
+        kv_cache_bytes = (config.cache.kv_cache_memory or 0) if device.type == "cpu" else 0
         with building_with_ops(self.ops):
-            self.loaded: LoadedModel = load_model(config.model, device, kv_cache_bytes)
+            self.loaded: LoadedModel | None = load_model(config.model, device, kv_cache_bytes)
         # NOTE: the CPU's C++ and torch attention kernels widen 16-bit cache rows under float32 queries; the Triton
         # kernels (GPUs, or the interpreter) read the query dtype
         widening = device.type == "cpu" and self.attention_backend == "torch"
         self.kv_cache_spec = self.loaded.model.kv_cache_spec.with_kv_cache_dtype(
             config.cache.kv_cache_dtype, self.loaded.dtype, widening)
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
+        max_position = self.loaded.model.config.max_position
+        self.max_model_len = min(config.model.max_model_len or max_position, max_position)
         self.runner: ModelRunner | None = None
 
     @property
@@ -56,7 +61,7 @@ class Worker:
         loaded, config = self.loaded, self.loaded.model.config
         spec = self.kv_cache_spec
         return ModelInfo(loaded.name, loaded.hf_config, loaded.tokenizer, loaded.dtype, config.vocab_size,
-                         config.max_position, self.bytes_per_token, spec.code_dtype or spec.value_dtype or loaded.dtype,
+                         self.max_model_len, self.bytes_per_token, spec.code_dtype or spec.value_dtype or loaded.dtype,
                          self.device, self.attention_backend)
 
     @property
@@ -69,15 +74,21 @@ class Worker:
         caches = self.runner.kv_caches if self.runner is not None else []
         return sum(t.numel() * t.element_size() for layer in caches for t in layer)
 
-    def num_blocks_that_fit(self) -> int:
-        """Blocks this rank's budget holds; across ranks the smallest count wins (see agree_num_blocks)."""
+    def kv_cache_size(self) -> KVCacheSize:
+        """The blocks this rank's cache would have, and why (across ranks the smallest wins: agree_kv_cache_size)."""
         cache = self.config.cache
-        budget = kv_cache_budget(cache.kv_cache_memory, self.device, cache.gpu_memory_utilization)
-        return num_blocks_for_budget(budget, cache.block_size, self.bytes_per_token)
+        return size_kv_cache(cache.kv_cache_memory, self.config.scheduler.max_num_seqs, self.max_model_len,
+                             cache.block_size, self.bytes_per_token,
+                             memory_limits(self.device, cache.gpu_memory_utilization))
 
     def init_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size,
                                   self.loaded.dtype, self.device, self.kv_cache_spec, self._compilation())
+
+    def shutdown(self) -> None:
+        """Release the model, its KV cache and its compiled graphs; the worker runs no step afterwards."""
+        self.runner = None
+        self.loaded = None
 
     def _compilation(self) -> CompilationConfig | None:
         """How decode steps compile, or None (every step eager) when asked, under tensor or pipeline
@@ -116,11 +127,12 @@ class Worker:
         return self.runner.logits_of_all_tokens(output)
 
 
-def agree_num_blocks(worker: Worker, state: ParallelState) -> int:
+def agree_kv_cache_size(worker: Worker, state: ParallelState) -> KVCacheSize:
     """Every rank must index the same block ids: take the smallest block count of all ranks."""
-    num_blocks = worker.num_blocks_that_fit()
+    size = worker.kv_cache_size()
     if state.world_size == 1:
-        return num_blocks
-    count = torch.tensor([num_blocks], dtype=torch.int64)
+        return size
+    count = torch.tensor([size.num_blocks], dtype=torch.int64)
     dist.all_reduce(count, op=dist.ReduceOp.MIN, group=state.cpu_group)
-    return int(count.item())
+    num_blocks = int(count.item())
+    return size if num_blocks == size.num_blocks else KVCacheSize(num_blocks, "another rank's limit")

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of device memory to use")
     parser.add_argument("--kv-cache-memory", default=None,
-                        help="KV cache bytes per device, e.g. 20GiB (default: all that is left)")
+                        help="KV cache bytes per device, e.g. 20GiB (default: as the engine sizes it: what "
+                             "--max-num-seqs sequences of the model's length need, within what is left)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

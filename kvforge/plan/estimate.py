@@ -2,14 +2,18 @@
 fit, decode and prefill speed bounds; and the split to use.
 
 Memory per device mirrors the engine: of `gpu_memory_utilization` x capacity, weights, rotary tables and
-the largest step's activations come first, and the KV cache takes the rest (or `kv_cache_memory`, when
-given). Every stage holds the same number of cached tokens, so the fullest stage sets it.
+the largest step's activations come first, and the KV cache takes what max_num_seqs sequences of the model's
+length need, at most the rest (on the CPU at most the engine's default budget); or `kv_cache_memory`, when given
+(executor/kv_cache_memory.py; the memory free when the engine starts is not known here). Every stage holds the
+same number of cached tokens, so the fullest stage sets it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvforge.config import CacheConfig
+from kvforge.executor.kv_cache_memory import DEFAULT_CPU_KV_CACHE_BYTES, blocks_needed
 from kvforge.plan.devices import DeviceSpec
 from kvforge.plan.model_shape import ModelShape
 from kvforge.plan.precision import Precision
@@ -27,7 +31,7 @@ class PlanOptions:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # KV cache bytes per device; None: whatever is left
+    kv_cache_memory: int | None = None  # KV cache bytes per device; None: as the engine sizes it by default
 
     def __post_init__(self) -> None:
         for name in ("num_devices", "context_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -132,8 +136,10 @@ def estimate_split(
     stages = build_stages(shape, tp, pp, precision, options.max_num_batched_tokens, options.max_num_seqs,
                           packs=device.host and precision.weight_bytes == 4)
     usable = device.memory_bytes * options.gpu_memory_utilization
-    budgets = [options.kv_cache_memory or usable - stage.fixed_bytes for stage in stages]
+    budgets = [options.kv_cache_memory or _default_kv_budget(usable - stage.fixed_bytes, device) for stage in stages]
     kv_tokens = max(0, min(int(budget // stage.kv_bytes_per_token) for budget, stage in zip(budgets, stages)))
+    if options.kv_cache_memory is None:
+        kv_tokens = min(kv_tokens, _tokens_needed(shape, options))
     fullest = max(stages, key=lambda stage: stage.fixed_bytes + kv_tokens * stage.kv_bytes_per_token)
     memory = MemoryEstimate(fullest.weight_bytes, fullest.buffer_bytes, fullest.packed_bytes, fullest.activation_bytes,
                             kv_tokens * fullest.kv_bytes_per_token, fullest.kv_bytes_per_token, kv_tokens)  # fmt: skip
@@ -148,6 +154,17 @@ def estimate_split(
         estimate, problem=problem, decode=decode_speed(roofline, stages, batch, options.context_len),
         prefill=prefill_speed(roofline, stages, options.context_len, options.max_num_batched_tokens),
     )  # fmt: skip
+
+
+def _default_kv_budget(left: float, device: DeviceSpec) -> float:
+    """The bytes a KV cache sized by default may take: what is left, on the CPU at most the engine's default."""
+    return min(left, DEFAULT_CPU_KV_CACHE_BYTES) if device.host else left
+
+
+def _tokens_needed(shape: ModelShape, options: PlanOptions) -> int:
+    """What a cache sized by default holds at most: max_num_seqs sequences of the model's length, in whole blocks."""
+    block_size = CacheConfig().block_size
+    return (blocks_needed(options.max_num_seqs, shape.max_position, block_size) - 1) * block_size
 
 
 def _memory_problem(memory: MemoryEstimate, usable: float, options: PlanOptions, max_batch: int, batch: int

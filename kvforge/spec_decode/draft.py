@@ -100,3 +100,7 @@ class DraftModelProposer:
     def reset(self) -> None:
         """Drop the draft engine's cached prompt blocks."""
         self.engine.reset_caches()
+
+    def shutdown(self) -> None:
+        """Release the draft engine: its model, KV cache and compiled graphs."""
+        self.engine.shutdown()

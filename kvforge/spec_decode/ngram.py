@@ -47,3 +47,6 @@ class NgramProposer:
 
     def reset(self) -> None:
         """Nothing to forget: the proposer keeps no state."""
+
+    def shutdown(self) -> None:
+        """Nothing to release: the proposer keeps no state."""

@@ -33,7 +33,8 @@ class Proposer(Protocol):
     propose: up to max_num_tokens drafts to follow token_ids (the request's prompt and output so far),
     possibly none; sampling_params: the request's, for proposers that sample their drafts. finish: the
     request is gone (its tokens are final); forget its state. reset: forget what finished requests left
-    behind (between benchmark rounds, or when the traffic changes). Proposers that keep state per request see
+    behind (between benchmark rounds, or when the traffic changes). shutdown: release what the proposer holds
+    (a draft model's engine); it proposes nothing afterwards. Proposers that keep state per request see
     each request's tokens only grow between calls, except after finish."""
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int,
@@ -42,6 +43,8 @@ class Proposer(Protocol):
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None: ...
 
     def reset(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 def create_proposer(config: EngineConfig, vocab_size: int) -> Proposer | None:

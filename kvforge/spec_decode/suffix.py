@@ -190,3 +190,8 @@ class SuffixProposer:
         """Forget the finished requests (running ones keep their own tries)."""
         self.global_trie = SuffixTrie(self.max_depth)
         self.cached.clear()
+
+    def shutdown(self) -> None:
+        """Forget every trie, the running requests' too."""
+        self.local.clear()
+        self.reset()

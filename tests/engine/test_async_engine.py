@@ -101,5 +101,26 @@ def test_queue_bound_and_shutdown_fail_requests_instead_of_hanging(tiny_model_di
                     pass
         with pytest.raises(EngineDeadError):
             await engine.add_request("late", [5, 6], LONG)
+        assert engine.engine.runner is None  # the model, its KV cache and graphs are released
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
+def test_shutdown_releases_an_engine_whose_loop_never_ran_or_died(tiny_model_dir: Path) -> None:
+    never_started, crashed = _engine(tiny_model_dir), _engine(tiny_model_dir)
+
+    async def main() -> None:
+        await never_started.shutdown()
+        crashed.engine.step = lambda: 1 / 0  # the loop dies on its first step
+        crashed.start()
+        stream = await crashed.add_request("a", [5, 6, 7], LONG)
+        with pytest.raises(EngineDeadError, match="ZeroDivisionError"):
+            async for _ in stream:
+                pass
+        await crashed.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
+    for engine in (never_started, crashed):
+        assert engine.engine.runner is None
+        with pytest.raises(RuntimeError, match="the engine has been shut down"):
+            engine.engine.add_request("b", [5, 6], LONG)

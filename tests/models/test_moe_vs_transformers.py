@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from kvforge.executor.kv_cache_memory import num_blocks_for_budget
+from kvforge.executor.kv_cache_memory import size_kv_cache
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.models.registry import resolve_model_class
 from tests.tiny_models import assert_logits_match, save_tokenizer
@@ -138,7 +138,8 @@ def test_real_deepseek_v3_kv_cache_per_token():
     full_mha = KVCacheSpec((((128, 128 + 64), (128, 128)),) * 61)  # keys qk_nope + qk_rope, values v
     assert full_mha.bytes_per_token(torch.bfloat16) >= 10 * bytes_per_token
     # 1 GiB holds 1 GiB / (16 tokens x 70,272 bytes) = 954 blocks of 16 tokens
-    assert num_blocks_for_budget(1024**3, 16, bytes_per_token) == 1024**3 // (16 * bytes_per_token) == 954
+    num_blocks = size_kv_cache(1024**3, 256, 4096, 16, bytes_per_token, []).num_blocks
+    assert num_blocks == 1024**3 // (16 * bytes_per_token) == 954
 
 
 def test_deepseek_on_the_triton_kernels(tmp_path):

@@ -85,9 +85,21 @@ def test_single_sequence_with_pipeline_stages_reads_all_weights_per_token(llama7
 
 
 def test_fp8_kv_cache_doubles_the_tokens_that_fit(llama70b):
-    bf16 = _split(_plan(llama70b, num_devices=8), 8, 1).memory
-    fp8 = _split(_plan(llama70b, num_devices=8, kv_dtype="fp8"), 8, 1).memory
+    # 1024 sequences of 8192 tokens need more than the memory left, in either dtype: the memory sets the size
+    bf16 = _split(_plan(llama70b, num_devices=8, max_num_seqs=1024), 8, 1).memory
+    fp8 = _split(_plan(llama70b, num_devices=8, max_num_seqs=1024, kv_dtype="fp8"), 8, 1).memory
     assert fp8.kv_tokens == pytest.approx(2 * bf16.kv_tokens, rel=0.05)  # a float32 scale per 128 values
+
+
+def test_a_cache_sized_by_default_holds_what_the_sequences_need_and_no_more(llama70b):
+    """As the engine sizes it: 256 sequences of Llama-3-70B's 8192 tokens fit 8 H200s with room to spare, so the
+    cache holds exactly them; on one CPU, the engine's 2 GiB default budget."""
+    tp8 = _split(_plan(llama70b, num_devices=8), 8, 1).memory
+    assert tp8.kv_tokens == 256 * 8192
+    assert tp8.kv_cache == 256 * 8192 * 40 * 1024
+    small = load_model_shape(None)  # the default model
+    on_cpu = _split(_plan(small, device_type="cpu"), 1, 1).memory
+    assert on_cpu.kv_cache <= 2 * 2**30 and on_cpu.kv_tokens == 2 * 2**30 // on_cpu.kv_bytes_per_token
 
 
 def test_model_too_big_for_the_devices_fits_no_split(llama70b):

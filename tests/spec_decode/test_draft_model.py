@@ -30,6 +30,9 @@ def test_a_different_draft_model_keeps_the_target_greedy_tokens(tiny_llama_dir, 
     assert stats.num_draft_tokens > 0
     cache = llm.engine.cache_stats()
     assert cache.num_free_blocks == cache.num_usable_blocks
+    draft_engine = llm.engine.scheduler.speculation.proposer.engine
+    llm.shutdown()
+    assert draft_engine.runner is None  # the draft model and its cache went with the target's
 
 
 def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_llama_dir, reference):
