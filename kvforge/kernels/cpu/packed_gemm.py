@@ -1,7 +1,7 @@
 """The CPU's quantized GEMMs, and which one a weight-only layer gets (install_weight_only):
 
     panels    the C++ kernel of csrc/quant_panels.cpp (kvforge/kernels/cpu/quant_panels.py), on AVX-512 VNNI
-              machines: 4- and 8-bit codes, any zero points, 16 weight rows interleaved per panel, activations
+              machines: 4-, 6- and 8-bit codes, any zero points, 16 weight rows interleaved per panel, activations
               rounded to int8 per 32 columns at every batch size (decode, batches and prompts alike)
     native    the C++ kernels of csrc/quant_gemv.cpp (kvforge/kernels/cpu/quant_gemv.py): 4- and 8-bit codes
               as stored, any zero points, activations rounded to int8 per 32 columns, fp32 accumulation;
@@ -70,7 +70,7 @@ def _has_op(name: str) -> bool:
 
 
 def panels_eligible(weight: QuantizedWeight) -> bool:
-    """The AVX-512 VNNI panel kernel takes 4- and 8-bit codes with any zero points, in groups of whole 32-column
+    """The AVX-512 VNNI panel kernel takes 4-, 6- and 8-bit codes with any zero points, in groups of whole 32-column
     blocks or of half a block (16 columns: GGUF's Q6_K, Q3_K, Q2_K) in rows of whole blocks."""
     return panels_available() and panel_layout_fits(weight.bits, weight.codes.shape[1], weight.group_size)
 
