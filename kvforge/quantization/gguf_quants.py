@@ -50,13 +50,17 @@ class GGUFMethod(WeightOnlyMethod):
             layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
 
     def load_shard(self, layer: Linear, param_name: str, shard: int, tensor: torch.Tensor) -> bool:
-        if param_name in ("scales", "zeros") and tensor.dim() == 2:
-            width = getattr(layer, param_name).shape[1]
-            if tensor.shape[1] != width and width % tensor.shape[1] == 0:
-                tensor = tensor.repeat_interleave(width // tensor.shape[1], dim=1)  # groups of 32 as two of 16
+        if param_name not in GGUF_TENSORS or tensor.dim() != 2:
+            return False
+        param = getattr(layer, param_name)
+        if param_name != "codes" and tensor.shape[1] != param.shape[1] and param.shape[1] % tensor.shape[1] == 0:
+            tensor = tensor.repeat_interleave(param.shape[1] // tensor.shape[1], dim=1)  # groups of 32 as two of 16
+        whole = tensor.untyped_storage().nbytes() == tensor.nbytes  # not a view into a larger tensor
+        if len(layer.shard_sizes) == 1 and whole and tensor.shape == param.shape and tensor.dtype == param.dtype:
+            param.data = tensor  # NOTE: a layer of one shard takes the decoded tensor as it is, without a copy
+        else:
             layer.load_into(param_name, shard, tensor)
-            return True
-        return False
+        return True
 
     def checkpoint_axes(self, param_name: str) -> tuple[int | None, int | None] | None:
         return (0, 1) if param_name in GGUF_TENSORS else None
