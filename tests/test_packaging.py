@@ -79,7 +79,9 @@ def test_a_wheel_runs_the_default_model_on_the_kernels_it_came_with(tmp_path: Pa
     # NOTE: 12 tokens: fewer than the steps a batch size runs eagerly before its graph compiles (--compile-after 16)
     result = _run(kvforge, "generate", "--raw", PROMPT, "--max-tokens", "12", cwd=tmp_path, env=env, timeout=600)
     assert result.stdout.startswith(" Paris")
-    site = _run(python, "-c", "import kvforge, os; print(os.path.dirname(kvforge.__file__))").stdout.strip()
+    site = _run(python, "-c", "import kvforge, os; print(os.path.dirname(kvforge.__file__))", cwd=tmp_path,
+                env=env).stdout.strip()
+    assert site.startswith(str(venv))
     used = f"CPU kernels: {host.isa}, built with the package ({site}/kernels/cpu/_kernels_{host.isa.replace('-', '_')}"
     assert used in result.stderr, result.stderr
     assert not extensions.exists() or not any(extensions.iterdir()), "the engine compiled kernels on first use"
