@@ -27,6 +27,7 @@ _QUANTIZE_MODULE = "kvforge.quantize.cli"
 _PLAN_MODULE = "kvforge.plan.cli"
 _PROFILE_MODULE = "kvforge.profiler.cli"
 _COMPILE_MODULE = "kvforge.tools.cross_compile"
+_ENV_MODULE = "kvforge.tools.env"
 _EVALS = {"perplexity": ("kvforge.eval.perplexity", "perplexity of each held-out text and their mean")}
 
 
@@ -156,6 +157,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "compile-kernels", help="compile every Triton kernel for the GPUs kvforge tunes for, without them",
         description="Compile every Triton kernel as the engine launches it, for GPU architectures that are "
         "not in this machine; report shared memory, registers and spills.")
+    module_parsers[("env", None)] = commands.add_parser(
+        "env", help="what the engine will use here: versions, C++ CPU kernels, CPU ISA, Triton, devices, threads",
+        description="Print what the engine will use on this machine: kvforge and torch versions, the C++ CPU "
+        "kernels (which build, or why none), the CPU's instruction set, Triton, the devices and the thread count.")
     evals = commands.add_parser("eval", help="evaluations").add_subparsers(dest="evaluation", required=True)
     module_parsers.update({("eval", name): evals.add_parser(name, help=text, description=text)
                            for name, (_, text) in _EVALS.items()})
@@ -177,6 +182,8 @@ def _module_of(argv: list[str]) -> tuple[tuple, str] | None:
         return ("profile", None), _PROFILE_MODULE
     if words[:1] == ["compile-kernels"]:
         return ("compile-kernels", None), _COMPILE_MODULE
+    if words[:1] == ["env"]:
+        return ("env", None), _ENV_MODULE
     if words[:1] == ["eval"] and len(words) > 1 and words[1] in _EVALS:
         return ("eval", words[1]), _EVALS[words[1]][0]
     return None

@@ -19,7 +19,7 @@ from kvforge.engine.speculation import Speculation
 from kvforge.engine.stats import CacheStats, EngineStats
 from kvforge.executor.executor import create_executor
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
-from kvforge.kernels.cpu.extension import cpu_kernels_isa
+from kvforge.kernels.cpu.extension import kernels_build
 from kvforge.loader.heap import release_freed_memory
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
@@ -83,7 +83,7 @@ class LLMEngine:
     def _log_cache(self, dtype: torch.dtype, bytes_per_token: int) -> None:
         logger.info("attention backend: %s", self.attention_backend)
         if torch.device(self.device).type == "cpu":
-            logger.info("CPU kernels: %s", cpu_kernels_isa())
+            logger.info("CPU kernels: %s", kernels_build().describe())
         kv_dtype = str(dtype).removeprefix("torch.")
         size, block_size = self.executor.kv_cache_size, self.config.cache.block_size
         logger.info("KV cache (%s, %d bytes/token): %d blocks of %d tokens = %d tokens (%.1f MiB per rank), set by "

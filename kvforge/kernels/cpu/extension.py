@@ -1,9 +1,14 @@
-"""The C++ CPU kernels (csrc/), compiled once per machine on first use and cached by torch.
+"""The C++ CPU kernels (csrc/): the build of them that this CPU runs best, loaded once per process.
 
-Without a C++ compiler or ninja, `cpu_kernels()` returns None and the caller keeps its pure-torch
-path; the reason is logged once. The sources register torch ops (`torch.ops.kvforge_cpu.*`), available
-once the module is loaded, each with the fake implementation below, so torch.compile traces them as opaque
-nodes:
+A kvforge package comes with its kernels compiled, one build per instruction set (builds.py, setup.py); the best one
+this CPU's flags allow is loaded (`KVFORGE_CPU_VARIANT=avx2`, say, chooses a lesser one). Where none came with it for
+these sources (a source checkout, or one whose kernels were edited since its build), they are compiled for this CPU
+on first use (-march=native, 1-3 minutes once, then cached by torch), and the log says so.
+Where that compile fails (no C++ compiler, no ninja), `cpu_kernels()` returns None and the callers keep their torch
+paths, several times slower: a warning says so, and `kvforge env` shows what the engine uses.
+
+The sources register torch ops (`torch.ops.kvforge_cpu.*`), available once the module is loaded, each with the fake
+implementation below, so torch.compile traces them as opaque nodes:
 
     quant_gemv(x [M, K], qweight, scales, offsets, bits, int8_activations) -> [M, N] fp32   (quant_gemv.py)
     quant_dequantize(qweight, scales, offsets, bits) -> [N, K] fp32
@@ -36,52 +41,113 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib
+import importlib.util
 import logging
 import os
-from pathlib import Path
+import platform
+from dataclasses import dataclass
 from types import ModuleType
+
+from kvforge.kernels.cpu import builds
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [CSRC / name for name in ("argmax.cpp", "c_shims.cpp", "dense_gemv.cpp", "gguf_decode.cpp",
-                                        "layer_ops.cpp", "paged_decode.cpp", "paged_prefill.cpp", "panel_pack.cpp",
-                                        "quant_gemv.cpp", "quant_gemv_int8.cpp", "quant_panels.cpp",
-                                        "python_arenas.cpp")]
+CSRC = builds.CSRC
 DISABLE_ENV = "KVFORGE_NO_CPU_EXTENSION"
+VARIANT_ENV = "KVFORGE_CPU_VARIANT"  # the built variant to load (an ISA name), where this CPU runs it
+
+
+@dataclass(frozen=True, slots=True)
+class KernelsBuild:
+    """The C++ kernels this process uses: the loaded module, how it was built (`origin`) and its file, or None and
+    why not (`origin` says so)."""
+
+    module: ModuleType | None
+    origin: str
+    path: str | None = None
+
+    def describe(self) -> str:
+        """One line for the log and `kvforge env`: the ISA and how it was built, with the file; or why none."""
+        if self.module is None:
+            return f"not built (torch fallbacks): {self.origin}"
+        import torch
+
+        return f"{torch.ops.kvforge_cpu.quant_gemv_isa()}, {self.origin} ({self.path})"
 
 
 @functools.cache
-def cpu_kernels() -> ModuleType | None:
-    """The compiled extension, or None when it cannot be built here (or KVFORGE_NO_CPU_EXTENSION=1)."""
+def kernels_build() -> KernelsBuild:
+    """Loads the kernels once per process: the best variant built with the package that this CPU runs, else a build
+    for this CPU compiled on first use (logged); None in `module` where that fails or KVFORGE_NO_CPU_EXTENSION=1."""
     if os.environ.get(DISABLE_ENV) == "1":
-        return None
+        return KernelsBuild(None, f"{DISABLE_ENV}=1")
+    build = _built_with_package() or _compiled_on_first_use()
+    if build.module is not None:
+        # NOTE: the module's symbols made global, so that Inductor's compiled C++ wrappers find its C entry points
+        # (c_shims.cpp) when they are loaded; Python loads extensions with their symbols local.
+        ctypes.CDLL(build.path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        _register_fakes()
+    return build
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The loaded extension, or None when there is none (kernels_build() says why)."""
+    return kernels_build().module
+
+
+def _candidates() -> tuple[builds.Variant, ...]:
+    """The variants this CPU runs, best first; only the one named by KVFORGE_CPU_VARIANT when it runs here."""
+    runnable = builds.runnable(builds.cpu_flags(), platform.machine())
+    wanted = os.environ.get(VARIANT_ENV)
+    if not wanted:
+        return runnable
+    chosen = tuple(v for v in runnable if v.isa == wanted)
+    if not chosen:
+        logger.warning("%s=%s: not a variant this CPU runs (%s); choosing among those", VARIANT_ENV, wanted,
+                       ", ".join(v.isa for v in runnable))
+    return chosen or runnable
+
+
+def _built_with_package() -> KernelsBuild | None:
+    """The best variant among those built with the package (for these sources) that this CPU runs."""
+    digest = builds.sources_digest()
+    for variant in _candidates():
+        name = f"{__package__}.{variant.module_name(digest)}"
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except ImportError as err:  # NOTE: typically built against another torch, whose symbols it misses
+            logger.warning("CPU kernels: the %s build that came with kvforge does not load (%s); kvforge must be "
+                           "built against the torch it runs with (setup.py)", variant.isa, err)
+            continue
+        return KernelsBuild(module, "built with the package", spec.origin)
+    return None
+
+
+def _compiled_on_first_use() -> KernelsBuild:
+    """The kernels compiled for this CPU (-march=native) by torch, which caches the build for later processes."""
+    # NOTE: the name holds a digest of the sources and of their folder: two checkouts never share (and rebuild over
+    # each other) one build folder, nor load each other's module; torch rebuilds a module whose source paths changed,
+    # even when their contents are the same.
+    digest = hashlib.sha256(f"{CSRC} {builds.sources_digest()}".encode()).hexdigest()[:12]
+    logger.info("CPU kernels: none came with kvforge for these sources (a source checkout?); compiling them for "
+                "this CPU on first use (-march=native; 1-3 minutes, once: torch caches the build)")
     try:
         from torch.utils.cpp_extension import load
 
-        logger.debug("loading the CPU kernels (the first use on a machine compiles them, ~1 min)")
-        # NOTE: a digest of the sources (headers included) and of their folder in the name: two checkouts never
-        # share (and rebuild over each other) one build folder, nor load each other's module; torch rebuilds a
-        # module whose source paths changed, even when their contents are the same.
-        files = sorted(f for f in CSRC.iterdir() if f.suffix in (".cpp", ".h"))
-        digest = hashlib.sha256(b"".join([str(CSRC).encode(), *(f.read_bytes() for f in files)])).hexdigest()[:12]
-        module = load(
-            name=f"kvforge_cpu_kernels_{digest}",
-            sources=[str(s) for s in _SOURCES],
-            # NOTE: -fopenmp, or at::parallel_for (inlined from torch's headers) runs on one thread. The
-            # module then needs libgomp.so.1, which resolves to the copy torch has already loaded.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-        # NOTE: the module's symbols made global, so that Inductor's compiled C++ wrappers find its C entry points
-        # (c_shims.cpp) when they are loaded; Python loads extensions with their symbols local.
-        ctypes.CDLL(module.__file__, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        module = load(name=f"kvforge_cpu_kernels_{digest}", sources=[str(s) for s in builds.sources()],
+                      extra_cflags=[*builds.COMMON_FLAGS, "-march=native"], extra_ldflags=list(builds.LINK_FLAGS),
+                      verbose=False)
     except (OSError, RuntimeError, ImportError) as err:
-        logger.warning("CPU kernels unavailable (%s); using the torch attention and quantized-matmul paths", err)
-        return None
-    _register_fakes()
-    return module
+        logger.warning("CPU kernels unavailable: none came with kvforge for this CPU, and compiling them failed, so "
+                       "the engine runs its torch fallbacks instead (attention, quantized matmuls, norms), several "
+                       "times slower. Install a C++ compiler and ninja, or kvforge built with its kernels (setup.py). "
+                       "%s", err)
+        return KernelsBuild(None, f"none came with kvforge, and compiling them failed: {err}")
+    return KernelsBuild(module, "compiled on first use for this CPU (-march=native)", module.__file__)
 
 
 # The C entry points of csrc/c_shims.cpp, as Inductor's C++ wrapper declares them (the signatures there).
@@ -131,15 +197,6 @@ def keep_python_memory() -> None:
         import torch
 
         torch.ops.kvforge_cpu.cache_python_arenas()
-
-
-def cpu_kernels_isa() -> str:
-    """What a CPU engine logs at start: the instruction set the kernels were built for (-march=native picks it)"""
-    if cpu_kernels() is None:
-        return "not built (torch fallbacks)"
-    import torch
-
-    return torch.ops.kvforge_cpu.quant_gemv_isa()
 
 
 def _register_fakes() -> None:

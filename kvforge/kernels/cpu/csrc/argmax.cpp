@@ -4,7 +4,8 @@
 // Each of 16 lanes keeps its own best value and index over the columns c = lane (mod 16), replaced only by a
 // strictly larger value (or by a NaN where it holds none), so each lane keeps its first maximum; the lanes then
 // reduce to the largest value at the smallest index. Rows are split over the threads.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -51,12 +52,12 @@ int64_t argmax_row(const float* row, int64_t n) {
 }  // namespace
 
 // logits [rows, vocab] float32 -> [rows] int64
-torch::Tensor argmax_rows(torch::Tensor logits) {
+at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous() && logits.is_cpu(),
               "argmax_rows takes contiguous float32 [rows, vocab] CPU logits");
   TORCH_CHECK(logits.size(1) > 0, "argmax_rows: rows of no elements have no maximum");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / n), [&](int64_t begin, int64_t end) {

@@ -19,7 +19,7 @@ using torch::aot_inductor::tensor_handle_to_tensor_pointer;
 
 namespace {
 
-const torch::Tensor& tensor(AtenTensorHandle handle) { return *tensor_handle_to_tensor_pointer(handle); }
+const at::Tensor& tensor(AtenTensorHandle handle) { return *tensor_handle_to_tensor_pointer(handle); }
 
 }  // namespace
 
@@ -39,8 +39,8 @@ AOTITorchError aoti_torch_cpu_paged_decode(AtenTensorHandle query, AtenTensorHan
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *out = new_tensor_handle(paged_decode(tensor(query), tensor(key_cache), tensor(value_cache),
                                           tensor(block_tables), tensor(seq_lens), scale,
-                                          pointer_to_optional<torch::Tensor>(key_scale),
-                                          pointer_to_optional<torch::Tensor>(value_scale)));
+                                          pointer_to_optional<at::Tensor>(key_scale),
+                                          pointer_to_optional<at::Tensor>(value_scale)));
   });
 }
 

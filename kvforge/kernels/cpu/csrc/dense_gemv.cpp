@@ -52,7 +52,7 @@ struct DenseTiles {
 #endif
 
 // x: [M, K] float32, weight: [N, K] float32 contiguous -> x W^T [M, N] float32 (AVX2 builds only).
-torch::Tensor dense_gemv(torch::Tensor x, const torch::Tensor& weight) {
+at::Tensor dense_gemv(at::Tensor x, const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.device().is_cpu(),
               "weight must be a contiguous float32 [N, K] CPU tensor");
@@ -62,7 +62,7 @@ torch::Tensor dense_gemv(torch::Tensor x, const torch::Tensor& weight) {
 #ifdef __AVX2__
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0)
     for_each_tile(DenseTiles{x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), N, K}, M, N, K);
   return out;
@@ -76,7 +76,7 @@ torch::Tensor dense_gemv(torch::Tensor x, const torch::Tensor& weight) {
 // (mkldnn::_linear_pointwise), which Inductor cannot lower on a weight it did not pack, called here so that a
 // compiled step sees one opaque op. Above a few rows it beats F.linear's BLAS on every layer shape of the default
 // model (kernels/cpu/dense_gemv.py has the figures).
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& bias) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

@@ -5,7 +5,8 @@
 // the same order (the build contracts no multiply-add here: none is written as one).
 //
 //   blocks uint8 [N, B, block bytes] -> codes uint8 [N, K], scales float32 [N, G], zeros float32 [N, G]
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 
@@ -211,16 +212,16 @@ Layout layout_of(int64_t type) {
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_decode(torch::Tensor blocks, int64_t type) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_decode(at::Tensor blocks, int64_t type) {
   const Layout layout = layout_of(type);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.size(2) == layout.block_bytes &&
                   blocks.is_contiguous() && blocks.device().is_cpu(),
               "blocks must be a contiguous uint8 [rows, blocks, ", layout.block_bytes, "] CPU tensor");
   const int64_t N = blocks.size(0), B = blocks.size(1), K = B * layout.block_size, G = K / layout.group_size;
   const int64_t groups_per_block = layout.block_size / layout.group_size;
-  auto codes = torch::empty({N, K}, blocks.options());
-  auto scales = torch::empty({N, G}, blocks.options().dtype(at::kFloat));
-  auto zeros = torch::empty({N, G}, scales.options());
+  auto codes = at::empty({N, K}, blocks.options());
+  auto scales = at::empty({N, G}, blocks.options().dtype(at::kFloat));
+  auto zeros = at::empty({N, G}, scales.options());
   const uint8_t* const in = blocks.data_ptr<uint8_t>();
   uint8_t* const c = codes.data_ptr<uint8_t>();
   float *const s = scales.data_ptr<float>(), *const z = zeros.data_ptr<float>();

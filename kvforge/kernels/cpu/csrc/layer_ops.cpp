@@ -6,7 +6,8 @@
 //
 // Each kernel computes in fp32 and rounds to the input dtype where its reference does, so bf16 and fp16 rows
 // match it up to the order of a row's sum. Rows are split over the threads in chunks of about kGrainElements.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -56,7 +57,7 @@ void rms_norm_rows(T* out, T* residual_out, const T* x, int64_t x_stride, const 
   });
 }
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char* op) {
+void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x is [rows, hidden] with contiguous rows");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(),
@@ -122,9 +123,9 @@ void rotate_heads(T* out, const T* x, int64_t token_stride, int64_t head_stride,
 }  // namespace
 
 // x [rows, hidden] (contiguous rows), weight [hidden] in x's dtype -> [rows, hidden].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, weight, "rms_norm");
-  auto out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), nullptr, x.data_ptr<scalar_t>(), x.stride(0), nullptr, 0,
                             weight.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
@@ -133,13 +134,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // (rms_norm(x + residual), x + residual), both [rows, hidden]; residual like x.
-std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
-                                                            torch::Tensor weight, double eps) {
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(at::Tensor x, at::Tensor residual,
+                                                            at::Tensor weight, double eps) {
   check_rows(x, weight, "fused_add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type(),
               "fused_add_rms_norm: residual is like x");
-  auto out = torch::empty(x.sizes(), x.options());
-  auto residual_out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
+  auto residual_out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
     rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), residual_out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
                             x.stride(0), residual.data_ptr<scalar_t>(), residual.stride(0),
@@ -149,11 +150,11 @@ std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(torch::Tensor x, tor
 }
 
 // x [rows, 2 * d] (contiguous rows) -> [rows, d].
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
               "silu_and_mul: x is [rows, 2 * d] with contiguous rows");
   const int64_t d = x.size(1) / 2;
-  auto out = torch::empty({x.size(0), d}, x.options());
+  auto out = at::empty({x.size(0), d}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.stride(0), x.size(0), d);
   });
@@ -162,8 +163,8 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 // positions [tokens] int32/int64; query [tokens, heads, head_dim], key [tokens, kv_heads, head_dim] (contiguous
 // features); cos_sin_cache [max_position, rot_dim] float32 -> (query, key) rotated, contiguous.
-std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tensor query,
-                                                          torch::Tensor key, torch::Tensor cos_sin_cache,
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(at::Tensor positions, at::Tensor query,
+                                                          at::Tensor key, at::Tensor cos_sin_cache,
                                                           bool is_neox) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.stride(2) == 1 && key.stride(2) == 1 &&
                   query.size(0) == key.size(0) && query.size(2) == key.size(2) &&
@@ -176,8 +177,8 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(torch::Tensor position
                   cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.size(1) % 2 == 0 &&
                   cos_sin_cache.size(1) <= query.size(2),
               "rotary_embedding: cos_sin_cache is [max_position, rot_dim] float32, rot_dim even and <= head_dim");
-  auto q_out = torch::empty(query.sizes(), query.options());
-  auto k_out = torch::empty(key.sizes(), key.options());
+  auto q_out = at::empty(query.sizes(), query.options());
+  auto k_out = at::empty(key.sizes(), key.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_embedding", [&] {
     AT_DISPATCH_INDEX_TYPES(positions.scalar_type(), "rotary_embedding_positions", [&] {
       for (auto [out, x] : {std::pair{&q_out, &query}, std::pair{&k_out, &key}})

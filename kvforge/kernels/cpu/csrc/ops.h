@@ -2,18 +2,19 @@
 // kernel's file, and called directly by the C entry points of Inductor's C++ wrapper (c_shims.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 namespace kvforge_cpu {
 
 // quant_panels.cpp
-torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t bits, int64_t out_features,
+at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int64_t out_features,
                                 double factor);
 
 }  // namespace kvforge_cpu
 
 // paged_decode.cpp
-torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                           c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale);
-void cache_write(torch::Tensor rows, torch::Tensor cache, torch::Tensor slot_mapping);
+at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                           at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                           c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> value_scale);
+void cache_write(at::Tensor rows, at::Tensor cache, at::Tensor slot_mapping);

@@ -7,7 +7,8 @@
 // t % block_size.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -153,9 +154,9 @@ inline void with_block(int64_t n, F f) {
 // values under other queries, or int8 / fp8 codes when key_scale and value_scale are given (float32, one per slot
 // and kv head; both or neither).
 template <class F>
-void dispatch_paged(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                    const torch::Tensor& block_tables, const c10::optional<torch::Tensor>& key_scale,
-                    const c10::optional<torch::Tensor>& value_scale, const char* name, F f) {
+void dispatch_paged(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                    const at::Tensor& block_tables, const c10::optional<at::Tensor>& key_scale,
+                    const c10::optional<at::Tensor>& value_scale, const char* name, F f) {
   TORCH_CHECK(key_scale.has_value() == value_scale.has_value(), name, ": key_scale and value_scale go together");
   const float* k_scale = key_scale.has_value() ? key_scale->data_ptr<float>() : nullptr;
   const float* v_scale = value_scale.has_value() ? value_scale->data_ptr<float>() : nullptr;

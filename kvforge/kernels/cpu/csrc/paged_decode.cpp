@@ -18,7 +18,8 @@
 // A quantized cache holds int8 or fp8 (e4m3) codes C and one float scale per (token, kv head). Each cached
 // row is widened to floats once for the whole group, and its scale is factored out of the head_dim loops:
 //     score[t] = k_scale[t] * (q . k_codes[t])        acc += (p[t] * v_scale[t]) * v_codes[t]
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -243,15 +244,15 @@ void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq
 // All contiguous, on the CPU. key_scale, value_scale: None for caches in the query dtype, or
 // [num_blocks, block_size, num_kv_heads] float32 for int8 / float8_e4m3fn codes. Returns [num_seqs, num_heads,
 // head_dim] in the query dtype.
-torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                           c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale) {
+at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                           at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                           c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> value_scale) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode takes contiguous tensors");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_decode: block_tables and seq_lens are int32");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   dispatch_paged(query, key_cache, value_cache, block_tables, key_scale, value_scale, "paged_decode",
                  [&](auto t, const auto& cache) {
     using T = decltype(t);
@@ -265,7 +266,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
 // slot_mapping [num_tokens] (int64; negative: a padding token, skipped); cache [num_blocks, block_size, *row_shape]
 // with contiguous rows, its two leading dims strided as they may be (e.g. the K half of a joint K/V tensor).
 //   slot s -> cache[s / block_size, s % block_size]
-void cache_write(torch::Tensor rows, torch::Tensor cache, torch::Tensor slot_mapping) {
+void cache_write(at::Tensor rows, at::Tensor cache, at::Tensor slot_mapping) {
   TORCH_CHECK(rows.scalar_type() == cache.scalar_type(), "cache_write: rows of ", rows.scalar_type(),
               " into a cache of ", cache.scalar_type());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
@@ -301,6 +302,3 @@ TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("cache_write", &cache_write);
 }
-
-// torch.utils.cpp_extension.load imports the build as a Python module: this one has no functions of its own.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -16,7 +16,8 @@
 // acc += P V keeps a block of rows x column chunks in registers while the tile's value rows stream past (the decode
 // kernel's blocking). Items differ in cost (a tile late in a long prompt sees more keys): they are handed out
 // costliest first to whichever thread is free.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -231,10 +232,10 @@ void prefill_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* qu
 // [query_start_loc[s], query_start_loc[s + 1]) and seq_lens[s] tokens of context, the queries its last ones. Caches,
 // block tables and scales as paged_decode takes them. Returns [num_tokens, num_heads, head_dim] in the query dtype:
 // the rows of sequences with more than one query token; those of the others are left unwritten.
-torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                            torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                            double scale, c10::optional<torch::Tensor> key_scale,
-                            c10::optional<torch::Tensor> value_scale) {
+at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                            at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,
+                            double scale, c10::optional<at::Tensor> key_scale,
+                            c10::optional<at::Tensor> value_scale) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   block_tables.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
               "paged_prefill takes contiguous tensors");
@@ -252,7 +253,7 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
                 "paged_prefill: sequence ", s, " has ", q_len, " query tokens and ", lens[s],
                 " of context, which its queries and block table do not hold");
   }
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   dispatch_paged(query, key_cache, value_cache, block_tables, key_scale, value_scale, "paged_prefill",
                  [&](auto t, const auto& cache) {
     using T = decltype(t);

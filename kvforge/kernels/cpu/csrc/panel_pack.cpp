@@ -4,7 +4,8 @@
 //
 //   codes uint8 [N, K], scales and offsets float32 [N, G] (offsets absent: a symmetric layout, no offsets stored),
 //   times `multiplier` and rounded to half -> uint8 [T, part bytes], each part padded with zeros to 64 bytes
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 
@@ -36,7 +37,7 @@ inline void lane(const uint8_t* row, int64_t u, int64_t bits, uint8_t* out) {
 
 }  // namespace
 
-torch::Tensor pack_panels(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+at::Tensor pack_panels(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> offsets,
                           int64_t bits, int64_t parts, double multiplier) {
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.device().is_cpu(),
@@ -52,7 +53,7 @@ torch::Tensor pack_panels(torch::Tensor codes, torch::Tensor scales, c10::option
   TORCH_CHECK(parts >= 1, "parts must be at least 1, got ", parts);
   codes = codes.contiguous();
   scales = scales.contiguous();
-  const torch::Tensor offs = offsets.has_value() ? offsets->contiguous() : torch::Tensor();
+  const at::Tensor offs = offsets.has_value() ? offsets->contiguous() : at::Tensor();
   const int64_t V = bits;                                  // vectors a 32-column block
   const int64_t group_vectors = V * (K / G) / kBlock;      // vectors a group (a half block: V / 2)
   const int64_t header = offs.defined() ? 64 : 32;         // a panel's bytes of scales (and offsets)
@@ -60,7 +61,7 @@ torch::Tensor pack_panels(torch::Tensor codes, torch::Tensor scales, c10::option
   const int64_t W = bits == 8 ? 2 : 4;                     // panels a tile
   const int64_t per_part = (N + kPanel * parts - 1) / (kPanel * parts);
   const int64_t part_bytes = (per_part * G * panel_group + 63) / 64 * 64;
-  auto out = torch::empty({parts, part_bytes}, codes.options());
+  auto out = at::empty({parts, part_bytes}, codes.options());
   const uint8_t* const c = codes.data_ptr<uint8_t>();
   const float* const s = scales.data_ptr<float>();
   const float* const o = offs.defined() ? offs.data_ptr<float>() : nullptr;

@@ -11,7 +11,8 @@
 //
 // The allocator installed here is CPython's own (mmap, munmap) with a cache: up to kCacheBytes of freed blocks are
 // kept and handed out again for the same size, so a chunk that is freed and taken again every step is mapped once.
-#include <torch/extension.h>
+#include <Python.h>
+#include <torch/library.h>
 
 #include <sys/mman.h>
 

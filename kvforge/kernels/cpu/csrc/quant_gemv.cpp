@@ -207,7 +207,7 @@ void dequantize_kernel(float* out, const uint8_t* qweight, const float* scales, 
 
 }  // namespace
 
-void check_layout(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& offsets,
+void check_layout(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& offsets,
                   int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
@@ -248,13 +248,13 @@ void prepare_x(const float* x, float* x_lanes, float* xsum, int64_t M, int64_t K
 }
 
 // The fp32 kernel: x [M, K] float32 contiguous -> x W^T [M, N] float32.
-torch::Tensor quant_gemv_float(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                               const torch::Tensor& offsets, int64_t bits) {
+at::Tensor quant_gemv_float(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                               const at::Tensor& offsets, int64_t bits) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = scales.size(1);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  auto x_lanes = torch::empty_like(x);
-  auto xsum = torch::empty({M, G}, x.options());
+  auto x_lanes = at::empty_like(x);
+  auto xsum = at::empty({M, G}, x.options());
   const auto prepare = bits == 8 ? prepare_x<8> : prepare_x<4>;
   prepare(x.data_ptr<float>(), x_lanes.data_ptr<float>(), xsum.data_ptr<float>(), M, K, G);
   const GemvArgs args{x_lanes.data_ptr<float>(), xsum.data_ptr<float>(), qweight.data_ptr<uint8_t>(),
@@ -269,7 +269,7 @@ torch::Tensor quant_gemv_float(const torch::Tensor& x, const torch::Tensor& qwei
 
 // x: [M, K] float32 -> x W^T: [M, N] float32, W in the layout above; int8_activations: x rounded to int8 per 32
 // columns (AVX2 builds only, see quant_gemv_vectorized).
-torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
+at::Tensor quant_gemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor offsets,
                          int64_t bits, bool int8_activations) {
   check_layout(qweight, scales, offsets, bits);
   const int64_t K = qweight.size(1) * 8 / bits;
@@ -285,10 +285,10 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
 }
 
 // The float32 weight [N, K] the layout stands for (larger batches multiply it with a float GEMM).
-torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets, int64_t bits) {
+at::Tensor quant_dequantize(at::Tensor qweight, at::Tensor scales, at::Tensor offsets, int64_t bits) {
   check_layout(qweight, scales, offsets, bits);
   const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits, G = scales.size(1);
-  auto out = torch::empty({N, K}, scales.options());
+  auto out = at::empty({N, K}, scales.options());
   const auto kernel = bits == 8 ? dequantize_kernel<8> : dequantize_kernel<4>;
   kernel(out.data_ptr<float>(), qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), N,
          K, G);

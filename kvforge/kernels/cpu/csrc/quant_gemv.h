@@ -3,7 +3,8 @@
 // kvforge/kernels/cpu/quant_gemv.py. The panel kernel (quant_panels.cpp) takes its rounding of x from here too.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -85,13 +86,13 @@ inline int32_t quantize_block(const float* x, int8_t* q, float* dx) {
 #endif
 
 // Raises unless qweight, scales and offsets are the layout of 4- or 8-bit codes in groups of whole 32-column blocks.
-void check_layout(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& offsets,
+void check_layout(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& offsets,
                   int64_t bits);
 
 // x [M, K] float32 -> x W^T [M, N] float32 with x rounded to int8 per 32 columns (quant_gemv_int8.cpp). Layout
 // checked by the caller; defined in AVX2 builds only.
-torch::Tensor quant_gemv_int8(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                              const torch::Tensor& offsets, int64_t bits);
+at::Tensor quant_gemv_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                              const at::Tensor& offsets, int64_t bits);
 
 // out[m0 .. m0 + MT, n0 .. n0 + NR] for n0 = begin, begin + NR, ..., then single weight rows up to end.
 template <int MT, int NR, class Tiles>

@@ -189,10 +189,10 @@ struct Int8Tiles {
 
 }  // namespace
 
-torch::Tensor quant_gemv_int8(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                              const torch::Tensor& offsets, int64_t bits) {
+at::Tensor quant_gemv_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                              const at::Tensor& offsets, int64_t bits) {
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), G = scales.size(1);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   std::vector<int32_t> block_group(K / kBlock);
   for (int64_t b = 0; b < K / kBlock; ++b) block_group[b] = static_cast<int32_t>(b * kBlock / (K / G));

@@ -308,7 +308,7 @@ void quantize_rows(const float* x, int8_t* xq, float* dx, float* xsum, int64_t M
 #endif
 
 // x [M, K] float32 -> x W^T [M, out_features] float32, W in the panel layout above.
-torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t bits, int64_t out_features,
+at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int64_t out_features,
                                 double factor) {
 #ifdef KVFORGE_PANELS_VNNI
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
@@ -334,7 +334,7 @@ torch::Tensor quant_gemm_panels(torch::Tensor x, torch::Tensor weight, int64_t b
               " does not fill ", parts, " parts of ", per_part, " panels");
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto out = torch::empty({M, out_features}, x.options());
+  auto out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * (K / kBlock)), xsum(M * G);
