@@ -103,12 +103,20 @@ def test_tiny_model_logits_and_tokens_match_the_dequantized_load(tiny_llms: tupl
     dense_logits, kept_logits = dense.engine.score(token_ids), kept.engine.score(token_ids)
     # NOTE: where the C++ CPU kernels are not built, the 4-bit o_proj runs on int4pack, which rounds
     # activations to bfloat16; hence a tolerance.
-    assert (kept_logits - dense_logits).abs().max() <= 2e-2 * dense_logits.abs().max()
+    bound = 2e-2 * dense_logits.abs().max()
+    assert (kept_logits - dense_logits).abs().max() <= bound
+    # Greedy answers through prefill and decode steps: the same tokens until they part, and where they part the float
+    # model itself was within the bound of choosing the kept model's token (every CPU kernel path rounds activations:
+    # to int8, or to bfloat16 without the C++ kernels, so a near tie of this random model may fall either way).
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": token_ids[i : i + 6]} for i in range(0, 24, 6)]
-    same = [a.outputs[0].token_ids == b.outputs[0].token_ids
-            for a, b in zip(dense.generate(prompts, params), kept.generate(prompts, params))]  # fmt: skip
-    assert sum(same) >= 3
+    prompts = [token_ids[i : i + 6] for i in range(0, 24, 6)]
+    requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+    for prompt, a, b in zip(prompts, dense.generate(requests, params), kept.generate(requests, params)):
+        ours, theirs = a.outputs[0].token_ids, b.outputs[0].token_ids
+        parted = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), None)
+        if parted is not None:
+            logits = dense.engine.score(prompt + ours[:parted])[-1]
+            assert logits[ours[parted]] - logits[theirs[parted]] <= 2 * bound, (prompt, ours, theirs)
 
 
 def test_gguf_option_needs_a_gguf_file(tmp_path: Path) -> None:
