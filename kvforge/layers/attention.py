@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvforge.kernels.ops import current_ops
@@ -25,8 +27,42 @@ class AttentionMetadata:
     decode_only: bool = False
 
 
+@dataclass(slots=True)
+class WholeSequenceMetadata:
+    """A step of whole sequences and no KV cache (pooling models): each sequence attends among its own tokens,
+    all of them (encoders) or those up to each query (decoders, causal).
+
+    The flat batch is gathered into padded rows once per layer:
+
+        token_rows  [num_seqs, max_len]  flat row of each sequence's token j (0 past the sequence's end)
+        valid       [num_seqs, max_len]  whether token j exists
+        mask        [num_seqs, 1, max_len, max_len]  query i may see key j (padding queries see key 0 onwards,
+                                         so no row is empty; their outputs are dropped)
+    """
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
+    token_rows: torch.Tensor
+    valid: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, seq_lens: list[int], causal: bool, device: torch.device) -> WholeSequenceMetadata:
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        starts = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
+        columns = np.arange(int(lens.max()))
+        valid = columns[None, :] < lens[:, None]
+        token_rows = np.where(valid, starts[:-1, None] + columns[None, :], 0)
+        mask = np.broadcast_to(valid[:, None, None, :], (len(lens), 1, len(columns), len(columns)))
+        if causal:
+            mask = mask & (columns[None, :] <= columns[:, None])[None, None]
+        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        return cls(to_device(starts), to_device(token_rows), to_device(valid), to_device(mask))
+
+
 class Attention(nn.Module):
-    """Writes this step's keys and values into the layer's cache, then attends over the cache."""
+    """Writes this step's keys and values into the layer's cache, then attends over the cache; with no cache
+    (kv_cache None, a pooling step's WholeSequenceMetadata) attends within each sequence of the step."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -41,11 +77,13 @@ class Attention(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: tuple[torch.Tensor, ...],
-        metadata: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, ...] | None,
+        metadata: AttentionMetadata | WholeSequenceMetadata,
     ) -> torch.Tensor:
         """kv_cache: (key_cache, value_cache) in the model dtype, or (key codes, value codes, key scales,
-        value scales) for a quantized cache (see KVCacheSpec)."""
+        value scales) for a quantized cache (see KVCacheSpec); None in a pooling step."""
+        if kv_cache is None:
+            return self._whole_sequences(query, key, value, metadata)
         key_cache, value_cache, *scales = kv_cache
         self.ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping, *scales)
         attend = self.ops.paged_decode if metadata.decode_only else self.ops.paged_attention
@@ -53,3 +91,12 @@ class Attention(nn.Module):
             query, key_cache, value_cache, metadata.block_tables,
             metadata.query_start_loc, metadata.seq_lens, self.scale, *scales,
         )
+
+    def _whole_sequences(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         metadata: WholeSequenceMetadata) -> torch.Tensor:
+        """Attention within each sequence of the step, padded to the longest: [num_tokens, num_heads, head_dim]."""
+        rows = metadata.token_rows
+        padded = [t[rows].transpose(1, 2) for t in (query, key, value)]  # [num_seqs, heads, max_len, head_dim]
+        out = F.scaled_dot_product_attention(*padded, attn_mask=metadata.mask, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(1, 2)[metadata.valid]
