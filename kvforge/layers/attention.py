@@ -32,32 +32,40 @@ class WholeSequenceMetadata:
     """A step of whole sequences and no KV cache (pooling models): each sequence attends among its own tokens,
     all of them (encoders) or those up to each query (decoders, causal).
 
-    The flat batch is gathered into padded rows once per layer:
+    Sequences of different lengths are gathered into padded rows once per layer:
 
         token_rows  [num_seqs, max_len]  flat row of each sequence's token j (0 past the sequence's end)
         valid       [num_seqs, max_len]  whether token j exists
         mask        [num_seqs, 1, max_len, max_len]  query i may see key j (padding queries see key 0 onwards,
                                          so no row is empty; their outputs are dropped)
+
+    Sequences of one length (one sequence, say) are a view of the flat batch: token_rows, valid and mask are None.
     """
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int64
-    token_rows: torch.Tensor
-    valid: torch.Tensor
-    mask: torch.Tensor
+    num_seqs: int
+    causal: bool
+    token_rows: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, seq_lens: list[int], causal: bool, device: torch.device) -> WholeSequenceMetadata:
         lens = np.asarray(seq_lens, dtype=np.int64)
         starts = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=starts[1:])
+        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        metadata = cls(to_device(starts), len(lens), causal)
+        if (lens == lens[0]).all():
+            return metadata
         columns = np.arange(int(lens.max()))
         valid = columns[None, :] < lens[:, None]
-        token_rows = np.where(valid, starts[:-1, None] + columns[None, :], 0)
         mask = np.broadcast_to(valid[:, None, None, :], (len(lens), 1, len(columns), len(columns)))
         if causal:
             mask = mask & (columns[None, :] <= columns[:, None])[None, None]
-        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-        return cls(to_device(starts), to_device(token_rows), to_device(valid), to_device(mask))
+        metadata.token_rows = to_device(np.where(valid, starts[:-1, None] + columns[None, :], 0))
+        metadata.valid, metadata.mask = to_device(valid), to_device(mask)
+        return metadata
 
 
 class Attention(nn.Module):
@@ -96,7 +104,13 @@ class Attention(nn.Module):
                          metadata: WholeSequenceMetadata) -> torch.Tensor:
         """Attention within each sequence of the step, padded to the longest: [num_tokens, num_heads, head_dim]."""
         rows = metadata.token_rows
-        padded = [t[rows].transpose(1, 2) for t in (query, key, value)]  # [num_seqs, heads, max_len, head_dim]
+        if rows is None:  # [num_seqs, heads, seq_len, head_dim], a view
+            padded = [t.view(metadata.num_seqs, -1, *t.shape[1:]).transpose(1, 2) for t in (query, key, value)]
+        else:  # [num_seqs, heads, max_len, head_dim]
+            padded = [t[rows].transpose(1, 2) for t in (query, key, value)]
         out = F.scaled_dot_product_attention(*padded, attn_mask=metadata.mask, scale=self.scale,
+                                             is_causal=metadata.causal and metadata.mask is None,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
+        if rows is None:
+            return out.transpose(1, 2).reshape(query.shape[0], self.num_heads, -1)
         return out.transpose(1, 2)[metadata.valid]
