@@ -102,8 +102,9 @@ class PoolingEngine:
 
     def check_params(self, params: PoolingParams) -> None:
         if not isinstance(params, PoolingParams):
-            raise ValueError(f"this engine runs a pooling model (runner 'pooling'): requests take PoolingParams "
-                             f"(embed, classify, score), got {type(params).__name__}")
+            raise ValueError("this model runs with runner 'pooling': it embeds, classifies and scores (LLM.embed, "
+                             "LLM.classify, LLM.score; /v1/embeddings, /classify, /score, /rerank) and does not "
+                             "generate text")
         if params.dimensions is not None and params.dimensions > self.hidden_size:
             raise ValueError(f"dimensions must be at most the model's {self.hidden_size}, got {params.dimensions}")
         if params.task != "embed" and not self.has_classifier:
