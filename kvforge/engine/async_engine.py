@@ -19,9 +19,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from kvforge.engine.llm_engine import LLMEngine, PromptType
+from kvforge.engine.engines import Engine
+from kvforge.engine.prompts import PromptType
 from kvforge.engine.stats import EngineStats
-from kvforge.outputs import RequestOutput
+from kvforge.outputs import PoolingRequestOutput, RequestOutput
+from kvforge.pooling_params import PoolingParams
 from kvforge.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class EngineDeadError(RuntimeError):
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     ack: asyncio.Future
 
 
@@ -108,7 +110,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Serves concurrent asyncio callers from one LLMEngine, stepped by a background thread.
+    """Serves concurrent asyncio callers from one LLMEngine (or PoolingEngine), stepped by a background thread.
 
     `max_queue` bounds the sequences waiting for a batch slot (those beyond the batch's max_num_seqs,
     a request's n samples counted together): beyond it `add_request` raises EngineOverloadedError.
@@ -116,7 +118,7 @@ class AsyncEngine:
     cause) and so does every later one.
     """
 
-    def __init__(self, engine: LLMEngine, max_queue: int = 1024) -> None:
+    def __init__(self, engine: Engine, max_queue: int = 1024) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine  # NOTE: after start(), only the engine thread may call it
@@ -155,7 +157,8 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | PoolingParams) -> RequestStream:
         """Queue a request; returns once the engine has taken it. Raises ValueError for a bad request,
         EngineOverloadedError when the queue is full and EngineDeadError when the engine is gone."""
         if self._loop is None:
@@ -164,7 +167,8 @@ class AsyncEngine:
             raise EngineDeadError(str(self.error)) from self.error.__cause__
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.structured_output is not None:  # compiled in the engine's grammar threads, not its step loop
+        # a grammar compiles in the engine's grammar threads, not its step loop
+        if isinstance(params, SamplingParams) and params.structured_output is not None:
             await asyncio.wrap_future(self.engine.grammars.compile(params.structured_output))
         stream = RequestStream(request_id, self._abort, self._loop.create_future())
         self._streams[request_id] = stream
@@ -194,7 +198,7 @@ class AsyncEngine:
         if self.error is None:
             self._commands.put(_Abort(request_id))
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput] | list[PoolingRequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

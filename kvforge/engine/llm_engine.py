@@ -12,6 +12,7 @@ from torch import nn
 
 from kvforge.config import EngineConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
+from kvforge.engine.prompts import PromptType, tokenize_prompt
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sample_group import SampleGroup, logprob_decoder
 from kvforge.engine.scheduler import NewRequest, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
@@ -28,8 +29,6 @@ from kvforge.spec_decode.proposer import create_proposer
 from kvforge.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | list[int] | dict
 
 
 def _speculation(config: EngineConfig, vocab_size: int, buckets: tuple[int, ...]) -> Speculation | None:
@@ -150,19 +149,7 @@ class LLMEngine:
 
     # ---- requests in ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        vocab_size = self.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-        return None, list(prompt)
+        return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams) -> str:
         """Queue a prompt (text, token ids or a dict with either); returns its request id."""

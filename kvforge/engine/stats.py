@@ -104,4 +104,7 @@ class EngineStats:
 
     @property
     def kv_cache_usage(self) -> float:
+        """The share of KV cache blocks in use (0 for a pooling engine, which keeps none)."""
+        if not self.num_usable_blocks:
+            return 0.0
         return 1.0 - self.num_free_blocks / self.num_usable_blocks

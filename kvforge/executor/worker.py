@@ -21,10 +21,23 @@ from kvforge.executor.kv_cache_memory import KVCacheSize, memory_limits, size_kv
 from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
 from kvforge.kernels.cpu.extension import keep_python_memory
-from kvforge.kernels.ops import building_with_ops, op_table
+from kvforge.kernels.ops import OpTable, building_with_ops, op_table
 from kvforge.loader.model_loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
+
+
+def load_with_ops(config: EngineConfig, device: torch.device, kv_cache_bytes: int = 0,
+                  runner: str = "generate") -> tuple[OpTable, LoadedModel]:
+    """The engine's op table for the device (config.device.attention_backend) and the model built with it."""
+    backend = config.device.attention_backend
+    if backend == "auto" and device.type == "cpu":
+        backend = "torch"  # a GPU machine told to run on its CPU
+    if device.type == "cpu":
+        keep_python_memory()
+    ops = op_table(None if backend == "auto" else backend)
+    with building_with_ops(ops):
+        return ops, load_model(config.model, device, kv_cache_bytes, runner)
 
 
 class Worker:
@@ -34,18 +47,12 @@ class Worker:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        backend = config.device.attention_backend
-        if backend == "auto" and device.type == "cpu":
-            backend = "torch"  # a GPU machine told to run on its CPU
-        if device.type == "cpu":
-            keep_python_memory()
-        self.ops = op_table(None if backend == "auto" else backend)
-        self.attention_backend = self.ops.backend
         # NOTE: a cache sized by default fits the memory left after the load (kv_cache_memory.py); one asked for
         # counts in the load's check that the model fits
         kv_cache_bytes = (config.cache.kv_cache_memory or 0) if device.type == "cpu" else 0
-        with building_with_ops(self.ops):
-            self.loaded: LoadedModel | None = load_model(config.model, device, kv_cache_bytes)
+        self.ops, loaded = load_with_ops(config, device, kv_cache_bytes)
+        self.loaded: LoadedModel | None = loaded
+        self.attention_backend = self.ops.backend
         # NOTE: the CPU's C++ and torch attention kernels widen 16-bit cache rows under float32 queries; the Triton
         # kernels (GPUs, or the interpreter) read the query dtype
         widening = device.type == "cpu" and self.attention_backend == "torch"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvforge.kernels.ops import current_ops
@@ -25,8 +27,50 @@ class AttentionMetadata:
     decode_only: bool = False
 
 
+@dataclass(slots=True)
+class WholeSequenceMetadata:
+    """A step of whole sequences and no KV cache (pooling models): each sequence attends among its own tokens,
+    all of them (encoders) or those up to each query (decoders, causal).
+
+    Sequences of different lengths are gathered into padded rows once per layer:
+
+        token_rows  [num_seqs, max_len]  flat row of each sequence's token j (0 past the sequence's end)
+        valid       [num_seqs, max_len]  whether token j exists
+        mask        [num_seqs, 1, max_len, max_len]  query i may see key j (padding queries see key 0 onwards,
+                                         so no row is empty; their outputs are dropped)
+
+    Sequences of one length (one sequence, say) are a view of the flat batch: token_rows, valid and mask are None.
+    """
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
+    num_seqs: int
+    causal: bool
+    token_rows: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, seq_lens: list[int], causal: bool, device: torch.device) -> WholeSequenceMetadata:
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        starts = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
+        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        metadata = cls(to_device(starts), len(lens), causal)
+        if (lens == lens[0]).all():
+            return metadata
+        columns = np.arange(int(lens.max()))
+        valid = columns[None, :] < lens[:, None]
+        mask = np.broadcast_to(valid[:, None, None, :], (len(lens), 1, len(columns), len(columns)))
+        if causal:
+            mask = mask & (columns[None, :] <= columns[:, None])[None, None]
+        metadata.token_rows = to_device(np.where(valid, starts[:-1, None] + columns[None, :], 0))
+        metadata.valid, metadata.mask = to_device(valid), to_device(mask)
+        return metadata
+
+
 class Attention(nn.Module):
-    """Writes this step's keys and values into the layer's cache, then attends over the cache."""
+    """Writes this step's keys and values into the layer's cache, then attends over the cache; with no cache
+    (kv_cache None, a pooling step's WholeSequenceMetadata) attends within each sequence of the step."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -41,11 +85,13 @@ class Attention(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: tuple[torch.Tensor, ...],
-        metadata: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, ...] | None,
+        metadata: AttentionMetadata | WholeSequenceMetadata,
     ) -> torch.Tensor:
         """kv_cache: (key_cache, value_cache) in the model dtype, or (key codes, value codes, key scales,
-        value scales) for a quantized cache (see KVCacheSpec)."""
+        value scales) for a quantized cache (see KVCacheSpec); None in a pooling step."""
+        if kv_cache is None:
+            return self._whole_sequences(query, key, value, metadata)
         key_cache, value_cache, *scales = kv_cache
         self.ops.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping, *scales)
         attend = self.ops.paged_decode if metadata.decode_only else self.ops.paged_attention
@@ -53,3 +99,18 @@ class Attention(nn.Module):
             query, key_cache, value_cache, metadata.block_tables,
             metadata.query_start_loc, metadata.seq_lens, self.scale, *scales,
         )
+
+    def _whole_sequences(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         metadata: WholeSequenceMetadata) -> torch.Tensor:
+        """Attention within each sequence of the step, padded to the longest: [num_tokens, num_heads, head_dim]."""
+        rows = metadata.token_rows
+        if rows is None:  # [num_seqs, heads, seq_len, head_dim], a view
+            padded = [t.view(metadata.num_seqs, -1, *t.shape[1:]).transpose(1, 2) for t in (query, key, value)]
+        else:  # [num_seqs, heads, max_len, head_dim]
+            padded = [t[rows].transpose(1, 2) for t in (query, key, value)]
+        out = F.scaled_dot_product_attention(*padded, attn_mask=metadata.mask, scale=self.scale,
+                                             is_causal=metadata.causal and metadata.mask is None,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        if rows is None:
+            return out.transpose(1, 2).reshape(query.shape[0], self.num_heads, -1)
+        return out.transpose(1, 2)[metadata.valid]

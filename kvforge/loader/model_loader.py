@@ -12,10 +12,12 @@ from torch import nn
 
 from kvforge.config import ModelConfig
 from kvforge.kernels.cpu.dense_gemv import use_dense_gemv
+from kvforge.layers.pooler import PoolerConfig
 from kvforge.loader.heap import release_freed_memory
 from kvforge.loader.hub_cache import resolve_model_path
 from kvforge.loader.huge_pages import huge_pages_offered, move_to_huge_pages
 from kvforge.loader.memory_fit import check_fits
+from kvforge.loader.pooling_config import read_pooler_config
 from kvforge.loader.safetensors_dir import (
     iterate_safetensors,
     read_hf_config,
@@ -46,6 +48,7 @@ class LoadedModel:
     hf_config: dict
     dtype: torch.dtype
     name: str
+    pooler: PoolerConfig | None = None  # how a pooling model pools (runner "pooling")
 
 
 def resolve_dtype(requested: str, hf_config: dict, device: torch.device) -> torch.dtype:
@@ -65,9 +68,19 @@ def _releasing_freed_memory(weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
         yield item
 
 
-def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 0) -> LoadedModel:
-    """Build the architecture named by the checkpoint and fill it with its weights. On the CPU, a model whose weights
-    and kv_cache_bytes do not fit in the memory left is refused first (loader/memory_fit.py)."""
+def _with_classifier_token_ids(hf_config: dict, tokenizer: Tokenizer) -> dict:
+    """A reranker's `classifier_from_token` (e.g. ["no", "yes"]) as token ids, for its classifier head."""
+    tokens = hf_config.get("classifier_from_token")
+    if tokens is None:
+        return hf_config
+    return {**hf_config, "classifier_from_token_ids": [tokenizer.token_id(token) for token in tokens]}
+
+
+def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 0,
+               runner: str = "generate") -> LoadedModel:
+    """Build the architecture named by the checkpoint, for the runner ("generate" or "pooling"), and fill it with its
+    weights. On the CPU, a model whose weights and kv_cache_bytes do not fit in the memory left is refused first
+    (loader/memory_fit.py)."""
     if config.model is None:
         from kvforge.loader.default_model import default_model_path
 
@@ -85,10 +98,12 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
         if config.quantization == "gguf":
             raise ValueError(f"quantization='gguf' keeps a .gguf file's quantized tensors; {str(path)!r} is a folder")
         hf_config = read_hf_config(path)
-        resolve_model_class(hf_config)  # an unknown architecture fails before anything else is read
+        resolve_model_class(hf_config, runner)  # an unknown architecture fails before anything else is read
         tokenizer = Tokenizer.from_dir(str(path))
+        hf_config = _with_classifier_token_ids(hf_config, tokenizer)
         weights = None
-    model_class = resolve_model_class(hf_config)
+    model_class = resolve_model_class(hf_config, runner)
+    pooler = read_pooler_config(path, model_class.is_causal) if runner == "pooling" else None
     quant_config = resolve_quant_config(hf_config, config.online_quantization)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     if device.type == "cpu":
@@ -122,4 +137,4 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
         move_to_huge_pages(model)
     model.eval()
     logger.info("loaded %s (%s) as %s on %s", path.name, model_class.__name__, dtype, device)
-    return LoadedModel(model, tokenizer, hf_config, dtype, str(path))
+    return LoadedModel(model, tokenizer, hf_config, dtype, str(path), pooler)

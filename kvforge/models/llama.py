@@ -1,4 +1,5 @@
-"""The Llama family: Llama 1/2/3, Mistral, Qwen2/2.5 (QKV bias) and Qwen3 (per-head q/k RMSNorm)."""
+"""The Llama family: Llama 1/2/3, Mistral, Qwen2/2.5 (QKV bias) and Qwen3 (per-head q/k RMSNorm), and Qwen3 with
+a sequence-classification head (classifiers and rerankers, run by the pooling runner)."""
 
 from __future__ import annotations
 
@@ -167,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
     merged_params = _MERGED  # checkpoint tensors stacked into one parameter
+    is_causal = True  # in a pooling step (no KV cache) each token attends to those before it
+    has_lm_head = True
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
@@ -182,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if state.is_last_stage else None
         self.lm_head = None
-        if state.is_last_stage:
+        if state.is_last_stage and self.has_lm_head:
             tied_here = cfg.tie_word_embeddings and self.embed_tokens is not None
             self.lm_head = self.embed_tokens if tied_here else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
 
@@ -294,3 +297,38 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
+    """Qwen3 with a classifier head on the last token instead of the LM head: `score.weight` [num_labels, hidden].
+
+    A Qwen3-Reranker-style checkpoint (a causal LM asked "yes" or "no") says `"classifier_from_token": ["no", "yes"]`
+    in config.json beside this architecture: the head is then read off the LM head's rows of those tokens (the
+    loader puts their ids in `classifier_from_token_ids`), as one logit, yes minus no, whose sigmoid is P(yes);
+    with other than two tokens, one label per token."""
+
+    has_lm_head = False
+    is_pooling_only = True
+
+    def __init__(self, hf_config: dict) -> None:
+        super().__init__(hf_config)
+        self.head_token_ids: list[int] | None = hf_config.get("classifier_from_token_ids")
+        num_labels = self._num_labels(hf_config)
+        self.score = Linear(self.config.hidden_size, [num_labels])
+
+    def _num_labels(self, hf_config: dict) -> int:
+        if self.head_token_ids is not None:
+            return 1 if len(self.head_token_ids) == 2 else len(self.head_token_ids)
+        return hf_config.get("num_labels") or len(hf_config.get("id2label") or {}) or 2
+
+    @property
+    def classifier(self) -> nn.Module:
+        return self.score
+
+    def _load_vocab(self, name: str, tensor: torch.Tensor, tied: bool) -> set[str]:
+        filled = super()._load_vocab(name, tensor, tied)
+        if self.head_token_ids is not None and (name == "lm_head.weight") != tied:
+            rows = tensor[self.head_token_ids]  # [num_tokens, hidden]
+            self.score.load_shard("weight", 0, rows[1:] - rows[:1] if len(rows) == 2 else rows)
+            filled.add("score.weight")
+        return filled

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from kvforge.engine.async_engine import AsyncEngine
-from kvforge.server import chat, completions, tokenize
+from kvforge.server import chat, completions, embeddings, scoring, tokenize
 from kvforge.server.errors import error_response, install_error_handlers
 from kvforge.server.lifecycle import ShutdownDeadline
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -66,6 +66,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(tokenize.router)
+    app.include_router(embeddings.router)
+    app.include_router(scoring.router)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.engine.async_engine import AsyncEngine
-    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.engine.engines import create_engine
     from kvforge.server.app import ServerConfig, build_app
     from kvforge.server.lifecycle import uvicorn_server
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     timeouts = {"body_read_timeout": args.body_read_timeout, "keep_alive_timeout": args.keep_alive_timeout,
                 "shutdown_timeout": args.shutdown_timeout}
     ServerConfig(served_model_names=("check",), **timeouts)  # bad values fail before the model loads
-    engine = LLMEngine(build_engine_config(**engine_kwargs_from_args(args)))
+    engine = create_engine(build_engine_config(**engine_kwargs_from_args(args)))
     names = tuple(args.served_model_name or [args.model or Path(engine.model_name).stem])
     config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=max_body_bytes,
                           **timeouts)

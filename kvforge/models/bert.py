@@ -1,0 +1,144 @@
+"""BERT-family bidirectional encoders (BERT, MiniLM and the sentence-transformers models built on them).
+
+An encoder runs only in pooling steps: every sequence is whole in its step and attends to all of its tokens
+(layers/attention.py, no KV cache). Post-norm layers:
+
+    x = LayerNorm(x + out(attention(x)));  x = LayerNorm(x + down(gelu(up(x))))
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.layers.attention import Attention, WholeSequenceMetadata
+from kvforge.layers.linear import Linear
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+@dataclass(frozen=True, slots=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_position: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> BertConfig:
+        position_type = hf.get("position_embedding_type", "absolute")
+        if position_type != "absolute":
+            raise ValueError(f"BERT position_embedding_type {position_type!r} is not supported (only 'absolute')")
+        hidden_act = hf.get("hidden_act", "gelu")
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"BERT hidden_act {hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+        return cls(hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"],
+                   hf["num_attention_heads"], hf.get("max_position_embeddings", 512), hf.get("type_vocab_size", 2),
+                   hf.get("layer_norm_eps", 1e-12), hidden_act)
+
+
+class BertEmbeddings(nn.Module):
+    """Word + absolute position + token type (every token is of type 0: one text per input), then LayerNorm."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        return self.LayerNorm(x)  # [num_tokens, hidden]
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.qkv = Linear(cfg.hidden_size, [cfg.hidden_size] * 3, bias=True)
+        self.attn = Attention(cfg.num_heads, cfg.num_heads, self.head_dim)
+        self.attn_out = Linear(cfg.hidden_size, [cfg.hidden_size], bias=True)
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.up = Linear(cfg.hidden_size, [cfg.intermediate_size], bias=True)
+        self.down = Linear(cfg.intermediate_size, [cfg.hidden_size], bias=True)
+        self.out_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor, kv_cache: None, metadata: WholeSequenceMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in self.qkv(x).chunk(3, dim=-1))
+        attended = self.attn(q, k, v, kv_cache, metadata).reshape(num_tokens, -1)
+        x = self.attn_norm(x + self.attn_out(attended))
+        return self.out_norm(x + self.down(self.act(self.up(x))))
+
+
+# HF name inside encoder.layer.{i} -> (our module, merged shard); LayerNorms keep their own names.
+_LAYER_NAMES = {
+    "attention.self.query": ("qkv", 0), "attention.self.key": ("qkv", 1), "attention.self.value": ("qkv", 2),
+    "attention.output.dense": ("attn_out", 0), "intermediate.dense": ("up", 0), "output.dense": ("down", 0),
+    "attention.output.LayerNorm": ("attn_norm", None), "output.LayerNorm": ("out_norm", None),
+}
+_LAYER_TENSOR = re.compile(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)")
+_SKIPPED = ("pooler.", "embeddings.position_ids", "cls.")  # BERT's tanh pooler and MLM head: unused by embeddings
+
+
+class BertModel(nn.Module):
+    """The encoder stack; forward returns the last hidden states [num_tokens, hidden] (pooled by the runner)."""
+
+    is_causal = False
+    is_pooling_only = True
+
+    def __init__(self, hf_config: dict) -> None:
+        super().__init__()
+        self.config = cfg = BertConfig.from_hf(hf_config)
+        self.embeddings = BertEmbeddings(cfg)
+        self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[None],
+                metadata: WholeSequenceMetadata) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, kv_cache, metadata)
+        return x
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (with or without a "bert." prefix); every parameter must be covered."""
+        params = dict(self.named_parameters())
+        missing = set(params)
+        for name, tensor in weights:
+            name = name.removeprefix("bert.")
+            if name.startswith(_SKIPPED):
+                continue
+            layer = _LAYER_TENSOR.fullmatch(name)
+            if layer is not None:
+                index, part, param_name = layer.groups()
+                if part not in _LAYER_NAMES:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in BertModel")
+                module_name, shard = _LAYER_NAMES[part]
+                module = self.layers[int(index)].get_submodule(module_name)
+                name = f"layers.{index}.{module_name}.{param_name}"
+                if shard is not None:
+                    module.load_shard(param_name, shard, tensor)
+                    missing.discard(name)
+                    continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in BertModel")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {sorted(missing)[:5]}")

@@ -1,0 +1,97 @@
+"""POST /score (vLLM's shape), /rerank (Jina's and Cohere's, also under /v1 and /v2) and /classify."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from kvforge.engine.scoring import cosine_scores, pair_token_ids, pair_up
+from kvforge.outputs import PoolingRequestOutput
+from kvforge.pooling_params import PoolingParams
+from kvforge.server.errors import APIError
+from kvforge.server.pooling_protocol import (
+    ClassifyData,
+    ClassifyRequest,
+    ClassifyResponse,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+)
+from kvforge.server.pooling_serving import input_token_ids, pooling_engine, pooling_usage, run_pooling
+from kvforge.server.serving import ServerState, new_request_id
+
+router = APIRouter()
+
+
+async def _scores(state: ServerState, route: str, request_id: str, queries: str | list[str],
+                  documents: str | list[str], truncate_prompt_tokens: int | None,
+                  http_request: Request) -> list[PoolingRequestOutput]:
+    engine = pooling_engine(state, route)
+    try:
+        queries, documents = pair_up(queries, documents)
+    except ValueError as error:
+        raise APIError(400, str(error)) from error
+    if engine.has_classifier:
+        inputs = pair_token_ids(engine.tokenizer, queries, documents)
+        params = PoolingParams("score", truncate_prompt_tokens=truncate_prompt_tokens)
+        return await run_pooling(state, request_id, inputs, params, http_request, param="documents")
+    inputs = await input_token_ids(state, queries + documents, param="documents")
+    params = PoolingParams("embed", truncate_prompt_tokens=truncate_prompt_tokens)
+    return cosine_scores(await run_pooling(state, request_id, inputs, params, http_request, param="documents"))
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def score(body: ScoreRequest, http_request: Request) -> ScoreResponse:
+    state: ServerState = http_request.app.state.server
+    model = state.check_model(body.model)
+    request_id = new_request_id("score")
+    outputs = await _scores(state, "/score", request_id, body.text_1, body.text_2, body.truncate_prompt_tokens,
+                            http_request)
+    data = [ScoreData(index=i, score=o.outputs.score) for i, o in enumerate(outputs)]
+    return ScoreResponse(id=request_id, model=model, data=data, usage=pooling_usage(outputs))
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def rerank(body: RerankRequest, http_request: Request) -> RerankResponse:
+    state: ServerState = http_request.app.state.server
+    model = state.check_model(body.model)
+    request_id = new_request_id("rerank")
+    texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    if not texts:
+        raise APIError(400, "documents must not be empty", param="documents")
+    outputs = await _scores(state, "/rerank", request_id, body.query, texts, body.truncate_prompt_tokens,
+                            http_request)
+    results = [RerankResult(index=i, relevance_score=o.outputs.score,
+                            document=RerankDocument(text=texts[i]) if body.return_documents else None)
+               for i, o in enumerate(outputs)]
+    results.sort(key=lambda r: r.relevance_score, reverse=True)
+    return RerankResponse(id=request_id, model=model, results=results[: body.top_n], usage=pooling_usage(outputs))
+
+
+@router.post("/classify")
+@router.post("/v1/classify")
+async def classify(body: ClassifyRequest, http_request: Request) -> ClassifyResponse:
+    state: ServerState = http_request.app.state.server
+    model = state.check_model(body.model)
+    engine = pooling_engine(state, "/classify")
+    params = PoolingParams("classify", truncate_prompt_tokens=body.truncate_prompt_tokens)
+    try:
+        engine.check_params(params)
+    except ValueError as error:
+        raise APIError(400, str(error)) from error
+    request_id = new_request_id("classify")
+    outputs = await run_pooling(state, request_id, await input_token_ids(state, body.input), params, http_request)
+    labels = engine.hf_config.get("id2label") or {}
+    data = []
+    for i, output in enumerate(outputs):
+        probs = output.outputs.probs
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append(ClassifyData(index=i, label=labels.get(str(best), f"LABEL_{best}"), probs=probs,
+                                 num_classes=len(probs)))
+    return ClassifyResponse(id=request_id, model=model, data=data, usage=pooling_usage(outputs))

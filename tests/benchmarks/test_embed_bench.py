@@ -1,0 +1,23 @@
+"""`kvforge bench embed` with small settings: both engines run, agree, and land in the JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvforge.cli import main
+
+
+def test_small_embed_bench_times_both_and_they_agree(tmp_path: Path) -> None:
+    out = tmp_path / "embed.json"
+    assert main(["bench", "embed", "--num-sentences", "4", "--batch-sizes", "1", "4", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["batch_size"] for r in results] == [1, 4]
+    for row in results:
+        assert row["kvforge_sentences_per_s"] > 0 and row["sentence_transformers_sentences_per_s"] > 0
+        assert row["min_cosine"] >= 0.9999
+
+
+def test_rejects_bad_batch_sizes(capsys) -> None:
+    assert main(["bench", "embed", "--batch-sizes", "0"]) == 2
+    assert "--batch-sizes" in capsys.readouterr().err
