@@ -8,6 +8,32 @@ from typing import Any
 
 # The grammar of `json_object`: any JSON object.
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+# Keywords under which an object's schema lets keys in that `properties` does not list.
+_OPEN_OBJECT_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def schema_as_enforced(schema: Any) -> Any:
+    """A JSON schema as the grammar enforces it, in one canonical form, so equal constraints share one compilation:
+
+    - an object whose schema lists its `properties` and says nothing of other keys takes no others (as OpenAI's
+      strict mode does, and the common guided-decoding backends by default): a model may not invent keys;
+    - each `properties` keeps its order, which is the order the keys are generated in (a schema that puts
+      `reasoning` before `answer` gets the reasoning first); every other mapping's keys are sorted.
+    """
+    if isinstance(schema, list):
+        return [schema_as_enforced(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: (_properties(value) if key == "properties" and isinstance(value, dict) else schema_as_enforced(value))
+           for key, value in sorted(schema.items())}
+    if "properties" in out and not any(key in out for key in _OPEN_OBJECT_KEYWORDS):
+        out["additionalProperties"] = False
+    return out
+
+
+def _properties(properties: dict[str, Any]) -> dict[str, Any]:
+    """A `properties` mapping: the names in the schema's order, each one's schema made canonical."""
+    return {name: schema_as_enforced(value) for name, value in properties.items()}
 
 
 @dataclass(slots=True)
@@ -49,7 +75,7 @@ class StructuredOutputParams:
         share one compiled grammar."""
         if self.json is not None or self.json_object:
             schema = ANY_JSON_OBJECT if self.json_object else self.json
-            return "json", json.dumps(schema, sort_keys=True)
+            return "json", json.dumps(schema_as_enforced(schema))
         if self.regex is not None:
             return "regex", self.regex
         if self.choice is not None:

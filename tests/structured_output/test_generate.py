@@ -49,6 +49,20 @@ def test_regex_choice_and_grammar_hold_in_chat(tiny_llm: LLM) -> None:
         assert all(check(c.text) and c.finish_reason == "stop" for c in output.outputs), output.outputs
 
 
+def test_keys_come_in_the_schemas_order_and_no_others(tiny_llm: LLM) -> None:
+    """Properties are generated in the order the schema lists them (not sorted), and an object whose schema does not
+    open it to other keys gets none (the model may not invent a key)."""
+    schema = {"type": "object", "properties": {"reasoning": {"enum": ["a", "b"]}, "answer": {"type": "boolean"}},
+              "required": ["reasoning", "answer"]}
+    params = SamplingParams(n=4, temperature=1.2, seed=5, max_tokens=48, guided_json=schema)
+    for completion in tiny_llm.generate("Answer:", params)[0].outputs:
+        assert completion.finish_reason == "stop", completion.text
+        assert list(json.loads(completion.text)) == ["reasoning", "answer"]
+    opened = {**schema, "required": ["answer"], "additionalProperties": {"type": "integer"}}
+    source = StructuredOutputParams(json=opened).grammar_source()[1]
+    assert json.loads(source)["additionalProperties"] == {"type": "integer"}
+
+
 def test_max_tokens_cuts_with_length(tiny_llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=2, guided_json=SCHEMAS[0])
     completion = tiny_llm.generate("Answer:", params)[0].outputs[0]
