@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from kvforge import __version__
 from kvforge.engine.async_engine import AsyncEngine
 from kvforge.server import chat, completions, embeddings, scoring, tokenize
 from kvforge.server.errors import error_response, install_error_handlers
@@ -69,10 +70,20 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(embeddings.router)
     app.include_router(scoring.router)
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
-                               for name in state.model_names])
+        return ModelList(data=[model_card(name) for name in state.model_names])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        return model_card(state.check_model(model_id))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
 
     @app.get("/health")
     async def health() -> Response:

@@ -11,11 +11,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvforge.server.errors import error_response
 
 # Routes open without the API key, like vLLM: probes and scrapers carry no credentials.
-_OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
 
 
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every route but /health and /metrics (the scheme
+    """Requires `Authorization: Bearer <key>` on every route but OPEN_PATHS (the scheme
     name in any case, as RFC 7235 has it); a 401 says the scheme in `WWW-Authenticate`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -23,7 +23,7 @@ class APIKeyMiddleware:
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")

@@ -13,11 +13,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from kvforge.server.metrics import CONTENT_TYPE
+from kvforge.server.middleware import OPEN_PATHS
 from kvforge.server.protocol import ErrorResponse
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions")
-_OPEN_PATHS = ("/health", "/metrics")
 
 # status -> when the server answers it
 _BODY_ERRORS = {
@@ -53,9 +53,14 @@ def _fix_operation(path: str, method: str, operation: dict[str, Any], authentica
         responses["200"]["content"] = {"application/json": {"schema": {
             "type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}}}
         responses["503"] = _error("The engine is not running")
+    if path == "/v1/models/{model_id}":
+        responses["404"] = _error(_BODY_ERRORS["404"])
+    if path == "/version":
+        responses["200"]["content"] = {"application/json": {"schema": {
+            "type": "object", "properties": {"version": {"type": "string"}}, "required": ["version"]}}}
     if path == "/metrics":
         responses["200"]["content"] = {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}
-    if authenticated and path not in _OPEN_PATHS:
+    if authenticated and path not in OPEN_PATHS:
         responses["401"] = _error("Missing or invalid API key")
         operation["security"] = [{"bearer": []}]
 

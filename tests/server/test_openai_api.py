@@ -6,6 +6,7 @@ import httpx
 import openai
 import pytest
 
+import kvforge
 from kvforge.llm import LLM
 from kvforge.sampling_params import SamplingParams
 from tests.server.harness import API_KEY, MODEL_NAME, ServerThread, metric, wait_idle
@@ -27,7 +28,11 @@ def _stream_text(chunks: list, n: int = 1) -> tuple[list[str], list[str | None]]
 
 def test_models_and_health(client: openai.OpenAI, tiny_server: ServerThread) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
     assert tiny_server.http.get("/health").status_code == 200
+    assert tiny_server.http.get("/version").json() == {"version": kvforge.__version__}
 
 
 def test_greedy_completions_equal_llm_generate(client: openai.OpenAI, tiny_llm: LLM) -> None:

@@ -58,6 +58,8 @@ def test_the_document_lists_the_real_responses(document: dict) -> None:
     for path in ("/tokenize", "/detokenize"):
         assert set(document["paths"][path]["post"]["responses"]) == {"200", "400", "401", "404", "408", "413", "503"}
     assert set(document["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401"}
+    assert set(document["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == {"200", "401", "404"}
+    assert set(document["paths"]["/version"]["get"]["responses"]) == {"200"}
     assert set(document["paths"]["/health"]["get"]["responses"]) == {"200", "503"}
     assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     error = document["components"]["schemas"]["ErrorResponse"]
@@ -70,7 +72,8 @@ CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGA
          ("POST", "/v1/chat/completions", POSITIVE), ("POST", "/v1/chat/completions", NEGATIVE),
          ("POST", "/tokenize", POSITIVE), ("POST", "/tokenize", NEGATIVE),
          ("POST", "/detokenize", POSITIVE), ("POST", "/detokenize", NEGATIVE),
-         ("GET", "/v1/models", POSITIVE), ("GET", "/health", POSITIVE), ("GET", "/metrics", POSITIVE)]
+         ("GET", "/v1/models", POSITIVE), ("GET", "/v1/models/{model_id}", POSITIVE), ("GET", "/version", POSITIVE),
+         ("GET", "/health", POSITIVE), ("GET", "/metrics", POSITIVE)]
 STATUSES: dict[int, int] = {}  # every answer the fuzzing got, by status
 
 
