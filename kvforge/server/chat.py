@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from kvforge.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvforge.server.chat_prompt import chat_prompt_token_ids
 from kvforge.server.errors import APIError
+from kvforge.server.logprob_views import prompt_logprobs, token_name
 from kvforge.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -27,13 +28,14 @@ from kvforge.server.protocol import (
     ToolCall,
     TopLogprob,
 )
+from kvforge.server.request_fields import check_fields
 from kvforge.server.serving import (
     ChoiceProgress,
     RequestGroup,
     ServerState,
+    json_response,
     max_tokens_in_context,
     new_request_id,
-    off_loop_if_large,
     sampling_params,
     sse,
     sse_response,
@@ -41,7 +43,6 @@ from kvforge.server.serving import (
 )
 from kvforge.server.tools import ToolPlan, may_become_call, new_call_id, parse_call, plan_tools
 from kvforge.structured_output.params import StructuredOutputParams
-from kvforge.tokenizer import Tokenizer
 
 router = APIRouter()
 
@@ -53,18 +54,7 @@ def _message_dict(message: ChatMessage) -> dict:
     return fields
 
 
-async def _prompt_token_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-    messages = plan.messages
-    num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-    try:
-        return await off_loop_if_large(num_chars, tokenizer.apply_chat_template, messages,
-                                       add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                                       **plan.template_kwargs)
-    except (ValueError, TypeError, jinja2.TemplateError) as error:  # the template rejects the messages
-        raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
-
-
-def _check_fields(body: ChatCompletionRequest) -> None:
+def _check_values(body: ChatCompletionRequest) -> None:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
@@ -94,30 +84,47 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
 async def create_chat_completion(body: ChatCompletionRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
-    _check_fields(body)
+    headers = check_fields(body)
+    _check_values(body)
     num_logprobs = _num_logprobs(body)
     tokenizer = state.engine.tokenizer
-    plan = plan_tools(body, [_message_dict(m) for m in body.messages], tokenizer.chat_template)
-    token_ids = await _prompt_token_ids(tokenizer, body, plan)
+    messages = [_message_dict(m) for m in body.messages]
+    plan = plan_tools(body, messages, tokenizer.chat_template)
+    token_ids = await chat_prompt_token_ids(tokenizer, plan.messages, body.add_generation_prompt,
+                                            body.continue_final_message, body.chat_template_kwargs,
+                                            plan.template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(state, body, max_tokens_in_context(state, len(token_ids), requested),
-                             logprobs=num_logprobs, **_constraint(body, plan))
+                             logprobs=num_logprobs, prompt_logprobs=body.prompt_logprobs,
+                             **_constraint(body, plan))
     request_id = new_request_id("chatcmpl")
     group = RequestGroup(state)
     await group.start(request_id, [(token_ids, params)])
+    echo = _echo(body, messages)
     if body.stream:
-        return sse_response(group, _stream(group, body, plan, request_id, model))
+        return sse_response(group, _stream(group, body, plan, echo, request_id, model), headers)
     (output,) = await group.final_outputs(http_request)
-    choices = [ChatChoice(index=c.index, message=_message(c, plan), finish_reason=_finish_reason(c, plan),
-                          logprobs=_logprobs(c, 0, num_logprobs))
+    choices = [ChatChoice(index=c.index, message=_message(c, plan, echo), finish_reason=_finish_reason(c, plan),
+                          logprobs=_logprobs(c, 0, num_logprobs, body.return_tokens_as_token_ids))
                for c in output.outputs]
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]))
+    return json_response(ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]),
+                                                prompt_logprobs=prompt_logprobs(output.prompt_logprobs)),
+                         headers)
 
 
-def _message(completion: CompletionOutput, plan: ToolPlan) -> AssistantMessage:
+def _echo(body: ChatCompletionRequest, messages: list[dict]) -> str:
+    """What `echo` puts in front of each reply: the last message's text when it is the assistant's (the
+    message the reply continues, with continue_final_message), as vLLM does; otherwise nothing."""
+    last = messages[-1]
+    if not body.echo or last["role"] != "assistant" or not isinstance(last.get("content"), str):
+        return ""
+    return last["content"]
+
+
+def _message(completion: CompletionOutput, plan: ToolPlan, echo: str) -> AssistantMessage:
     call = parse_call(completion.text, finished=True) if plan.reads_calls else None
     if call is None:
-        return AssistantMessage(content=completion.text)
+        return AssistantMessage(content=echo + completion.text)
     name, arguments = call
     return AssistantMessage(tool_calls=[ToolCall(id=new_call_id(), function=FunctionCall(name=name,
                                                                                         arguments=arguments))])
@@ -156,7 +163,7 @@ class _ToolCallStream:
         return DeltaMessage(role=role, tool_calls=[tool_call])
 
 
-async def _stream(group: RequestGroup, body: ChatCompletionRequest, plan: ToolPlan, request_id: str,
+async def _stream(group: RequestGroup, body: ChatCompletionRequest, plan: ToolPlan, echo: str, request_id: str,
                   model: str) -> AsyncIterator[str]:
     num_logprobs = _num_logprobs(body)
 
@@ -165,6 +172,10 @@ async def _stream(group: RequestGroup, body: ChatCompletionRequest, plan: ToolPl
 
     sent = [ChoiceProgress() for _ in range(body.n)]
     texts = [_ToolCallStream(plan.reads_calls) for _ in range(body.n)]
+    if echo:
+        for index, progress in enumerate(sent):
+            progress.started = True
+            yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=echo)))
     final: RequestOutput | None = None
     async for _, output in group.outputs():
         final = output
@@ -174,31 +185,35 @@ async def _stream(group: RequestGroup, body: ChatCompletionRequest, plan: ToolPl
             _, num_tokens, first = sent[c.index].advance(c)
             delta = texts[c.index].delta(c, first)
             yield chunk(ChatChunkChoice(index=c.index, delta=delta, finish_reason=_finish_reason(c, plan),
-                                        logprobs=_logprobs(c, num_tokens, num_logprobs)))
+                                        logprobs=_logprobs(c, num_tokens, num_logprobs,
+                                                           body.return_tokens_as_token_ids)))
     if body.include_usage_in_stream and final is not None:
         yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage([final])),
                   exclude_none=True)
 
 
-def _logprobs(completion: CompletionOutput, num_tokens: int, num_top: int | None) -> ChatLogprobs | None:
+def _logprobs(completion: CompletionOutput, num_tokens: int, num_top: int | None,
+              as_token_ids: bool) -> ChatLogprobs | None:
     """The chat-style logprobs of the completion's tokens from num_tokens on."""
     if num_top is None:
         return None
     # NOTE: the engine appends to this list as it runs; read only the tokens this output has.
     positions = (completion.logprobs or [])[num_tokens : len(completion.token_ids)]
-    return ChatLogprobs(content=[_token_logprob(token_id, position, num_top)
+    return ChatLogprobs(content=[_token_logprob(token_id, position, num_top, as_token_ids)
                                  for token_id, position in zip(completion.token_ids[num_tokens:], positions,
                                                                strict=True)])
 
 
-def _token_logprob(token_id: int, position: PositionLogprobs, num_top: int) -> ChatTokenLogprob:
+def _token_logprob(token_id: int, position: PositionLogprobs, num_top: int, as_token_ids: bool) -> ChatTokenLogprob:
     entry = position[token_id]
-    ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top),
-                    key=lambda lp: lp.rank)
-    top = [TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob, bytes=_bytes(lp.decoded_token))
-           for lp in ranked]
+    ranked = sorted(((i, lp) for i, lp in position.items() if lp.rank is not None and lp.rank <= num_top),
+                    key=lambda item: item[1].rank)
+    top = [TopLogprob(token=token_name(i, lp.decoded_token or "", as_token_ids), logprob=lp.logprob,
+                      bytes=_bytes(lp.decoded_token))
+           for i, lp in ranked]
     token = entry.decoded_token or ""
-    return ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=_bytes(token), top_logprobs=top)
+    return ChatTokenLogprob(token=token_name(token_id, token, as_token_ids), logprob=entry.logprob,
+                            bytes=_bytes(token), top_logprobs=top)
 
 
 def _bytes(text: str | None) -> list[int]:

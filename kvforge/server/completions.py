@@ -10,16 +10,19 @@ from starlette.responses import Response
 
 from kvforge.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kvforge.server.errors import APIError
+from kvforge.server.logprob_views import prompt_logprobs, token_name
 from kvforge.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
+from kvforge.server.request_fields import check_fields
 from kvforge.server.serving import (
     ChoiceProgress,
     RequestGroup,
     ServerState,
+    json_response,
     max_tokens_in_context,
     new_request_id,
     off_loop_if_large,
@@ -64,10 +67,11 @@ def _check_unsupported(body: CompletionRequest) -> None:
 async def create_completion(body: CompletionRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
+    headers = check_fields(body)
     _check_unsupported(body)
     prompts = await _prompts(state.engine.tokenizer, body.prompt)
-    extra = {"logprobs": body.logprobs}
-    if body.echo and body.logprobs is not None:
+    extra = {"logprobs": body.logprobs, "prompt_logprobs": body.prompt_logprobs}
+    if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
         extra["prompt_logprobs"] = body.logprobs
     requests = []
     for prompt in prompts:
@@ -78,10 +82,11 @@ async def create_completion(body: CompletionRequest, http_request: Request) -> R
     await group.start(request_id, requests)
     view = _ChoiceView(state.engine.tokenizer, body, prompts)
     if body.stream:
-        return sse_response(group, _stream(group, view, request_id, model))
+        return sse_response(group, _stream(group, view, request_id, model), headers)
     outputs = await group.final_outputs(http_request)
     choices = [view.choice(i, o, c, 0, 0) for i, o in enumerate(outputs) for c in o.outputs]
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs))
+    return json_response(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs)),
+                         headers)
 
 
 async def _stream(group: RequestGroup, view: _ChoiceView, request_id: str, model: str) -> AsyncIterator[str]:
@@ -109,6 +114,8 @@ class _ChoiceView:
         self.tokenizer = tokenizer
         self.n = body.n
         self.num_logprobs = body.logprobs
+        self.with_prompt_logprobs = body.prompt_logprobs is not None
+        self.tokens_as_ids = body.return_tokens_as_token_ids
         self.include_usage = body.include_usage_in_stream
         self.prompts = prompts
         self.echo_texts = [
@@ -133,7 +140,9 @@ class _ChoiceView:
             self._add_logprobs(logprobs, completion.token_ids[num_tokens:], positions, offset)
         return CompletionChoice(index=prompt_index * self.n + completion.index,
                                 text=prefix + completion.text[num_chars:], logprobs=logprobs,
-                                finish_reason=completion.finish_reason)
+                                finish_reason=completion.finish_reason,
+                                prompt_logprobs=prompt_logprobs(output.prompt_logprobs)
+                                if self.with_prompt_logprobs else None)
 
     def _add_logprobs(self, logprobs: CompletionLogprobs, token_ids: list[int],
                       positions: list[PositionLogprobs | None], offset: int) -> None:
@@ -142,17 +151,17 @@ class _ChoiceView:
             token = entry.decoded_token if entry and entry.decoded_token is not None else None
             if token is None:
                 token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            logprobs.tokens.append(token)
+            logprobs.tokens.append(token_name(token_id, token, self.tokens_as_ids))
             logprobs.token_logprobs.append(entry.logprob if entry else None)
             top = None
             if position:  # NOTE: distinct tokens can share a text; the most likely one wins
                 top = {}
-                for lp in sorted(position.values(), key=_rank):
-                    top.setdefault(lp.decoded_token or "", lp.logprob)
+                for top_id, lp in sorted(position.items(), key=_rank):
+                    top.setdefault(token_name(top_id, lp.decoded_token or "", self.tokens_as_ids), lp.logprob)
             logprobs.top_logprobs.append(top)
             logprobs.text_offset.append(offset)
             offset += len(token)
 
 
-def _rank(logprob: Logprob) -> int:
-    return logprob.rank or 0
+def _rank(item: tuple[int, Logprob]) -> int:
+    return item[1].rank or 0

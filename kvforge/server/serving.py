@@ -12,7 +12,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvforge.engine.async_engine import AsyncEngine, EngineOverloadedError, RequestStream
 from kvforge.outputs import CompletionOutput, RequestOutput
@@ -21,6 +21,7 @@ from kvforge.server.errors import RETRY_AFTER_SECONDS, APIError, as_api_error, e
 from kvforge.server.lifecycle import ShutdownDeadline
 from kvforge.server.metrics import RequestTracker, ServerMetrics
 from kvforge.server.protocol import PromptTokensDetails, SamplingRequest, Usage
+from kvforge.structured_output.params import StructuredOutputParams
 
 SSE_DONE = "data: [DONE]\n\n"
 # Inputs of this many characters or more are tokenized (or templated) in a worker thread, so the
@@ -68,6 +69,10 @@ async def off_loop_if_large(num_chars: int, fn: Callable[..., _T], *args: object
 def sampling_params(state: ServerState, request: SamplingRequest, max_tokens: int,
                     **extra: object) -> SamplingParams:
     """SamplingParams from the request's fields; 400 with the engine's message for a bad value."""
+    if request.prompt_logprobs is not None and request.stream:
+        raise APIError(400, "prompt_logprobs cannot be streamed; ask without stream", param="prompt_logprobs")
+    if request.structured_outputs is not None:
+        extra["structured_output"] = _structured_outputs(request, extra.get("structured_output"))
     bad_ids = [t for t in request.stop_token_ids or [] if not 0 <= t < state.vocab_size]
     if bad_ids:
         raise APIError(400, f"stop_token_ids must be in [0, {state.vocab_size}), got {bad_ids}",
@@ -87,6 +92,19 @@ def sampling_params(state: ServerState, request: SamplingRequest, max_tokens: in
         )
     except ValueError as error:
         raise APIError(400, str(error)) from error
+
+
+def _structured_outputs(request: SamplingRequest, other: object) -> StructuredOutputParams:
+    """The request's `structured_outputs`; 400 if response_format or tools constrain the output too."""
+    if other is not None:
+        raise APIError(400, "structured_outputs cannot be combined with response_format or tools",
+                       param="structured_outputs")
+    fields = request.structured_outputs
+    try:
+        return StructuredOutputParams(json=fields.json_schema, regex=fields.regex, choice=fields.choice,
+                                      grammar=fields.grammar, json_object=fields.json_object)
+    except ValueError as error:
+        raise APIError(400, f"structured_outputs: {error}", param="structured_outputs") from error
 
 
 def _logit_bias(state: ServerState, logit_bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -240,7 +258,11 @@ def sse(payload: BaseModel | dict, exclude_none: bool = False) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def sse_response(group: RequestGroup, events: AsyncIterator[str]) -> Response:
+def json_response(payload: BaseModel, headers: dict[str, str]) -> Response:
+    return JSONResponse(payload.model_dump(mode="json"), headers=headers)
+
+
+def sse_response(group: RequestGroup, events: AsyncIterator[str], headers: dict[str, str]) -> Response:
     """Stream events, then `data: [DONE]`; an error mid-stream becomes an OpenAI error event.
 
     The background task aborts whatever is still running once the response ends, however it ends
@@ -257,7 +279,7 @@ def sse_response(group: RequestGroup, events: AsyncIterator[str]) -> Response:
         yield SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(group.abort),
-                             headers={"Cache-Control": "no-cache"})
+                             headers={"Cache-Control": "no-cache", **headers})
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:

@@ -3,9 +3,9 @@ token ids, and token ids back to text."""
 
 from __future__ import annotations
 
-import jinja2
 from fastapi import APIRouter, Request
 
+from kvforge.server.chat_prompt import chat_prompt_token_ids
 from kvforge.server.errors import APIError
 from kvforge.server.protocol import (
     DetokenizeRequest,
@@ -29,11 +29,8 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, http_r
                                             add_special_tokens=body.add_special_tokens)
     else:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            token_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=True)
-        except (ValueError, TypeError, jinja2.TemplateError) as error:
-            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
+        token_ids = await chat_prompt_token_ids(tokenizer, messages, body.add_generation_prompt,
+                                                body.continue_final_message, body.chat_template_kwargs)
     token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(token_ids), max_model_len=state.engine.max_model_len, tokens=token_ids,
                             token_strs=token_strs)
