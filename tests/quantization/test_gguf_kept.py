@@ -120,6 +120,7 @@ def test_tiny_model_logits_and_tokens_match_the_dequantized_load(tiny_llms: tupl
 
 
 def test_gguf_option_needs_a_gguf_file(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')  # a checkpoint folder
     with pytest.raises(ValueError, match="quantization='gguf'.*is a folder"):
         LLM(str(tmp_path), quantization="gguf", **ENGINE)
 
