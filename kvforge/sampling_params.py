@@ -17,7 +17,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1 and min_p 0 disable theirs.
     logprobs=k returns the k most likely tokens (plus the sampled one) per generated position;
-    prompt_logprobs=k does the same for every prompt position after the first.
+    prompt_logprobs=k does the same for every prompt position after the first. max_tokens=0 runs the
+    prompt and generates nothing (finish reason "length"): with prompt_logprobs, it scores the prompt.
 
     structured_output constrains the output to a JSON schema, a regex, a choice or a grammar (EOS is
     allowed exactly when the output is complete); guided_json, guided_regex, guided_choice and
@@ -73,8 +74,8 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0.0,
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
+             f"max_tokens must be an integer >= 0, got {self.max_tokens!r}"),
             (self.max_tokens is None or self.max_tokens <= 10_000_000,
              f"max_tokens {self.max_tokens} is absurdly large"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),

@@ -63,6 +63,12 @@ def test_logprobs_match_transformers(tiny_llm, tiny_llama_dir):
         assert entry.logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
         assert entry.rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
         assert len(prompt_logprobs[i]) in (2, 3)  # top 2, plus the actual token when outside them
+    scored = tiny_llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    assert scored.outputs[0].token_ids == [] and scored.outputs[0].finish_reason == "length"  # the prompt alone
+    assert scored.prompt_logprobs[0] is None
+    for ours, earlier in zip(scored.prompt_logprobs[1:], prompt_logprobs[1:], strict=True):
+        expected = {t: lp.logprob for t, lp in earlier.items()}
+        assert {t: lp.logprob for t, lp in ours.items()} == pytest.approx(expected, abs=1e-5)
 
 
 def test_stop_strings_cut_the_text_across_tokens(tiny_llm):

@@ -309,6 +309,8 @@ class Scheduler:
     @staticmethod
     def _append_tokens(request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append tokens until one finishes the request; the appended tokens and the finish status."""
+        if request.sampling_params.max_tokens == 0:  # the prompt only (scored): its sampled token is dropped
+            return [], RequestStatus.FINISHED_LENGTH
         for count, token_id in enumerate(token_ids, start=1):
             if request.grammar is not None:  # the bitmask allowed only what the grammar accepts
                 accepted = request.grammar.advance([token_id])

@@ -1,7 +1,9 @@
-"""POST /v1/completions: text or token-id prompts (one or many), streamed or not, with echo and logprobs."""
+"""POST /v1/completions: text or token-id prompts (one or many), streamed or not, with echo and logprobs;
+max_tokens 0 with echo and logprobs scores the prompt; suffix fills in the middle; best_of ranks candidates."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -9,7 +11,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from kvforge.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kvforge.server.best_of import best_completions, num_candidates
 from kvforge.server.errors import APIError
+from kvforge.server.fill_in_middle import fill_in_middle_prompt
 from kvforge.server.logprob_views import prompt_logprobs, token_name
 from kvforge.server.protocol import (
     CompletionChoice,
@@ -42,25 +46,26 @@ class _Prompt:
     token_ids: list[int]
 
 
-async def _prompts(tokenizer: Tokenizer, prompt: str | list) -> list[_Prompt]:
+async def _prompts(tokenizer: Tokenizer, prompt: str | list, suffix: str | None) -> list[_Prompt]:
+    """The prompts as token ids; with a suffix, each text prompt is the prefix of a fill-in-the-middle prompt."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
         raise APIError(400, "prompt must not be an empty list", param="prompt")
-    if isinstance(prompt[0], int):
-        return [_Prompt(None, list(prompt))]
     if isinstance(prompt[0], str):
+        if suffix:
+            try:
+                prompt = [fill_in_middle_prompt(tokenizer, text, suffix) for text in prompt]
+            except ValueError as error:
+                raise APIError(400, str(error), param="suffix") from error
         num_chars = sum(len(text) for text in prompt)
         token_ids = await off_loop_if_large(num_chars, lambda: [tokenizer.encode(text) for text in prompt])
         return [_Prompt(text, ids) for text, ids in zip(prompt, token_ids, strict=True)]
+    if suffix:
+        raise APIError(400, "suffix needs a text prompt (the code before the gap), not token ids", param="suffix")
+    if isinstance(prompt[0], int):
+        return [_Prompt(None, list(prompt))]
     return [_Prompt(None, list(token_ids)) for token_ids in prompt]
-
-
-def _check_unsupported(body: CompletionRequest) -> None:
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of is not supported (other than equal to n)", param="best_of")
 
 
 @router.post("/v1/completions")
@@ -68,15 +73,20 @@ async def create_completion(body: CompletionRequest, http_request: Request) -> R
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
     headers = check_fields(body)
-    _check_unsupported(body)
-    prompts = await _prompts(state.engine.tokenizer, body.prompt)
-    extra = {"logprobs": body.logprobs, "prompt_logprobs": body.prompt_logprobs}
+    if body.suffix and body.echo:
+        raise APIError(400, "suffix cannot be combined with echo", param="suffix")
+    num_samples = num_candidates(body)
+    prompts = await _prompts(state.engine.tokenizer, body.prompt, body.suffix)
+    # NOTE: best_of ranks the candidates by their tokens' logprobs, returned only if the request asked
+    extra = {"logprobs": 0 if body.logprobs is None and num_samples > body.n else body.logprobs,
+             "prompt_logprobs": body.prompt_logprobs}
     if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
         extra["prompt_logprobs"] = body.logprobs
     requests = []
     for prompt in prompts:
         max_tokens = max_tokens_in_context(state, len(prompt.token_ids), body.max_tokens)
-        requests.append((prompt.token_ids, sampling_params(state, body, max_tokens, **extra)))
+        params = dataclasses.replace(sampling_params(state, body, max_tokens, **extra), n=num_samples)
+        requests.append((prompt.token_ids, params))
     request_id = new_request_id("cmpl")
     group = RequestGroup(state)
     await group.start(request_id, requests)
@@ -84,7 +94,9 @@ async def create_completion(body: CompletionRequest, http_request: Request) -> R
     if body.stream:
         return sse_response(group, _stream(group, view, request_id, model), headers)
     outputs = await group.final_outputs(http_request)
-    choices = [view.choice(i, o, c, 0, 0) for i, o in enumerate(outputs) for c in o.outputs]
+    returned = [best_completions(o, body.n) for o in outputs] if num_samples > body.n else outputs
+    choices = [view.choice(i, o, c, 0, 0) for i, o in enumerate(returned) for c in o.outputs]
+    # NOTE: usage counts every candidate generated, as OpenAI billed best_of
     return json_response(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs)),
                          headers)
 

@@ -86,11 +86,11 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     # str, list of str, token ids, or list of token-id lists
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(16, ge=0)  # 0: the prompt alone (echo with logprobs scores it)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Text | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
 class TextPart(BaseModel):
@@ -142,8 +142,8 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
@@ -343,6 +343,19 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info (vLLM's): what a client needs to tokenize as the server does, and to find where
+    sequences begin and end (lm-eval's remote tokenizer reads it)."""
+
+    tokenizer_class: str = "kvforge"
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None = None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
 
 
 class ErrorInfo(BaseModel):

@@ -120,12 +120,10 @@ def _logit_bias(state: ServerState, logit_bias: dict[str, float] | None) -> dict
 
 def max_tokens_in_context(state: ServerState, num_prompt_tokens: int, requested: int | None) -> int:
     """The tokens to generate: as requested (400 if prompt + output would not fit the context), or
-    as many as fit when not given."""
+    as many as fit when not given. The request model bounds `requested` below (0 for completions)."""
     max_model_len = state.engine.max_model_len
     if num_prompt_tokens == 0:
         raise APIError(400, "the prompt is empty", param="prompt")
-    if requested is not None and requested < 1:
-        raise APIError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt "

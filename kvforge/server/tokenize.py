@@ -1,5 +1,5 @@
 """POST /tokenize and /detokenize, in vLLM's shapes: a prompt (or messages through the chat template) to
-token ids, and token ids back to text."""
+token ids, and token ids back to text; GET /tokenizer_info: the special tokens and the chat template."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvforge.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from kvforge.server.serving import ServerState, off_loop_if_large
 
@@ -44,3 +45,12 @@ async def detokenize(body: DetokenizeRequest, http_request: Request) -> Detokeni
     if bad:
         raise APIError(400, f"token ids must be in [0, {state.vocab_size}), got {bad[:8]}", param="tokens")
     return DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens))
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(http_request: Request) -> TokenizerInfoResponse:
+    state: ServerState = http_request.app.state.server
+    tokenizer = state.engine.tokenizer
+    return TokenizerInfoResponse(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                                 chat_template=tokenizer.chat_template, model_max_length=state.engine.max_model_len,
+                                 vocab_size=tokenizer.vocab_size)

@@ -53,7 +53,7 @@ def test_unknown_model_and_route_are_404(tiny_server: ServerThread) -> None:
     ("/v1/completions", {**COMPLETION, "top_p": 0}, None),
     ("/v1/completions", {**COMPLETION, "n": 0}, "n"),
     ("/v1/completions", {**COMPLETION, "n": 100000}, "n"),
-    ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 600}, "max_tokens"),  # 1 + 600 > 512
     ("/v1/completions", {**COMPLETION, "prompt": "fox " * 600}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
@@ -75,6 +75,7 @@ def test_unknown_model_and_route_are_404(tiny_server: ServerThread) -> None:
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      None),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10**6}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, "response_format"),

@@ -1,6 +1,7 @@
-"""Every request field is honoured or refused: unknown fields are 400s, the ignored ones are named in a header,
-and vLLM's structured_outputs, chat_template_kwargs, continue_final_message, echo, prompt_logprobs and
-return_tokens_as_token_ids do what they say, through the official client on the tiny model."""
+"""Every request field is honoured or refused: each field vLLM's and OpenAI's request models define gets the answer
+listed for it, unknown fields are 400s, the ignored ones are named in a header, and vLLM's structured_outputs,
+chat_template_kwargs, continue_final_message, echo, prompt_logprobs and return_tokens_as_token_ids do what they say,
+through the official client on the tiny model."""
 
 from __future__ import annotations
 
@@ -154,3 +155,115 @@ def test_prompt_logprobs_match_the_reference_model(client: openai.OpenAI, server
     with pytest.raises(openai.BadRequestError) as refused:
         _chat(client, stream=True, extra_body={"prompt_logprobs": 1})
     assert refused.value.param == "prompt_logprobs"
+
+
+# Every field vLLM's CompletionRequest and ChatCompletionRequest define (vLLM's docs: the OpenAI fields, its sampling
+# and extra parameters, the guided_* names of older releases), and OpenAI's own, with a value that is not the default
+# and what kvforge does with it: honoured, ignored (named in the header), or refused (a 400 naming it).
+HONOURED, IGNORED, REFUSED = "honoured", "ignored", "refused"
+SHARED_FIELDS: dict[str, tuple[dict, str]] = {
+    "frequency_penalty": ({"frequency_penalty": 0.5}, HONOURED),
+    "logit_bias": ({"logit_bias": {"5": 1.0}}, HONOURED),
+    "n": ({"n": 2}, HONOURED),
+    "presence_penalty": ({"presence_penalty": 0.5}, HONOURED),
+    "seed": ({"seed": 7}, HONOURED),
+    "stop": ({"stop": ["zz"]}, HONOURED),
+    "stream": ({"stream": True}, HONOURED),
+    "stream_options": ({"stream": True, "stream_options": {"include_usage": True}}, HONOURED),
+    "temperature": ({"temperature": 0.5}, HONOURED),
+    "top_p": ({"top_p": 0.9}, HONOURED),
+    "user": ({"user": "alice"}, IGNORED),
+    "use_beam_search": ({"use_beam_search": True}, REFUSED),
+    "top_k": ({"top_k": 5}, HONOURED),
+    "min_p": ({"min_p": 0.1}, HONOURED),
+    "repetition_penalty": ({"repetition_penalty": 1.1}, HONOURED),
+    "length_penalty": ({"length_penalty": 0.5}, REFUSED),
+    "stop_token_ids": ({"stop_token_ids": [5]}, HONOURED),
+    "include_stop_str_in_output": ({"include_stop_str_in_output": True}, HONOURED),
+    "ignore_eos": ({"ignore_eos": True}, HONOURED),
+    "min_tokens": ({"min_tokens": 1}, HONOURED),
+    "skip_special_tokens": ({"skip_special_tokens": False}, HONOURED),
+    "spaces_between_special_tokens": ({"spaces_between_special_tokens": False}, REFUSED),
+    "truncate_prompt_tokens": ({"truncate_prompt_tokens": 3}, REFUSED),
+    "allowed_token_ids": ({"allowed_token_ids": [5, 6]}, REFUSED),
+    "prompt_logprobs": ({"prompt_logprobs": 1}, HONOURED),
+    "bad_words": ({"bad_words": ["fox"]}, REFUSED),
+    "add_special_tokens": ({"add_special_tokens": False}, REFUSED),
+    "structured_outputs": ({"structured_outputs": {"choice": ["a", "b"]}}, HONOURED),
+    "guided_json": ({"guided_json": {"type": "object"}}, HONOURED),
+    "guided_regex": ({"guided_regex": "[ab]+"}, HONOURED),
+    "guided_choice": ({"guided_choice": ["a", "b"]}, HONOURED),
+    "guided_grammar": ({"guided_grammar": 'root ::= "a" "b"'}, HONOURED),
+    "guided_decoding_backend": ({"guided_decoding_backend": "xgrammar"}, REFUSED),
+    "guided_whitespace_pattern": ({"guided_whitespace_pattern": " ?"}, REFUSED),
+    "logits_processors": ({"logits_processors": ["x"]}, REFUSED),
+    "priority": ({"priority": 1}, IGNORED),
+    "request_id": ({"request_id": "mine"}, IGNORED),
+    "return_tokens_as_token_ids": ({"return_tokens_as_token_ids": True}, HONOURED),
+    "return_token_ids": ({"return_token_ids": True}, REFUSED),
+    "cache_salt": ({"cache_salt": "salt"}, IGNORED),
+    "kv_transfer_params": ({"kv_transfer_params": {}}, REFUSED),
+    "vllm_xargs": ({"vllm_xargs": {"a": 1}}, REFUSED),
+}
+COMPLETION_FIELDS: dict[str, tuple[dict, str]] = {
+    **SHARED_FIELDS,
+    "echo": ({"echo": True}, HONOURED),
+    "logprobs": ({"logprobs": 1}, HONOURED),
+    "max_tokens": ({"max_tokens": 0}, HONOURED),
+    "suffix": ({"suffix": "x"}, REFUSED),  # for this model, which has no fill-in-the-middle tokens
+    "best_of": ({"best_of": 2}, HONOURED),
+    "response_format": ({"response_format": {"type": "json_object"}}, REFUSED),
+    "prompt_embeds": ({"prompt_embeds": "AAAA"}, REFUSED),
+}
+CHAT_FIELDS: dict[str, tuple[dict, str]] = {
+    **SHARED_FIELDS,
+    "logprobs": ({"logprobs": True}, HONOURED),
+    "top_logprobs": ({"logprobs": True, "top_logprobs": 2}, HONOURED),
+    "max_tokens": ({"max_tokens": 1}, HONOURED),
+    "max_completion_tokens": ({"max_completion_tokens": 1}, HONOURED),
+    "response_format": ({"response_format": {"type": "json_object"}}, HONOURED),
+    "tools": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+              HONOURED),
+    "tool_choice": ({"tool_choice": "none"}, HONOURED),
+    "parallel_tool_calls": ({"parallel_tool_calls": False}, IGNORED),
+    "reasoning_effort": ({"reasoning_effort": "low"}, REFUSED),
+    "include_reasoning": ({"include_reasoning": False}, REFUSED),
+    "echo": ({"echo": True}, HONOURED),
+    "add_generation_prompt": ({"add_generation_prompt": False}, HONOURED),
+    "continue_final_message": ({"continue_final_message": True, "add_generation_prompt": False,
+                                "messages": [*HI, {"role": "assistant", "content": "Well"}]}, HONOURED),
+    "documents": ({"documents": [{"title": "t", "text": "x"}]}, REFUSED),
+    "chat_template": ({"chat_template": "{{ messages }}"}, REFUSED),
+    "chat_template_kwargs": ({"chat_template_kwargs": {"enable_thinking": False}}, HONOURED),
+    "mm_processor_kwargs": ({"mm_processor_kwargs": {}}, REFUSED),
+    "store": ({"store": True}, IGNORED),
+    "metadata": ({"metadata": {"k": "v"}}, IGNORED),
+    "service_tier": ({"service_tier": "auto"}, IGNORED),
+    "modalities": ({"modalities": ["text", "audio"]}, REFUSED),
+    "audio": ({"audio": {"voice": "alloy", "format": "wav"}}, REFUSED),
+    "prediction": ({"prediction": {"type": "content", "content": "x"}}, REFUSED),
+    "web_search_options": ({"web_search_options": {}}, REFUSED),
+    "functions": ({"functions": [{"name": "f"}]}, REFUSED),
+    "function_call": ({"function_call": "auto"}, REFUSED),
+}
+
+
+@pytest.mark.parametrize(("path", "base", "fields"), [
+    ("/v1/completions", {"prompt": "The quick brown", "max_tokens": 2}, COMPLETION_FIELDS),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 2}, CHAT_FIELDS),
+])
+def test_every_field_of_the_vllm_and_openai_requests_is_honoured_ignored_or_refused(
+        server: ServerThread, path: str, base: dict, fields: dict[str, tuple[dict, str]]) -> None:
+    wrong = []
+    for field, (fragment, verdict) in fields.items():
+        response = post(server, path, {"model": MODEL_NAME, **base, **fragment})
+        ignored = response.headers.get(IGNORED_FIELDS_HEADER, "").split(", ")
+        if response.status_code == 400:
+            got = REFUSED if response.json()["error"]["param"] == field else f"400 on {response.json()['error']}"
+        elif response.status_code == 200:
+            got = IGNORED if field in ignored else HONOURED
+        else:
+            got = f"{response.status_code}: {response.text[:200]}"
+        if got != verdict:
+            wrong.append(f"{field}: {verdict} expected, got {got}")
+    assert not wrong

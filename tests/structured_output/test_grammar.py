@@ -100,3 +100,27 @@ def test_the_sampler_applies_the_bitmask_before_anything_else() -> None:
     for _ in range(20):
         token_ids, _ = sampler(logits, batch)
         assert token_ids[0] == 35 and token_ids[1] in (65, 68) and token_ids[2] == 0
+
+
+@pytest.mark.parametrize(("params", "text"), [
+    (StructuredOutputParams(json={"type": "object", "required": ["a", "b", "c"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "boolean"}},
+        "c": {"type": "object", "properties": {"d": {"type": "number"}}, "required": ["d"]}}}),
+     '{"a": 1, "b": [true, false], "c": {"d": 2.5}}'),
+    (StructuredOutputParams(json_object=True), '{"k": [1, {"x": null}], "y": "a  b"}'),
+])
+def test_json_output_cannot_pad_with_whitespace(compiler: GrammarCompiler, tokenizer: Tokenizer,
+                                                params: StructuredOutputParams, text: str) -> None:
+    """Outside strings, no token may start a run of whitespace or a line break: the one space after ':' and ','
+    is all the whitespace a constrained model can write, so it cannot spend its tokens on padding."""
+    matcher = compiler.compile(params).result().matcher()
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in range(tokenizer.vocab_size)]
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    for i, token_id in enumerate(token_ids):
+        before = tokenizer.decode(token_ids[:i])
+        if before.count('"') % 2 == 0:  # between JSON tokens, not in a string
+            padding = [texts[t] for t in _allowed(matcher, compiler.bitmask_words)
+                       if t < len(texts) and ("  " in before[-1:] + texts[t] or any(c in texts[t] for c in "\n\r\t"))]
+            assert not padding, f"after {before!r} the grammar allows {padding}"
+        assert matcher.advance([token_id]) == 1
+    assert matcher.is_complete
