@@ -2,9 +2,10 @@
 
 Every tensor is dequantized on the host with the `gguf` package's numpy code (F32, F16, BF16 and
 every block format it implements: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, the IQ formats, ...)
-and cast to the requested dtype, so the model sees plain dense weights. With keep_quantized, the
-Q8_0 / Q4_0 / Q4_1 weights of linear layers are decoded into QuantizedWeights instead
-(kvforge.quantization.gguf_quants), for `quantization="gguf"`.
+and cast to the requested dtype, so the model sees plain dense weights. With keep_quantized (a GGUF file's default),
+the weights of linear layers and the vocabulary tensors of every type in BLOCK_LAYOUTS are decoded into
+QuantizedWeights instead (kvforge.quantization.gguf_quants); those of other types (F16, BF16, the IQ2/IQ3 formats)
+are dequantized with a warning naming their type and what they cost.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
     quantized: dict[str, Callable[[], QuantizedWeight]] = {}
     quantized_layouts: dict[str, BlockLayout] = {}
     kept_bytes = dense_numel = 0
+    widened: dict[str, list[GGUFTensor]] = {}  # type name -> the weights of that type dequantized for want of a kernel
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             logger.warning("%s: ignoring %s (llama3-style rope scaling is not applied)", path, _ROPE_FREQS)
@@ -127,8 +129,15 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
             layout = quantized_layouts[hf_name] = BLOCK_LAYOUTS[tensor.tensor_type]
             kept_bytes += int(tensor.n_elements) * (layout.bits * layout.group_size + 32) // (8 * layout.group_size)
             continue
+        if keep_quantized and _is_weight_matrix(tensor):
+            widened.setdefault(tensor.tensor_type.name, []).append(tensor)
         readers[hf_name] = functools.partial(_dense_tensor, reader, tensor, heads, dtype)
         dense_numel += int(tensor.n_elements)
+    for type_name, tensors in widened.items():
+        numel = sum(int(t.n_elements) for t in tensors)
+        logger.warning("%s: %d weights of type %s (%.1f MB in the file) have no kept kernel: dequantized to %s, "
+                       "%.1f MB", path, len(tensors), type_name, sum(t.nbytes for t in tensors) / 1e6,
+                       str(dtype).removeprefix("torch."), numel * dtype.itemsize / 1e6)
     return GGUFCheckpoint(config, LazyTensors(readers), tokenizer, LazyTensors(quantized), quantized_layouts,
                           kept_bytes, dense_numel)
 
@@ -225,10 +234,15 @@ def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape))
 
 
-def _is_kept(tensor: GGUFTensor) -> bool:
+def _is_weight_matrix(tensor: GGUFTensor) -> bool:
+    """A linear layer's weight or a vocabulary tensor: what keep_quantized keeps in the file's type."""
     match = _LAYER_TENSOR.fullmatch(tensor.name)
     linear = match is not None and match.group(2) in _LINEAR_KINDS and match.group(3) == "weight"
-    return (linear or tensor.name in _VOCAB_TENSORS) and tensor.tensor_type in BLOCK_LAYOUTS
+    return linear or tensor.name in _VOCAB_TENSORS
+
+
+def _is_kept(tensor: GGUFTensor) -> bool:
+    return _is_weight_matrix(tensor) and tensor.tensor_type in BLOCK_LAYOUTS
 
 
 def _decode_kept(file: GGUFFile, tensor: GGUFTensor, heads: int | None) -> QuantizedWeight:

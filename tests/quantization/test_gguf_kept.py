@@ -69,11 +69,17 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_kept_tensors_are_the_dequantized_ones(tiny_path: Path) -> None:
+def test_kept_tensors_are_the_dequantized_ones(tiny_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Kept: the linear weights, the embedding and the LM head of kept types, rows in HF order (q/k
-    un-permuted like the float load)."""
+    un-permuted like the float load); the weights of a type with no kept kernel are named in a warning with their
+    cost."""
     dense = load_gguf(str(tiny_path), torch.float32)
+    assert "no kept kernel" not in caplog.text  # dequantizing was asked for
     kept = load_gguf(str(tiny_path), torch.float32, keep_quantized=True)
+    up = [tensor for name, tensor in dense.tensors.items() if name.endswith("up_proj.weight")]
+    megabytes = sum(t.numel() for t in up) * 4 / 1e6
+    assert f"2 weights of type F16 ({megabytes / 2:.1f} MB in the file) have no kept kernel: dequantized to " \
+           f"float32, {megabytes:.1f} MB" in caplog.text
     kinds = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "embed_tokens", "lm_head"}
     assert sorted(kept.quantized) == sorted(n for n in dense.tensors if n.split(".")[-2] in kinds)
     assert sorted(kept.tensors) == sorted(set(dense.tensors) - set(kept.quantized))
