@@ -14,6 +14,8 @@ import pytest
 from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
 from agents.models.openai_provider import OpenAIProvider
 
+from kvforge.server.app import ServerConfig
+from kvforge.server.responses_store import ResponseStore
 from tests.server.harness import API_KEY, MODEL_NAME, ServerThread
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
@@ -72,11 +74,12 @@ def test_tool_call_round_trip(default_client: openai.OpenAI) -> None:
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER)
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear", "celsius": 21}'}
-    second = _create(default_client, input=[result], previous_response_id=first.id, tools=TOOLS, tool_choice="none")
+    second = _create(default_client, input=[result], previous_response_id=first.id, tools=TOOLS, tool_choice="none",
+                     max_output_tokens=8)
     assert second.output[0].type == "message" and second.output_text
     # the same as sending the whole conversation: the question, the call and its result
     whole = _create(default_client, input=[{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
-                                           result], tools=TOOLS, tool_choice="none", store=False)
+                                           result], tools=TOOLS, tool_choice="none", store=False, max_output_tokens=8)
     assert whole.usage.input_tokens == second.usage.input_tokens and whole.output_text == second.output_text
 
 
@@ -93,19 +96,34 @@ def test_streamed_tool_call(default_client: openai.OpenAI) -> None:
 
 
 def test_previous_response_id_continues_the_conversation(default_client: openai.OpenAI) -> None:
-    first = _create(default_client, input="My name is Ada.")
-    second = _create(default_client, input="What is my name?", previous_response_id=first.id)
+    first = _create(default_client, input="My name is Ada.", max_output_tokens=8)
+    second = _create(default_client, input="What is my name?", previous_response_id=first.id, max_output_tokens=8)
     assert second.previous_response_id == first.id and second.output_text
     whole = _create(default_client, input=[{"role": "user", "content": "My name is Ada."},
                                            {"role": "assistant", "content": first.output_text},
-                                           {"role": "user", "content": "What is my name?"}], store=False)
+                                           {"role": "user", "content": "What is my name?"}], store=False,
+                    max_output_tokens=8)
     assert whole.usage.input_tokens == second.usage.input_tokens > first.usage.total_tokens
     assert whole.output_text == second.output_text
-    unstored = _create(default_client, input="Hi", store=False)
+    unstored = _create(default_client, input="Hi", store=False, max_output_tokens=1)
     for ask in (lambda: default_client.responses.retrieve(unstored.id),
                 lambda: _create(default_client, input="Hi", previous_response_id=unstored.id)):
         with pytest.raises(openai.NotFoundError):
             ask()
+
+
+def test_the_store_keeps_the_newest_responses(default_server: ServerThread, default_client: openai.OpenAI) -> None:
+    kept = default_server.app.state.responses
+    default_server.app.state.responses = ResponseStore(2)  # as `--max-stored-responses 2` sets it
+    try:
+        ids = [_create(default_client, input=f"Count to {n}.", max_output_tokens=1).id for n in range(3)]
+        with pytest.raises(openai.NotFoundError):
+            default_client.responses.retrieve(ids[0])
+        assert [default_client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+    finally:
+        default_server.app.state.responses = kept
+    with pytest.raises(ValueError, match="max_stored_responses must be >= 0, got -1"):
+        ServerConfig((MODEL_NAME,), max_stored_responses=-1)
 
 
 def test_text_format_json_schema(default_client: openai.OpenAI) -> None:
