@@ -78,27 +78,23 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
 
 
 def _chat_request(body: ResponsesRequest, items: list[InputItem]) -> ChatCompletionRequest:
-    """The chat completion request that produces body's response; 400 for a value chat refuses."""
+    """The chat completion request that produces body's response."""
     tool_choice = body.tool_choice
     if tool_choice is not None and not isinstance(tool_choice, str):
         tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
     tools = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
-             for tool in body.tools]
-    fields = {"messages": _chat_messages(body.instructions, items), "max_completion_tokens": body.max_output_tokens,
-              "temperature": body.temperature, "top_p": body.top_p, "tools": tools or None,
-              "tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls,
-              "response_format": _response_format(body.text)}
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValueError as error:
-        raise APIError(400, f"the request cannot run as a chat completion: {error}") from error
+             for tool in body.tools or []]
+    return ChatCompletionRequest(
+        messages=_chat_messages(body.instructions, items), max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, tools=tools or None, tool_choice=tool_choice,
+        response_format=_response_format(body.text), parallel_tool_calls=body.parallel_tool_calls)
 
 
 def _new_response(body: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
     text = body.text or TextConfig(format=TextFormat(type="text"))
     return ResponseObject(id=response_id, status="in_progress", model=model, instructions=body.instructions,
                           max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-                          tools=body.tools, tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
+                          tools=body.tools or [], tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
                           parallel_tool_calls=body.parallel_tool_calls, text=text,
                           reasoning=body.reasoning, previous_response_id=body.previous_response_id,
                           store=body.store, metadata=body.metadata or {}, user=body.user)

@@ -9,7 +9,16 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    Tag,
+    model_serializer,
+)
 
 from kvforge.server.protocol import Text
 
@@ -116,6 +125,11 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+def _default_if_none(default: object) -> BeforeValidator:
+    """A field that may be sent as null, which means its default (as OpenAI reads it)."""
+    return BeforeValidator(lambda value: default if value is None else value)
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses. Other fields are kept in `model_extra`, and request_fields.check_fields refuses
     them or reports them ignored."""
@@ -126,18 +140,18 @@ class ResponsesRequest(BaseModel):
     input: Text | list[InputItem] = Field(min_length=1)
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    tools: list[FunctionTool] = Field(default_factory=list)
+    temperature: Annotated[float, _default_if_none(1.0)] = 1.0
+    top_p: Annotated[float, _default_if_none(1.0)] = 1.0
+    tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Annotated[bool, _default_if_none(True)] = True
     text: TextConfig | None = None
     reasoning: dict[str, Any] | None = None  # accepted; no reasoning items are produced
-    store: bool = True
+    store: Annotated[bool, _default_if_none(True)] = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    stream: bool = False
+    stream: Annotated[bool, _default_if_none(False)] = False
     include: list[str] | None = None  # what OpenAI may add to outputs; kvforge adds none of it
     truncation: Literal["disabled"] | None = None  # "auto" would drop earlier turns; kvforge never does
 
