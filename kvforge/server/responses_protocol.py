@@ -125,6 +125,27 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+_ITEM_KINDS = ("message", "function_call", "function_call_output")
+_PART_KINDS = ("input_text", "output_text")
+
+
+def _served_kinds(items: Any) -> Any:
+    """items, unless one is of a kind kvforge does not take: then a ValueError naming it (which the 400 says,
+    rather than every union member's complaint)."""
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type", "message")
+        if kind not in _ITEM_KINDS:
+            raise ValueError(f"input items of type {kind!r} are not supported; kvforge takes {list(_ITEM_KINDS)}")
+        content = item.get("content") if kind == "message" else item.get("output")
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") not in _PART_KINDS:
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported; kvforge takes "
+                                 f"text: {list(_PART_KINDS)}")
+    return items
+
+
 def _default_if_none(default: object) -> BeforeValidator:
     """A field that may be sent as null, which means its default (as OpenAI reads it)."""
     return BeforeValidator(lambda value: default if value is None else value)
@@ -137,7 +158,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: Text | list[InputItem] = Field(min_length=1)
+    input: Annotated[Text | list[InputItem], BeforeValidator(_served_kinds)] = Field(min_length=1)
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: Annotated[float, _default_if_none(1.0)] = 1.0

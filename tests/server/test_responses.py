@@ -46,9 +46,11 @@ def test_create_retrieve_delete(default_client: openai.OpenAI) -> None:
     assert missing.value.body["type"] == "not_found_error" and response.id in missing.value.body["message"]
 
 
-def test_unknown_field_is_a_400(default_client: openai.OpenAI) -> None:
+def test_unknown_fields_and_unserved_inputs_are_400(default_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: bogus"):
         _create(default_client, input="Hi", extra_body={"bogus": 1})
+    with pytest.raises(openai.BadRequestError, match="content parts of type 'input_image' are not supported"):
+        _create(default_client, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
 
 
 def test_stream_events_add_up_to_the_response(default_client: openai.OpenAI) -> None:
