@@ -53,6 +53,15 @@ def test_unknown_fields_and_unserved_inputs_are_400(default_client: openai.OpenA
         _create(default_client, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
 
 
+def test_the_openapi_document_lists_the_routes(default_server: ServerThread) -> None:
+    paths = default_server.http.get("/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}).json()["paths"]
+    create = paths["/v1/responses"]["post"]["responses"]
+    assert {"200", "400", "404"} <= set(create) and "text/event-stream" in create["200"]["content"]
+    for method, path in (("get", "/v1/responses/{response_id}"), ("delete", "/v1/responses/{response_id}"),
+                         ("post", "/v1/responses/{response_id}/cancel")):
+        assert "404" in paths[path][method]["responses"]
+
+
 def test_stream_events_add_up_to_the_response(default_client: openai.OpenAI) -> None:
     with default_client.responses.stream(model=MODEL_NAME, input="Say hello.", max_output_tokens=64,
                                          temperature=0) as stream:
