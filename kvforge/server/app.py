@@ -11,13 +11,14 @@ from starlette.responses import JSONResponse, Response
 
 from kvforge import __version__
 from kvforge.engine.async_engine import AsyncEngine
-from kvforge.server import chat, completions, embeddings, scoring, tokenize
+from kvforge.server import chat, completions, embeddings, responses, scoring, tokenize
 from kvforge.server.errors import error_response, install_error_handlers
 from kvforge.server.lifecycle import ShutdownDeadline
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvforge.server.openapi import install_openapi
 from kvforge.server.protocol import ModelCard, ModelList
+from kvforge.server.responses_store import ResponseStore
 from kvforge.server.serving import ServerState
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
@@ -27,7 +28,8 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 class ServerConfig:
     """HTTP-side settings: the names clients address the model by, the API key, the body limit, and
     the timeouts (seconds): reading a request body (408 after), an idle keep-alive connection, and
-    the requests still running when a shutdown begins."""
+    the requests still running when a shutdown begins; and how many responses /v1/responses keeps (the
+    oldest is forgotten first)."""
 
     served_model_names: tuple[str, ...]
     api_key: str | None = None
@@ -35,12 +37,15 @@ class ServerConfig:
     body_read_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
     shutdown_timeout: float = 30.0
+    max_stored_responses: int = 1024
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
             raise ValueError(f"served model names must be non-empty, got {self.served_model_names!r}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         for name in ("body_read_timeout", "keep_alive_timeout", "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -63,9 +68,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                         ShutdownDeadline(config.shutdown_timeout))
     app.state.server = state
     app.state.server_config = config
+    app.state.responses = ResponseStore(config.max_stored_responses)
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses.router)
     app.include_router(tokenize.router)
     app.include_router(embeddings.router)
     app.include_router(scoring.router)

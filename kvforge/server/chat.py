@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -80,13 +81,19 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, http_request: Request) -> Response:
-    state: ServerState = http_request.app.state.server
-    model = state.check_model(body.model)
-    headers = check_fields(body)
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request queued in the engine: its engine requests, its tool plan and its messages."""
+
+    group: RequestGroup
+    plan: ToolPlan
+    messages: list[dict]
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id: str) -> ChatRun:
+    """Render body's messages through the chat template (tools included), build its sampling parameters and
+    queue it; 400 for a bad value. POST /v1/responses runs its requests through here too."""
     _check_values(body)
-    num_logprobs = _num_logprobs(body)
     tokenizer = state.engine.tokenizer
     messages = [_message_dict(m) for m in body.messages]
     plan = plan_tools(body, messages, tokenizer.chat_template)
@@ -95,12 +102,23 @@ async def create_chat_completion(body: ChatCompletionRequest, http_request: Requ
                                             plan.template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(state, body, max_tokens_in_context(state, len(token_ids), requested),
-                             logprobs=num_logprobs, prompt_logprobs=body.prompt_logprobs,
+                             logprobs=_num_logprobs(body), prompt_logprobs=body.prompt_logprobs,
                              **_constraint(body, plan))
-    request_id = new_request_id("chatcmpl")
     group = RequestGroup(state)
     await group.start(request_id, [(token_ids, params)])
-    echo = _echo(body, messages)
+    return ChatRun(group, plan, messages)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, http_request: Request) -> Response:
+    state: ServerState = http_request.app.state.server
+    model = state.check_model(body.model)
+    headers = check_fields(body)
+    num_logprobs = _num_logprobs(body)
+    request_id = new_request_id("chatcmpl")
+    run = await start_chat(state, body, request_id)
+    group, plan = run.group, run.plan
+    echo = _echo(body, run.messages)
     if body.stream:
         return sse_response(group, _stream(group, body, plan, echo, request_id, model), headers)
     (output,) = await group.final_outputs(http_request)
@@ -135,7 +153,7 @@ def _finish_reason(completion: CompletionOutput, plan: ToolPlan) -> str | None:
     return "tool_calls" if is_call and completion.finish_reason == "stop" else completion.finish_reason
 
 
-class _ToolCallStream:
+class ToolCallStream:
     """What one streamed choice has sent of its text, or of its tool call's arguments."""
 
     def __init__(self, reads_calls: bool) -> None:
@@ -171,7 +189,7 @@ async def _stream(group: RequestGroup, body: ChatCompletionRequest, plan: ToolPl
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]), exclude_none=True)
 
     sent = [ChoiceProgress() for _ in range(body.n)]
-    texts = [_ToolCallStream(plan.reads_calls) for _ in range(body.n)]
+    texts = [ToolCallStream(plan.reads_calls) for _ in range(body.n)]
     if echo:
         for index, progress in enumerate(sent):
             progress.started = True

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds the requests in flight may still run; then streams end "
                             "with an error event and other requests get 503")
+    group.add_argument("--max-stored-responses", type=int, default=1024,
+                       help="most responses /v1/responses keeps in memory for retrieval and previous_response_id "
+                            "(the oldest is forgotten first; 0 keeps none)")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -57,11 +60,12 @@ def run(args: argparse.Namespace) -> int:
     max_body_bytes = parse_bytes(args.max_request_size)
     timeouts = {"body_read_timeout": args.body_read_timeout, "keep_alive_timeout": args.keep_alive_timeout,
                 "shutdown_timeout": args.shutdown_timeout}
-    ServerConfig(served_model_names=("check",), **timeouts)  # bad values fail before the model loads
+    ServerConfig(served_model_names=("check",), max_stored_responses=args.max_stored_responses,
+                 **timeouts)  # bad values fail before the model loads
     engine = create_engine(build_engine_config(**engine_kwargs_from_args(args)))
     names = tuple(args.served_model_name or [args.model or Path(engine.model_name).stem])
     config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=max_body_bytes,
-                          **timeouts)
+                          max_stored_responses=args.max_stored_responses, **timeouts)
     app = build_app(AsyncEngine(engine, max_queue=args.max_queue), config)
     print(f"kvforge: serving {', '.join(names)} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn_server(app, args.host, args.port, args.uvicorn_log_level, args.access_log).run()

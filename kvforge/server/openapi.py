@@ -17,12 +17,13 @@ from kvforge.server.middleware import OPEN_PATHS
 from kvforge.server.protocol import ErrorResponse
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
-_STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions")
+_STREAMING_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_STORED_RESPONSE_PATHS = ("/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel")
 
 # status -> when the server answers it
 _BODY_ERRORS = {
     "400": "Invalid request: a field's value, the JSON, or a request that can never be admitted",
-    "404": "No such model",
+    "404": "No such model (or, for /v1/responses, no such previous_response_id)",
     "408": "The request body did not arrive in time",
     "413": "The request body is too large",
     "503": "Overloaded (the admission queue is full) or shutting down; see Retry-After",
@@ -55,6 +56,8 @@ def _fix_operation(path: str, method: str, operation: dict[str, Any], authentica
         responses["503"] = _error("The engine is not running")
     if path == "/v1/models/{model_id}":
         responses["404"] = _error(_BODY_ERRORS["404"])
+    if path in _STORED_RESPONSE_PATHS:
+        responses["404"] = _error("No such stored response")
     if path == "/version":
         responses["200"]["content"] = {"application/json": {"schema": {
             "type": "object", "properties": {"version": {"type": "string"}}, "required": ["version"]}}}
