@@ -24,21 +24,23 @@ def pooling_engine(state: ServerState, route: str) -> PoolingEngine:
     return engine
 
 
-async def input_token_ids(state: ServerState, inputs: str | list, param: str = "input") -> list[list[int]]:
-    """An API input (text, texts, token ids, lists of token ids) as one token-id list per input."""
+async def input_prompts(state: ServerState, inputs: str | list, param: str = "input") -> list[dict]:
+    """An API input (text, texts, token ids, lists of token ids) as one prompt ({"prompt_token_ids": ...}) per
+    input."""
     if isinstance(inputs, str):
         inputs = [inputs]
     elif not inputs:
         raise APIError(400, f"{param} must not be an empty list", param=param)
     if isinstance(inputs[0], int):
-        return [list(inputs)]
+        return [{"prompt_token_ids": list(inputs)}]
     if isinstance(inputs[0], str):
         encode = state.engine.tokenizer.encode
-        return await off_loop_if_large(sum(len(text) for text in inputs), lambda: [encode(text) for text in inputs])
-    return [list(token_ids) for token_ids in inputs]
+        return await off_loop_if_large(sum(len(text) for text in inputs),
+                                       lambda: [{"prompt_token_ids": encode(text)} for text in inputs])
+    return [{"prompt_token_ids": list(token_ids)} for token_ids in inputs]
 
 
-async def run_pooling(state: ServerState, request_id: str, inputs: list[list[int]], params: PoolingParams,
+async def run_pooling(state: ServerState, request_id: str, inputs: list[dict], params: PoolingParams,
                       http_request: Request, param: str = "input") -> list[PoolingRequestOutput]:
     """Queue every input, then wait for all their outputs. If any input is refused (too long, say), none stays
     queued and the refusal is the answer; a client that disconnects aborts them all."""
@@ -48,7 +50,7 @@ async def run_pooling(state: ServerState, request_id: str, inputs: list[list[int
         raise APIError(400, f"the request has {len(inputs)} inputs, but the server admits at most {limit} at once; "
                             f"send fewer per request", param=param)
     results = await asyncio.gather(
-        *(engine.add_request(f"{request_id}-{i}", {"prompt_token_ids": ids}, params) for i, ids in enumerate(inputs)),
+        *(engine.add_request(f"{request_id}-{i}", prompt, params) for i, prompt in enumerate(inputs)),
         return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
