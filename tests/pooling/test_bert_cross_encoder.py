@@ -14,7 +14,7 @@ from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.engines import create_engine
 from kvforge.engine_args import build_engine_config
 from kvforge.server.app import ServerConfig
-from tests.server.harness import MODEL_NAME, ServerThread
+from tests.server.harness import MODEL_NAME, ServerThread, metric
 
 QUERY = "how do paged caches work"
 DOCUMENTS = ["Paged attention keeps keys and values in fixed-size blocks.", "A monkey is playing drums.",
@@ -85,5 +85,13 @@ def test_rerank_and_score_routes(cross_encoder_dir, reference_scores):
             [reference_scores[i] for i in order], abs=1e-5)
         scored = server.http.post("/score", json={"text_1": QUERY, "text_2": DOCUMENTS}).json()
         assert [d["score"] for d in scored["data"]] == pytest.approx(reference_scores, abs=1e-5)
+        # /metrics counts every pair of both requests, and their tokens, as it counts generation requests
+        num_prompt_tokens = results["usage"]["prompt_tokens"] + scored["usage"]["prompt_tokens"]
+        assert metric(server.http, 'kvforge:request_success_total{finished_reason="stop"}') == 2 * len(DOCUMENTS)
+        assert metric(server.http, "kvforge:prompt_tokens_total") == num_prompt_tokens > 0
+        refused = server.http.post("/rerank", json={"query": QUERY, "documents": ["a", "b " * 100]})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "documents"
+        assert "documents[1]" in refused.json()["error"]["message"]
+        assert metric(server.http, "kvforge:prompt_tokens_total") == num_prompt_tokens  # refused: nothing counted
     finally:
         server.stop()
