@@ -97,8 +97,9 @@ class PoolingEngine:
         return token_type_ids
 
     def input_token_ids(self, prompt: PromptType, params: PoolingParams) -> tuple[list[int], list[int] | None]:
-        """The input's token ids and token types (None: all of type 0), cut to params.truncate_prompt_tokens;
-        ValueError naming the window when the input does not fit the model's."""
+        """The input's token ids and token types (None: all of type 0); ValueError naming the window when the input
+        does not fit the model's. params.truncate_prompt_tokens = k keeps the input's last k tokens (-1: as many as
+        the window holds), its special tokens included, as vLLM does."""
         _, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("the input is empty")
@@ -108,12 +109,13 @@ class PoolingEngine:
             if truncate > self.max_model_len:
                 raise ValueError(f"truncate_prompt_tokens={truncate} is more than this model's window of "
                                  f"{self.max_model_len} tokens")
-            token_ids = token_ids[:truncate]
-            token_type_ids = None if token_type_ids is None else token_type_ids[:truncate]
+            keep = self.max_model_len if truncate == -1 else truncate
+            token_ids = token_ids[-keep:]
+            token_type_ids = None if token_type_ids is None else token_type_ids[-keep:]
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the input has {len(token_ids)} tokens, but this model's window is "
                              f"{self.max_model_len} tokens; shorten it, or set truncate_prompt_tokens to keep its "
-                             f"first tokens")
+                             f"last tokens")
         return token_ids, token_type_ids
 
     def check_params(self, params: PoolingParams) -> None:

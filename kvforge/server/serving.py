@@ -159,7 +159,7 @@ class RequestGroup:
         A request with more sequences (prompts x n) than could ever be admitted is a 400: retrying
         cannot help it, unlike the 503 of a full queue."""
         engine, metrics = self.state.engine, self.state.metrics
-        num_sequences = sum(params.n if isinstance(params, SamplingParams) else 1 for _, params in prompts)
+        num_sequences = sum(params.n for _, params in prompts)
         limit = self.state.max_admitted_sequences
         if num_sequences > limit:
             metrics.rejected.labels(reason="never_fits").inc()

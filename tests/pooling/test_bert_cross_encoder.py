@@ -41,12 +41,19 @@ def cross_encoder_dir(tmp_path_factory, minilm_dir):
 
 
 @pytest.fixture(scope="module")
-def reference_scores(cross_encoder_dir) -> list[float]:
+def transformers_model(cross_encoder_dir):
+    import transformers
+
+    return transformers.BertForSequenceClassification.from_pretrained(cross_encoder_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def reference_scores(cross_encoder_dir, transformers_model) -> list[float]:
     """transformers' sigmoid of the head's logit for each (QUERY, document), its tokenizer's pair encoding."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(cross_encoder_dir)
-    model = transformers.BertForSequenceClassification.from_pretrained(cross_encoder_dir).eval()
+    model = transformers_model
     batch = tokenizer([QUERY] * len(DOCUMENTS), DOCUMENTS, padding=True, return_tensors="pt")
     assert batch["token_type_ids"].any()  # the documents' tokens are of type 1
     with torch.no_grad():
@@ -61,7 +68,7 @@ def llm(cross_encoder_dir):
         yield llm
 
 
-def test_score_matches_transformers_and_cross_encoder(llm, cross_encoder_dir, reference_scores):
+def test_score_matches_transformers_and_cross_encoder(llm, cross_encoder_dir, transformers_model, reference_scores):
     from sentence_transformers import CrossEncoder
 
     scores = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS)]
@@ -69,6 +76,13 @@ def test_score_matches_transformers_and_cross_encoder(llm, cross_encoder_dir, re
     cross_encoder = CrossEncoder(str(cross_encoder_dir), device="cpu")
     predicted = cross_encoder.predict([(QUERY, d) for d in DOCUMENTS])
     assert scores == pytest.approx(predicted.tolist(), abs=1e-5)
+    # truncate_prompt_tokens keeps a pair's last tokens, their types with them
+    (cut,) = llm.score(QUERY, DOCUMENTS[0], truncate_prompt_tokens=9)
+    token_ids, token_type_ids = llm.get_tokenizer().encode_pair(QUERY, DOCUMENTS[0])
+    assert cut.prompt_token_ids == token_ids[-9:]
+    with torch.no_grad():
+        logit = transformers_model(torch.tensor([token_ids[-9:]]), token_type_ids=torch.tensor([token_type_ids[-9:]]))
+    assert cut.outputs.score == pytest.approx(logit.logits[0, 0].sigmoid().item(), abs=1e-5)
     # pairs in order, and the pair's own order matters (the query's tokens are type 0)
     (swapped,) = llm.score(DOCUMENTS[0], QUERY)
     assert abs(swapped.outputs.score - scores[0]) > 1e-4
