@@ -19,7 +19,8 @@ _BENCHMARKS = {
     "moe": ("kvforge.benchmarks.moe", "the MoE layer's CPU path against a per-expert loop"),
     "structured": ("kvforge.benchmarks.structured", "time per output token with and without a JSON-schema "
                                                     "constraint; grammar compile times"),
-    "embed": ("kvforge.benchmarks.embed", "sentences/s of an embedding model against sentence-transformers"),
+    "embed": ("kvforge.benchmarks.embed", "sentences/s of an embedding model against sentence-transformers "
+                                          "(and llama.cpp)"),
     "speculative": ("kvforge.benchmarks.speculative",
                     "decode tokens/s with speculation off and with each method, acceptance per position"),
 }

@@ -12,7 +12,7 @@ from kvforge.engine.engines import Engine, create_engine
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.pooling_engine import PoolingEngine
 from kvforge.engine.prompts import PromptType
-from kvforge.engine.scoring import cosine_scores, pair_token_ids, pair_up
+from kvforge.engine.scoring import cosine_scores, pair_prompts, pair_up
 from kvforge.engine_args import build_engine_config, engine_signature
 from kvforge.outputs import PoolingRequestOutput, RequestOutput
 from kvforge.pooling_params import PoolingParams
@@ -114,9 +114,8 @@ class LLM:
         queries, documents = pair_up(queries, documents)
         engine = self._engine_of(PoolingEngine, "score")
         if engine.has_classifier:
-            pairs = pair_token_ids(engine.tokenizer, queries, documents)
             params = PoolingParams("score", truncate_prompt_tokens=truncate_prompt_tokens)
-            return self._pool([{"prompt_token_ids": ids} for ids in pairs], params, use_tqdm)
+            return self._pool(pair_prompts(engine.tokenizer, queries, documents), params, use_tqdm)
         return cosine_scores(self.embed(queries + documents, truncate_prompt_tokens=truncate_prompt_tokens,
                                         use_tqdm=use_tqdm))
 

@@ -15,7 +15,8 @@ class PoolingParams:
     or "score" (a cross-encoder's relevance of a query and document pair). dimensions: keep the first
     `dimensions` values of an embedding (Matryoshka models), before normalisation. normalize: scale an embedding
     to unit length (None: as the checkpoint says, e.g. sentence-transformers' Normalize module).
-    truncate_prompt_tokens: keep the last k tokens of a longer input instead of refusing it."""
+    truncate_prompt_tokens: keep the last k tokens of a longer input instead of refusing it (-1: as many as the
+    model's window holds)."""
 
     task: str = "embed"
     dimensions: int | None = None
@@ -30,8 +31,9 @@ class PoolingParams:
         if self.dimensions is not None and self.task != "embed":
             raise ValueError(f"dimensions applies to embeddings only, not to task {self.task!r}")
         truncate = self.truncate_prompt_tokens
-        if truncate is not None and (not isinstance(truncate, int) or truncate < 1):
-            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {truncate!r}")
+        if truncate is not None and (not isinstance(truncate, int) or truncate < 1) and truncate != -1:
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (the model's window), got "
+                             f"{truncate!r}")
 
     @property
     def n(self) -> int:

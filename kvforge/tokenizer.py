@@ -168,10 +168,11 @@ class Tokenizer:
         """Token ids for `text`; with add_special_tokens, BOS/EOS only where the model asks for them."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_pair(self, first: str, second: str) -> list[int]:
-        """Token ids of two texts as one input (a cross-encoder's query and document), with the model's
-        separators."""
-        return self.backend.encode(first, second).ids
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """Two texts as one input (a cross-encoder's query and document), with the model's separators: its token
+        ids and their token types (0 for the first text's tokens, 1 for the second's, as the template says)."""
+        encoding = self.backend.encode(first, second)
+        return encoding.ids, encoding.type_ids
 
     def token_id(self, token: str) -> int:
         """The id of one token of the vocabulary; ValueError naming it when it is not one."""

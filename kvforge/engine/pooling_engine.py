@@ -42,6 +42,8 @@ class PoolingEngine:
         self.hidden_size = model_config.hidden_size
         self.pooler = loaded.pooler
         self.has_classifier = self.executor.runner.classifier is not None
+        # how many token types the model reads (0: it reads none, and a prompt's token_type_ids are ignored)
+        self.num_token_types = model_config.type_vocab_size if loaded.model.takes_token_types else 0
         windows = (config.model.max_model_len, model_config.max_position, self.pooler.max_seq_length)
         self.max_model_len = min(w for w in windows if w is not None)
         self.scheduler = PoolingScheduler(config.scheduler)
@@ -82,23 +84,39 @@ class PoolingEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
-    def input_token_ids(self, prompt: PromptType, params: PoolingParams) -> list[int]:
-        """The input's token ids, cut to params.truncate_prompt_tokens; ValueError naming the window when it does
-        not fit the model's."""
+    def _token_type_ids(self, prompt: PromptType, num_tokens: int) -> list[int] | None:
+        """A prompt dict's token_type_ids (a cross-encoder pair's), checked, where the model reads them."""
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if token_type_ids is None or not self.num_token_types:
+            return None
+        token_type_ids = list(token_type_ids)
+        if len(token_type_ids) != num_tokens:
+            raise ValueError(f"token_type_ids has {len(token_type_ids)} values for {num_tokens} tokens")
+        if not all(isinstance(t, int) and 0 <= t < self.num_token_types for t in token_type_ids):
+            raise ValueError(f"token_type_ids must be integers in [0, {self.num_token_types})")
+        return token_type_ids
+
+    def input_token_ids(self, prompt: PromptType, params: PoolingParams) -> tuple[list[int], list[int] | None]:
+        """The input's token ids and token types (None: all of type 0); ValueError naming the window when the input
+        does not fit the model's. params.truncate_prompt_tokens = k keeps the input's last k tokens (-1: as many as
+        the window holds), its special tokens included, as vLLM does."""
         _, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("the input is empty")
+        token_type_ids = self._token_type_ids(prompt, len(token_ids))
         truncate = params.truncate_prompt_tokens
         if truncate is not None:
             if truncate > self.max_model_len:
                 raise ValueError(f"truncate_prompt_tokens={truncate} is more than this model's window of "
                                  f"{self.max_model_len} tokens")
-            token_ids = token_ids[:truncate]
+            keep = self.max_model_len if truncate == -1 else truncate
+            token_ids = token_ids[-keep:]
+            token_type_ids = None if token_type_ids is None else token_type_ids[-keep:]
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the input has {len(token_ids)} tokens, but this model's window is "
                              f"{self.max_model_len} tokens; shorten it, or set truncate_prompt_tokens to keep its "
-                             f"first tokens")
-        return token_ids
+                             f"last tokens")
+        return token_ids, token_type_ids
 
     def check_params(self, params: PoolingParams) -> None:
         if not isinstance(params, PoolingParams):
@@ -115,8 +133,8 @@ class PoolingEngine:
         self._check_running()
         self.check_params(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        token_ids = self.input_token_ids(prompt, params)
-        self.scheduler.add_request(PoolingRequest(request_id, token_ids, params))
+        token_ids, token_type_ids = self.input_token_ids(prompt, params)
+        self.scheduler.add_request(PoolingRequest(request_id, token_ids, params, token_type_ids))
         self.prompts[request_id] = token_ids
         return request_id
 

@@ -20,6 +20,7 @@ class PoolingRequest:
     request_id: str
     token_ids: list[int]
     params: PoolingParams
+    token_type_ids: list[int] | None = None  # a pair's token types, for a model that reads them (BERT)
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -29,6 +30,7 @@ class PoolingStep:
 
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
+    token_type_ids: list[list[int] | None] = field(default_factory=list)  # None: every token of type 0
     params: list[PoolingParams] = field(default_factory=list)
 
     @property
@@ -68,6 +70,7 @@ class PoolingScheduler:
                 break
             step.request_ids.append(request.request_id)
             step.token_ids.append(request.token_ids)
+            step.token_type_ids.append(request.token_type_ids)
             step.params.append(request.params)
             budget -= num_tokens
         for request_id in step.request_ids:

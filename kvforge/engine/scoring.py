@@ -28,9 +28,13 @@ def pair_up(queries: str | Sequence[str], documents: str | Sequence[str]) -> tup
     return queries, documents
 
 
-def pair_token_ids(tokenizer: Tokenizer, queries: list[str], documents: list[str]) -> list[list[int]]:
-    """A cross-encoder's inputs: each pair as one input, with the tokenizer's separators."""
-    return [tokenizer.encode_pair(q, d) for q, d in zip(queries, documents, strict=True)]
+def pair_prompts(tokenizer: Tokenizer, queries: list[str], documents: list[str]) -> list[dict]:
+    """A cross-encoder's inputs: each pair as one input, with the tokenizer's separators and token types."""
+    prompts = []
+    for query, document in zip(queries, documents, strict=True):
+        token_ids, token_type_ids = tokenizer.encode_pair(query, document)
+        prompts.append({"prompt_token_ids": token_ids, "token_type_ids": token_type_ids})
+    return prompts
 
 
 def cosine_scores(embedded: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:

@@ -31,6 +31,13 @@ class PoolingRunner:
         input_ids = np.fromiter((t for ids in step.token_ids for t in ids), dtype=np.int64, count=len(positions))
         metadata = WholeSequenceMetadata.build(lens.tolist(), self.model.is_causal, self.device)
         to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        hidden = self.model(to_device(input_ids), to_device(positions), self.no_kv_caches, metadata)
+        token_types = {}
+        if self.model.takes_token_types:
+            types = np.zeros(len(positions), dtype=np.int64)  # [num_tokens]
+            for start, type_ids in zip(np.cumsum(lens) - lens, step.token_type_ids, strict=True):
+                if type_ids is not None:
+                    types[start:start + len(type_ids)] = type_ids
+            token_types["token_type_ids"] = to_device(types)
+        hidden = self.model(to_device(input_ids), to_device(positions), self.no_kv_caches, metadata, **token_types)
         pooled = pool(hidden, metadata.query_start_loc, self.pooler.pooling_type)
         return pooled_outputs(pooled, step.params, self.pooler, self.classifier)

@@ -1,9 +1,12 @@
-"""BERT-family bidirectional encoders (BERT, MiniLM and the sentence-transformers models built on them).
+"""BERT-family bidirectional encoders (BERT, MiniLM and the sentence-transformers models built on them), and
+BERT cross-encoders (BertForSequenceClassification: a query and a document read as one input, scored by a head).
 
 An encoder runs only in pooling steps: every sequence is whole in its step and attends to all of its tokens
 (layers/attention.py, no KV cache). Post-norm layers:
 
     x = LayerNorm(x + out(attention(x)));  x = LayerNorm(x + down(gelu(up(x))))
+
+A pair's tokens have types: [CLS] query [SEP] are type 0, document [SEP] type 1 (the tokenizer's pair encoding).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 
 from kvforge.layers.attention import Attention, WholeSequenceMetadata
 from kvforge.layers.linear import Linear
+from kvforge.models.labels import num_labels
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
@@ -49,7 +53,7 @@ class BertConfig:
 
 
 class BertEmbeddings(nn.Module):
-    """Word + absolute position + token type (every token is of type 0: one text per input), then LayerNorm."""
+    """Word + absolute position + token type embeddings, then LayerNorm."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -58,8 +62,9 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings(token_type_ids))
         return self.LayerNorm(x)  # [num_tokens, hidden]
 
 
@@ -99,6 +104,7 @@ class BertModel(nn.Module):
 
     is_causal = False
     is_pooling_only = True
+    takes_token_types = True  # forward reads each token's type (0 for a single text)
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
@@ -107,14 +113,20 @@ class BertModel(nn.Module):
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[None],
-                metadata: WholeSequenceMetadata) -> torch.Tensor:
-        x = self.embeddings(input_ids, positions)
+                metadata: WholeSequenceMetadata, token_type_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions, token_type_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, kv_cache, metadata)
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (with or without a "bert." prefix); every parameter must be covered."""
+        missing = self._load_named(weights)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {sorted(missing)[:5]}")
+
+    def _load_named(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; the names of the parameters they left unfilled."""
         params = dict(self.named_parameters())
         missing = set(params)
         for name, tensor in weights:
@@ -140,5 +152,53 @@ class BertModel(nn.Module):
                                  f"{tuple(params[name].shape)}")
             params[name].data.copy_(tensor)
             missing.discard(name)
+        return missing
+
+
+class BertClassifierHead(nn.Module):
+    """BERT's pooler (dense, tanh) on the CLS token's hidden state, then the classifier: [num_seqs, hidden] ->
+    [num_seqs, num_labels] logits."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.dense(cls_hidden)))
+
+
+# HF tensor name -> BertForSequenceClassification's
+_HEAD_NAMES = {"bert.pooler.dense.weight": "classifier.dense.weight", "bert.pooler.dense.bias": "classifier.dense.bias",
+               "classifier.weight": "classifier.out.weight", "classifier.bias": "classifier.out.bias"}
+
+
+class BertForSequenceClassification(BertModel):
+    """A BERT cross-encoder (sentence-transformers' CrossEncoder, ms-marco-MiniLM-style rerankers): the encoder,
+    pooled at its CLS token, then `classifier` (BertClassifierHead). One logit is a relevance score (sigmoid); more
+    are class probabilities (softmax)."""
+
+    def __init__(self, hf_config: dict) -> None:
+        super().__init__(hf_config)
+        self.classifier = BertClassifierHead(self.config.hidden_size, num_labels(hf_config))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The encoder's tensors as BertModel loads them; the pooler's and classifier's into the head."""
+        head = dict(self.classifier.named_parameters(prefix="classifier"))
+
+        def encoder_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name not in _HEAD_NAMES:
+                    yield name, tensor
+                    continue
+                param = head[_HEAD_NAMES[name]]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(param.shape)}")
+                param.data.copy_(tensor)
+                filled.add(_HEAD_NAMES[name])
+
+        filled: set[str] = set()
+        missing = self._load_named(encoder_weights()) - filled
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {sorted(missing)[:5]}")

@@ -18,6 +18,7 @@ from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
+from kvforge.models.labels import num_labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     merged_params = _MERGED  # checkpoint tensors stacked into one parameter
     is_causal = True  # in a pooling step (no KV cache) each token attends to those before it
+    takes_token_types = False  # a pair's token types (BERT's) mean nothing to a decoder
     has_lm_head = True
 
     def __init__(self, hf_config: dict) -> None:
@@ -319,7 +321,7 @@ class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
     def _num_labels(self, hf_config: dict) -> int:
         if self.head_token_ids is not None:
             return 1 if len(self.head_token_ids) == 2 else len(self.head_token_ids)
-        return hf_config.get("num_labels") or len(hf_config.get("id2label") or {}) or 2
+        return num_labels(hf_config)
 
     @property
     def classifier(self) -> nn.Module:

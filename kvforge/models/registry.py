@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from kvforge.models.bert import BertModel
+from kvforge.models.bert import BertForSequenceClassification, BertModel
 from kvforge.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvforge.models.llama import (
     LlamaForCausalLM,
@@ -27,13 +27,14 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 
 # The architectures the pooling runner runs (their attention runs without a KV cache): the encoders, the
 # classifiers, and the decoders whose last (or mean) hidden state is an embedding (Qwen3-Embedding).
-POOLING_ARCHITECTURES = frozenset({"BertModel", "Qwen3ForSequenceClassification", "LlamaForCausalLM",
-                                   "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+POOLING_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification", "Qwen3ForSequenceClassification",
+                                   "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 
 def resolve_model_class(hf_config: dict, runner: str = "generate") -> type[nn.Module]:

@@ -105,7 +105,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
                              logprobs=_num_logprobs(body), prompt_logprobs=body.prompt_logprobs,
                              **_constraint(body, plan))
     group = RequestGroup(state)
-    await group.start(request_id, [(token_ids, params)])
+    await group.start(request_id, [({"prompt_token_ids": token_ids}, params)])
     return ChatRun(group, plan, messages)
 
 

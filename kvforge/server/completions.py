@@ -86,7 +86,7 @@ async def create_completion(body: CompletionRequest, http_request: Request) -> R
     for prompt in prompts:
         max_tokens = max_tokens_in_context(state, len(prompt.token_ids), body.max_tokens)
         params = dataclasses.replace(sampling_params(state, body, max_tokens, **extra), n=num_samples)
-        requests.append((prompt.token_ids, params))
+        requests.append(({"prompt_token_ids": prompt.token_ids}, params))
     request_id = new_request_id("cmpl")
     group = RequestGroup(state)
     await group.start(request_id, requests)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from kvforge.pooling_params import PoolingParams
 from kvforge.server.errors import APIError
 from kvforge.server.pooling_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
-from kvforge.server.pooling_serving import input_token_ids, pooling_engine, pooling_usage, run_pooling
+from kvforge.server.pooling_serving import input_prompts, pooling_engine, pooling_usage, run_pooling
 from kvforge.server.serving import ServerState, new_request_id
 
 router = APIRouter()
@@ -32,7 +32,7 @@ async def create_embeddings(body: EmbeddingRequest, http_request: Request) -> Em
         engine.check_params(params)
     except ValueError as error:
         raise APIError(400, str(error), param="dimensions" if body.dimensions else None) from error
-    inputs = await input_token_ids(state, body.input)
+    inputs = await input_prompts(state, body.input)
     request_id = new_request_id("embd")
     outputs = await run_pooling(state, request_id, inputs, params, http_request)
     data = [EmbeddingData(index=i, embedding=_encoded(o.outputs.embedding, body.encoding_format))

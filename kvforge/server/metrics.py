@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from kvforge.engine.async_engine import EngineStats
 from kvforge.engine.stats import SpecDecodeStats
-from kvforge.outputs import RequestOutput
+from kvforge.outputs import PoolingRequestOutput, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -112,7 +112,8 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Counts a request's new tokens as its outputs arrive; observes its latencies once it finishes."""
+    """Counts a request's new tokens as its outputs arrive; observes its latencies once it finishes. A pooling
+    request finishes in its one output, as a success with finish reason "stop" (it generates nothing)."""
 
     __slots__ = ("metrics", "num_tokens")
 
@@ -120,7 +121,10 @@ class RequestTracker:
         self.metrics = metrics
         self.num_tokens = 0
 
-    def update(self, output: RequestOutput) -> None:
+    def update(self, output: RequestOutput | PoolingRequestOutput) -> None:
+        if isinstance(output, PoolingRequestOutput):
+            self.metrics.requests.labels(finished_reason="stop").inc()
+            return
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
         self.metrics.generation_tokens.inc(num_tokens - self.num_tokens)
         self.num_tokens = num_tokens

@@ -4,7 +4,7 @@ in the shapes vLLM's and Jina's / Cohere's clients send."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,7 +21,8 @@ class PoolingRequest(BaseModel):
 
     model: str | None = None
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    # keep an input's last k tokens (-1: as many as the model's window holds) instead of refusing a longer one
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None
 
 
 class EmbeddingRequest(PoolingRequest):

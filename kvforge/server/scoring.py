@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from kvforge.engine.scoring import cosine_scores, pair_token_ids, pair_up
+from kvforge.engine.scoring import cosine_scores, pair_prompts, pair_up
 from kvforge.outputs import PoolingRequestOutput
 from kvforge.pooling_params import PoolingParams
 from kvforge.server.errors import APIError
@@ -20,7 +20,7 @@ from kvforge.server.pooling_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
-from kvforge.server.pooling_serving import input_token_ids, pooling_engine, pooling_usage, run_pooling
+from kvforge.server.pooling_serving import input_prompts, pooling_engine, pooling_usage, run_pooling
 from kvforge.server.serving import ServerState, new_request_id
 
 router = APIRouter()
@@ -35,10 +35,10 @@ async def _scores(state: ServerState, route: str, request_id: str, queries: str 
     except ValueError as error:
         raise APIError(400, str(error)) from error
     if engine.has_classifier:
-        inputs = pair_token_ids(engine.tokenizer, queries, documents)
+        inputs = pair_prompts(engine.tokenizer, queries, documents)
         params = PoolingParams("score", truncate_prompt_tokens=truncate_prompt_tokens)
         return await run_pooling(state, request_id, inputs, params, http_request, param="documents")
-    inputs = await input_token_ids(state, queries + documents, param="documents")
+    inputs = await input_prompts(state, queries + documents, param="documents")
     params = PoolingParams("embed", truncate_prompt_tokens=truncate_prompt_tokens)
     return cosine_scores(await run_pooling(state, request_id, inputs, params, http_request, param="documents"))
 
@@ -86,7 +86,7 @@ async def classify(body: ClassifyRequest, http_request: Request) -> ClassifyResp
     except ValueError as error:
         raise APIError(400, str(error)) from error
     request_id = new_request_id("classify")
-    outputs = await run_pooling(state, request_id, await input_token_ids(state, body.input), params, http_request)
+    outputs = await run_pooling(state, request_id, await input_prompts(state, body.input), params, http_request)
     labels = engine.hf_config.get("id2label") or {}
     data = []
     for i, output in enumerate(outputs):

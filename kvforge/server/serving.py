@@ -1,4 +1,5 @@
-"""What completions and chat completions share: validation, admission, output streams, SSE, usage."""
+"""What the routes share: validation, admission (the generation and pooling routes alike), output streams, SSE,
+usage."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvforge.engine.async_engine import AsyncEngine, EngineOverloadedError, RequestStream
-from kvforge.outputs import CompletionOutput, RequestOutput
+from kvforge.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from kvforge.pooling_params import PoolingParams
 from kvforge.sampling_params import SamplingParams
 from kvforge.server.errors import RETRY_AFTER_SECONDS, APIError, as_api_error, error_body
 from kvforge.server.lifecycle import ShutdownDeadline
@@ -136,16 +138,23 @@ def max_tokens_in_context(state: ServerState, num_prompt_tokens: int, requested:
     return room if requested is None else requested
 
 
+Output = RequestOutput | PoolingRequestOutput
+
+
 class RequestGroup:
-    """The engine requests of one HTTP request (one per prompt), their metrics, and their outputs."""
+    """The engine requests of one HTTP request (one per prompt, or per input of a pooling request), their metrics,
+    and their outputs."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.streams: list[RequestStream] = []
         self.trackers: list[RequestTracker] = []
 
-    async def start(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]) -> None:
-        """Queue every prompt at once; if any is refused, abort the others and raise its error.
+    async def start(self, request_id: str, prompts: list[tuple[dict, SamplingParams | PoolingParams]],
+                    input_param: str | None = None) -> None:
+        """Queue every prompt (a dict with its "prompt_token_ids") at once; if any is refused, abort the others and
+        raise its error. With `input_param` (a pooling request's "input", say) a refusal names that field, and
+        which of the inputs it was.
 
         A request with more sequences (prompts x n) than could ever be admitted is a 400: retrying
         cannot help it, unlike the 503 of a full queue."""
@@ -156,28 +165,32 @@ class RequestGroup:
             metrics.rejected.labels(reason="never_fits").inc()
             raise APIError(400, f"the request has {num_sequences} sequences (prompts x n), but the server admits "
                                 f"at most {limit} at once ({limit - engine.max_queue} batch slots and a queue of "
-                                f"{engine.max_queue}); lower n or send fewer prompts per request", param="n")
+                                f"{engine.max_queue}); lower n or send fewer prompts per request",
+                           param=input_param or "n")
         results = await asyncio.gather(
-            *(engine.add_request(f"{request_id}-{i}", {"prompt_token_ids": token_ids}, params)
-              for i, (token_ids, params) in enumerate(prompts)),
+            *(engine.add_request(f"{request_id}-{i}", prompt, params) for i, (prompt, params) in enumerate(prompts)),
             return_exceptions=True,
         )
         self.streams = [r for r in results if isinstance(r, RequestStream)]
-        errors = [r for r in results if isinstance(r, BaseException)]
+        errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if errors:
             self.abort()
-            if not isinstance(errors[0], Exception):
-                raise errors[0]
-            if isinstance(errors[0], EngineOverloadedError):
+            index, error = errors[0]
+            if not isinstance(error, Exception):
+                raise error
+            if isinstance(error, EngineOverloadedError):
                 metrics.rejected.labels(reason="queue_full").inc()
-            raise as_api_error(errors[0]) from errors[0]
-        self.trackers = [metrics.track(len(token_ids)) for token_ids, _ in prompts]
+            if isinstance(error, ValueError) and input_param is not None:
+                message = f"{input_param}[{index}]: {error}" if len(prompts) > 1 else str(error)
+                raise APIError(400, message, param=input_param) from error
+            raise as_api_error(error) from error
+        self.trackers = [metrics.track(len(prompt["prompt_token_ids"])) for prompt, _ in prompts]
 
     def abort(self) -> None:
         for stream in self.streams:
             stream.abort()
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
         """(prompt index, cumulative output) as they come, until every request has finished; raises a
         503 APIError if the server's shutdown deadline passes first."""
         pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
@@ -200,7 +213,7 @@ class RequestGroup:
                 task.cancel()
             self.abort()
 
-    async def final_outputs(self, http_request: Request) -> list[RequestOutput]:
+    async def final_outputs(self, http_request: Request) -> list[Output]:
         """Every request's finished output; aborts them all if the client disconnects first."""
         collect = asyncio.ensure_future(self._collect())
         disconnected = asyncio.ensure_future(wait_for_disconnect(http_request))
@@ -215,8 +228,8 @@ class RequestGroup:
         except Exception as error:
             raise as_api_error(error) from error
 
-    async def _collect(self) -> list[RequestOutput]:
-        latest: dict[int, RequestOutput] = {}
+    async def _collect(self) -> list[Output]:
+        latest: dict[int, Output] = {}
         async for index, output in self.outputs():
             latest[index] = output
         return [latest[index] for index in range(len(self.streams))]

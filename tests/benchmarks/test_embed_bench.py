@@ -18,6 +18,12 @@ def test_small_embed_bench_times_both_and_they_agree(tmp_path: Path) -> None:
         assert row["min_cosine"] >= 0.9999
 
 
-def test_rejects_bad_batch_sizes(capsys) -> None:
+def test_rejects_bad_batch_sizes_and_llama_cpp_arguments(capsys, tmp_path: Path) -> None:
     assert main(["bench", "embed", "--batch-sizes", "0"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert main(["bench", "embed", "--gguf", str(gguf)]) == 2
+    assert "--llama-cpp-bin and --gguf go together" in capsys.readouterr().err
+    assert main(["bench", "embed", "--gguf", str(gguf), "--llama-cpp-bin", str(tmp_path)]) == 2
+    assert "has no llama-embedding" in capsys.readouterr().err

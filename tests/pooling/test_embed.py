@@ -51,9 +51,27 @@ def test_inputs_past_the_window(llm, minilm_reference):
     with pytest.raises(ValueError, match="dimensions must be at most the model's 384"):
         llm.embed("x", dimensions=385)
     # refused inputs left nothing queued: the next call runs as usual
-    (cut,) = llm.embed(LONG_TEXT, truncate_prompt_tokens=256)
-    assert len(cut.prompt_token_ids) == 256
-    assert len(cut.outputs.embedding) == 384
+    (after,) = llm.embed(LONG_TEXT, truncate_prompt_tokens=256)
+    assert len(after.prompt_token_ids) == 256 and len(after.outputs.embedding) == 384
+
+
+def test_truncation_keeps_the_last_tokens(llm, minilm_dir):
+    """truncate_prompt_tokens=k keeps an input's last k tokens (vLLM's rule; -1: the window's worth), embedded as
+    sentence-transformers embeds those tokens."""
+    from sentence_transformers import SentenceTransformer
+
+    token_ids = llm.get_tokenizer().encode(LONG_TEXT)
+    (cut,) = llm.embed(LONG_TEXT, truncate_prompt_tokens=100)
+    assert cut.prompt_token_ids == token_ids[-100:]
+    (window,) = llm.embed(LONG_TEXT, truncate_prompt_tokens=-1)
+    assert window.prompt_token_ids == token_ids[-256:]
+    model = SentenceTransformer(str(minilm_dir), device="cpu")
+    kept = torch.tensor([token_ids[-100:]])
+    with torch.no_grad():
+        expected = model({"input_ids": kept, "attention_mask": torch.ones_like(kept)})["sentence_embedding"]
+    assert F.cosine_similarity(_vectors([cut]), expected).item() >= 0.9999
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
+        llm.embed(LONG_TEXT, truncate_prompt_tokens=0)
 
 
 def test_score_is_cosine_similarity_and_generate_is_refused(llm, minilm_reference):

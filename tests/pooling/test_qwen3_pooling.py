@@ -67,7 +67,7 @@ def test_yes_no_reranker_matches_transformers(tmp_path):
         query, documents = "capital of France", ["Paris is the capital", "the lazy dog", "def add(a, b)"]
         outputs = llm.score(query, documents)
         for document, output in zip(documents, outputs):
-            token_ids = tokenizer.encode_pair(query, document)
+            token_ids, _ = tokenizer.encode_pair(query, document)
             assert output.prompt_token_ids == token_ids
             with torch.no_grad():
                 logits = model(torch.tensor([token_ids])).logits[0, -1]

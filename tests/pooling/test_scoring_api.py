@@ -43,7 +43,7 @@ def _expected_scores(server: ServerThread, model, query: str, documents: list[st
     scores = []
     for document in documents:
         with torch.no_grad():
-            logits = model(torch.tensor([tokenizer.encode_pair(query, document)])).logits[0, -1]
+            logits = model(torch.tensor([tokenizer.encode_pair(query, document)[0]])).logits[0, -1]
         scores.append(logits[[no, yes]].softmax(-1)[1].item())
     return scores
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from kvforge.engine.async_engine import AsyncEngine
-from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.engines import create_engine
 from kvforge.engine_args import build_engine_config
 from kvforge.server.app import ServerConfig, build_app
 from kvforge.server.lifecycle import uvicorn_server
@@ -50,12 +50,12 @@ class ServerThread:
 
 def start_tiny_server(model_dir: Path, max_queue: int = 1024, api_key: str | None = API_KEY,
                       server_options: dict | None = None, **engine_kwargs: object) -> ServerThread:
-    """The tiny model served on a free port; server_options go to ServerConfig (timeouts, ...)."""
+    """The tiny model (or a pooling model) served on a free port; server_options go to ServerConfig (timeouts, ...)."""
     engine_kwargs.setdefault("kv_cache_memory", "64MiB")
     # NOTE: eager unless a test asks: the server's tests are about what goes over HTTP, and with a cold Inductor
     # cache each of their servers compiled a bucket or two mid-test (compiled steps have tests/executor's tests)
     engine_kwargs.setdefault("enforce_eager", True)
-    engine = LLMEngine(build_engine_config(model=str(model_dir), **engine_kwargs))
+    engine = create_engine(build_engine_config(model=str(model_dir), **engine_kwargs))
     config = ServerConfig((MODEL_NAME,), api_key=api_key, **(server_options or {}))
     return ServerThread(AsyncEngine(engine, max_queue=max_queue), config)
 

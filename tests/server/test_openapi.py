@@ -3,11 +3,12 @@ server error and no undocumented status code, content type or body.
 
 The fuzzed server has a small context (32 tokens) and 4 batch slots + a queue of 4, so that every
 generated request is quick to serve (or to refuse) on a CPU; each operation gets a bounded number of
-examples.
+examples. The pooling routes are fuzzed against a tiny pooling model's server of the same size.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from schemathesis.checks import (
 
 from tests.server.harness import ServerThread, start_tiny_server
 from tests.server.test_errors import AUTH
+from tests.tiny_models import save_model
 
 ERROR_REF = "#/components/schemas/ErrorResponse"
 EXAMPLES_PER_OPERATION = 60
@@ -38,7 +40,24 @@ def fuzzed_server(tiny_model_dir: Path) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def document(fuzzed_server: ServerThread) -> dict:
-    response = fuzzed_server.http.get("/openapi.json", headers=AUTH)
+    return _document(fuzzed_server)
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory) -> Iterator[ServerThread]:
+    """A tiny Qwen3 reranker (a classifier head): it embeds, classifies and scores."""
+    folder = tmp_path_factory.mktemp("fuzzed-reranker")
+    save_model(folder, "qwen3")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["Qwen3ForSequenceClassification"], classifier_from_token=["Ġthe", "is"])
+    (folder / "config.json").write_text(json.dumps(config))
+    server = start_tiny_server(folder, max_queue=4, max_num_seqs=4, max_model_len=32)
+    yield server
+    server.stop()
+
+
+def _document(server: ServerThread) -> dict:
+    response = server.http.get("/openapi.json", headers=AUTH)
     assert response.status_code == 200
     return response.json()
 
@@ -74,6 +93,10 @@ CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGA
          ("POST", "/detokenize", POSITIVE), ("POST", "/detokenize", NEGATIVE),
          ("GET", "/v1/models", POSITIVE), ("GET", "/v1/models/{model_id}", POSITIVE), ("GET", "/version", POSITIVE),
          ("GET", "/health", POSITIVE), ("GET", "/metrics", POSITIVE)]
+# The pooling routes (/v1/rerank and /v2/rerank are /rerank's handler), fewer examples each: their bodies are small.
+POOLING_CASES = [(path, mode) for path in ("/v1/embeddings", "/score", "/rerank", "/classify")
+                 for mode in (POSITIVE, NEGATIVE)]
+POOLING_EXAMPLES_PER_OPERATION = 20
 STATUSES: dict[int, int] = {}  # every answer the fuzzing got, by status
 
 
@@ -82,19 +105,31 @@ def test_fuzzed_requests_get_documented_answers(document: dict, fuzzed_server: S
                                                 path: str, mode: GenerationMode) -> None:
     """Requests generated from the document (valid ones, and ones that break it), each answered with
     a documented status, content type and body; never a 5xx."""
+    _fuzz(document, fuzzed_server, method, path, mode, EXAMPLES_PER_OPERATION)
+
+
+@pytest.mark.parametrize(("path", "mode"), POOLING_CASES, ids=lambda v: getattr(v, "value", v))
+def test_fuzzed_pooling_requests_get_documented_answers(pooling_server: ServerThread, path: str,
+                                                        mode: GenerationMode) -> None:
+    """The same of the pooling routes, served by a pooling model."""
+    _fuzz(_document(pooling_server), pooling_server, "POST", path, mode, POOLING_EXAMPLES_PER_OPERATION)
+
+
+def _fuzz(document: dict, server: ServerThread, method: str, path: str, mode: GenerationMode,
+          max_examples: int) -> None:
     operation = schemathesis.openapi.from_dict(document)[path][method]
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     def check(case) -> None:
-        response = case.call(base_url=fuzzed_server.base_url, headers=AUTH, timeout=60)
+        response = case.call(base_url=server.base_url, headers=AUTH, timeout=60)
         STATUSES[response.status_code] = STATUSES.get(response.status_code, 0) + 1
         case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
                                                  content_type_conformance, response_schema_conformance])
 
     check()
-    assert fuzzed_server.http.get("/health").status_code == 200
+    assert server.http.get("/health").status_code == 200
 
 
 def test_the_fuzzing_reached_the_model(fuzzed_server: ServerThread) -> None:
