@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvforge.options import check_options, option
+from kvforge.reasoning.registry import REASONING_PARSERS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": float16 on the CPU, the model dtype on GPUs; float32 / float16 / bfloat16: values; int8 / fp8: codes + scales
@@ -56,6 +57,11 @@ class ModelConfig:
     huge_pages: bool = option(
         True, "keep a CPU model's weights in 4 KiB pages: by default they move into 2 MiB pages where Linux offers "
               "them (transparent huge pages), which decode streams faster", flag="--no-huge-pages")
+    reasoning_parser: str | None = option(
+        None, "how the model marks its reasoning: chat replies carry it apart, in reasoning_content, and a "
+              "response_format, guided grammar or tool call applies after it (qwen3: when the reply opens <think>; "
+              "deepseek_r1: the reply may start inside it, the template having opened <think>)",
+        choices=tuple(REASONING_PARSERS))
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -16,6 +17,7 @@ from kvforge.engine.scoring import cosine_scores, pair_prompts, pair_up
 from kvforge.engine_args import build_engine_config, engine_signature
 from kvforge.outputs import PoolingRequestOutput, RequestOutput
 from kvforge.pooling_params import PoolingParams
+from kvforge.reasoning.registry import reasoning_parser
 from kvforge.sampling_params import SamplingParams
 from kvforge.tokenizer import Tokenizer
 
@@ -154,7 +156,10 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate the assistant's reply."""
+        """Apply the model's chat template to each conversation and generate the assistant's reply.
+
+        With a reasoning_parser, a constraint applies after the reply's reasoning (see StructuredOutputParams'
+        starts_after); `kvforge.reasoning.registry.reasoning_parser(name).split(text, True)` parts the text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
@@ -162,7 +167,24 @@ class LLM:
                                                                tokenize=True)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, self._after_reasoning(sampling_params), use_tqdm)
+
+    def _after_reasoning(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                         ) -> SamplingParams | Sequence[SamplingParams] | None:
+        """The params, each constraint moved after the reasoning when the engine has a reasoning parser."""
+        name = self._engine_of(LLMEngine, "chat").config.model.reasoning_parser
+        if name is None or sampling_params is None:
+            return sampling_params
+        end = reasoning_parser(name).end
+
+        def moved(params: SamplingParams) -> SamplingParams:
+            constraint = params.structured_output
+            if constraint is None or constraint.starts_after is not None:
+                return params
+            return replace(params, structured_output=replace(constraint, starts_after=end))
+
+        return moved(sampling_params) if isinstance(sampling_params, SamplingParams) else [
+            moved(p) for p in sampling_params]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
         finished: dict[str, RequestOutput | PoolingRequestOutput] = {}

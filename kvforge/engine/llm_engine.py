@@ -176,8 +176,9 @@ class LLMEngine:
         group = SampleGroup.create(request_id, text, token_ids, params, self.tokenizer, self.eos_token_ids,
                                    self.max_model_len)
         self.groups[request_id] = group
+        starts_after = None if params.structured_output is None else params.structured_output.starts_after
         for request in group.requests:
-            request.grammar = None if grammar is None else grammar.matcher()
+            request.grammar = None if grammar is None else grammar.matcher(starts_after)
             self.scheduler.add_request(request)
         return request_id
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvforge.sampling_params import SamplingParams
+from kvforge.structured_output.deferred import DeferredMatcher
 from kvforge.structured_output.matcher import GrammarMatcher
 
 
@@ -53,7 +54,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_token_time: float | None = None
-    grammar: GrammarMatcher | None = None  # the output's constraint, advanced with each accepted token
+    grammar: GrammarMatcher | DeferredMatcher | None = None  # the output's constraint, advanced per accepted token
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from kvforge.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvforge.reasoning.registry import expects_reasoning, reasoning_parser
 from kvforge.server.chat_prompt import chat_prompt_token_ids
+from kvforge.server.chat_reply import ReplyFormat, ReplyStream
 from kvforge.server.errors import APIError
 from kvforge.server.logprob_views import prompt_logprobs, token_name
 from kvforge.server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -22,11 +23,7 @@ from kvforge.server.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatTokenLogprob,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCall,
     TopLogprob,
 )
 from kvforge.server.request_fields import check_fields
@@ -42,7 +39,7 @@ from kvforge.server.serving import (
     sse_response,
     usage,
 )
-from kvforge.server.tools import ToolPlan, may_become_call, new_call_id, parse_call, plan_tools
+from kvforge.server.tools import ToolPlan, plan_tools
 from kvforge.structured_output.params import StructuredOutputParams
 
 router = APIRouter()
@@ -77,16 +74,23 @@ def _constraint(body: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Struct
     return {} if constraint is None else {"structured_output": constraint}
 
 
+def _reply_format(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan) -> ReplyFormat:
+    """The server's reasoning parser, unless the request turns thinking off, and the format calls are read in."""
+    name = state.engine.engine.config.model.reasoning_parser
+    parser = None if name is None or not expects_reasoning(body.chat_template_kwargs) else reasoning_parser(name)
+    return ReplyFormat(parser, plan.calls)
+
+
 def _num_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
 @dataclass(slots=True)
 class ChatRun:
-    """A chat request queued in the engine: its engine requests, its tool plan and its messages."""
+    """A chat request queued in the engine: its engine requests, how its replies are read and its messages."""
 
     group: RequestGroup
-    plan: ToolPlan
+    reply: ReplyFormat
     messages: list[dict]
 
 
@@ -104,9 +108,12 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
     params = sampling_params(state, body, max_tokens_in_context(state, len(token_ids), requested),
                              logprobs=_num_logprobs(body), prompt_logprobs=body.prompt_logprobs,
                              **_constraint(body, plan))
+    reply = _reply_format(state, body, plan)
+    if reply.reasoning is not None and params.structured_output is not None:  # constrain what follows the reasoning
+        params.structured_output = replace(params.structured_output, starts_after=reply.reasoning.end)
     group = RequestGroup(state)
     await group.start(request_id, [({"prompt_token_ids": token_ids}, params)])
-    return ChatRun(group, plan, messages)
+    return ChatRun(group, reply, messages)
 
 
 @router.post("/v1/chat/completions")
@@ -117,12 +124,12 @@ async def create_chat_completion(body: ChatCompletionRequest, http_request: Requ
     num_logprobs = _num_logprobs(body)
     request_id = new_request_id("chatcmpl")
     run = await start_chat(state, body, request_id)
-    group, plan = run.group, run.plan
+    group, reply = run.group, run.reply
     echo = _echo(body, run.messages)
     if body.stream:
-        return sse_response(group, _stream(group, body, plan, echo, request_id, model), headers)
+        return sse_response(group, _stream(group, body, reply, echo, request_id, model), headers)
     (output,) = await group.final_outputs(http_request)
-    choices = [ChatChoice(index=c.index, message=_message(c, plan, echo), finish_reason=_finish_reason(c, plan),
+    choices = [ChatChoice(index=c.index, message=reply.message(c, echo), finish_reason=reply.finish_reason(c),
                           logprobs=_logprobs(c, 0, num_logprobs, body.return_tokens_as_token_ids))
                for c in output.outputs]
     return json_response(ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]),
@@ -139,57 +146,15 @@ def _echo(body: ChatCompletionRequest, messages: list[dict]) -> str:
     return last["content"]
 
 
-def _message(completion: CompletionOutput, plan: ToolPlan, echo: str) -> AssistantMessage:
-    call = parse_call(completion.text, finished=True) if plan.reads_calls else None
-    if call is None:
-        return AssistantMessage(content=echo + completion.text)
-    name, arguments = call
-    return AssistantMessage(tool_calls=[ToolCall(id=new_call_id(), function=FunctionCall(name=name,
-                                                                                        arguments=arguments))])
-
-
-def _finish_reason(completion: CompletionOutput, plan: ToolPlan) -> str | None:
-    is_call = plan.reads_calls and parse_call(completion.text, finished=True) is not None
-    return "tool_calls" if is_call and completion.finish_reason == "stop" else completion.finish_reason
-
-
-class ToolCallStream:
-    """What one streamed choice has sent of its text, or of its tool call's arguments."""
-
-    def __init__(self, reads_calls: bool) -> None:
-        self.reads_calls = reads_calls
-        self.num_chars = 0  # of the text, or of the arguments once the reply is a call
-        self.call_id: str | None = None
-
-    def delta(self, completion: CompletionOutput, first: bool) -> DeltaMessage:
-        role = "assistant" if first else None
-        text, finished = completion.text, completion.finished
-        call = parse_call(text, finished) if self.reads_calls else None
-        if call is None:
-            if self.reads_calls and not finished and may_become_call(text):
-                return DeltaMessage(role=role)  # held back until it is text or a call
-            sent, self.num_chars = self.num_chars, len(text)
-            return DeltaMessage(role=role, content=text[sent:])
-        name, arguments = call
-        sent, self.num_chars = self.num_chars, len(arguments)
-        if self.call_id is None:
-            self.call_id = new_call_id()
-            tool_call = DeltaToolCall(index=0, id=self.call_id, type="function",
-                                      function=DeltaFunctionCall(name=name, arguments=arguments))
-        else:
-            tool_call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=arguments[sent:]))
-        return DeltaMessage(role=role, tool_calls=[tool_call])
-
-
-async def _stream(group: RequestGroup, body: ChatCompletionRequest, plan: ToolPlan, echo: str, request_id: str,
-                  model: str) -> AsyncIterator[str]:
+async def _stream(group: RequestGroup, body: ChatCompletionRequest, reply: ReplyFormat, echo: str,
+                  request_id: str, model: str) -> AsyncIterator[str]:
     num_logprobs = _num_logprobs(body)
 
     def chunk(choice: ChatChunkChoice) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]), exclude_none=True)
 
     sent = [ChoiceProgress() for _ in range(body.n)]
-    texts = [ToolCallStream(plan.reads_calls) for _ in range(body.n)]
+    replies = [ReplyStream(reply, role_sent=bool(echo)) for _ in range(body.n)]
     if echo:
         for index, progress in enumerate(sent):
             progress.started = True
@@ -201,10 +166,16 @@ async def _stream(group: RequestGroup, body: ChatCompletionRequest, plan: ToolPl
             if not sent[c.index].has_news(c):
                 continue
             _, num_tokens, first = sent[c.index].advance(c)
-            delta = texts[c.index].delta(c, first)
-            yield chunk(ChatChunkChoice(index=c.index, delta=delta, finish_reason=_finish_reason(c, plan),
-                                        logprobs=_logprobs(c, num_tokens, num_logprobs,
-                                                           body.return_tokens_as_token_ids)))
+            finish_reason = reply.finish_reason(c)
+            logprobs = _logprobs(c, num_tokens, num_logprobs, body.return_tokens_as_token_ids)
+            # NOTE: one delta per part (reasoning, then content or calls); the last carries the step's logprobs.
+            # A step that adds nothing sends nothing, but for a choice's first (its role) and last.
+            at_least_one = first or finish_reason is not None or logprobs is not None
+            deltas = replies[c.index].deltas(c, at_least_one=at_least_one)
+            for number, delta in enumerate(deltas, start=1):
+                last = number == len(deltas)
+                yield chunk(ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish_reason if last else None,
+                                            logprobs=logprobs if last else None))
     if body.include_usage_in_stream and final is not None:
         yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage([final])),
                   exclude_none=True)

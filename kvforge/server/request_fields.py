@@ -23,7 +23,6 @@ IGNORED_FIELDS: dict[str, str] = {
     "store": "kvforge stores no completions for later retrieval",
     "metadata": "tags for stored completions, and kvforge stores none",
     "service_tier": "kvforge serves every request in the one tier it has",
-    "parallel_tool_calls": "a reply carries at most one tool call, whatever the value",
     "priority": "the scheduler serves requests first come, first served",
     "request_id": "the server names its requests itself (the response's id)",
     "cache_salt": "one prefix cache serves every request; nothing separates tenants",

@@ -19,7 +19,8 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from kvforge.outputs import RequestOutput
-from kvforge.server.chat import ToolCallStream, start_chat
+from kvforge.server.chat import start_chat
+from kvforge.server.chat_reply import ReplyFormat, ReplyStream
 from kvforge.server.errors import APIError, as_api_error
 from kvforge.server.protocol import ChatCompletionRequest
 from kvforge.server.request_fields import check_fields
@@ -123,20 +124,21 @@ async def _outputs(group: RequestGroup, *stops: asyncio.Future) -> AsyncIterator
         await outputs.aclose()
 
 
-async def _run(builder: ResponseBuilder, group: RequestGroup, reads_calls: bool, entry: StoredResponse,
+async def _run(builder: ResponseBuilder, group: RequestGroup, reply: ReplyFormat, entry: StoredResponse,
                *stops: asyncio.Future) -> AsyncIterator[str]:
     """The response's events, from response.created to its final event; the response ends cancelled when
     one of stops, or entry.stop (a cancel), comes first. The stored entry holds the response as it ends."""
     stop = asyncio.ensure_future(entry.stop.wait())
-    texts = ToolCallStream(reads_calls)
+    texts = ReplyStream(reply)
     final: RequestOutput | None = None
     try:
         for event in builder.start():
             yield event
         async for output in _outputs(group, stop, *stops):
             final = output
-            for event in builder.add(texts.delta(output.outputs[0], first=False)):
-                yield event
+            for delta in texts.deltas(output.outputs[0], at_least_one=False):
+                for event in builder.add(delta):
+                    yield event
         events = builder.finish(final, cancelled=final is None or not final.finished)
         entry.items += _ITEMS.validate_python([item.model_dump() for item in builder.response.output])
         for event in events:
@@ -192,11 +194,11 @@ async def create_response(body: ResponsesRequest, http_request: Request) -> Resp
     if body.store:
         store.put(entry)
     if body.stream:
-        events = _run(builder, run.group, run.plan.reads_calls, entry)
+        events = _run(builder, run.group, run.reply, entry)
         return _stream_response(events, builder, run.group, entry, headers)
     disconnected = asyncio.ensure_future(wait_for_disconnect(http_request))
     try:
-        async for _ in _run(builder, run.group, run.plan.reads_calls, entry, disconnected):
+        async for _ in _run(builder, run.group, run.reply, entry, disconnected):
             pass
     finally:
         disconnected.cancel()

@@ -243,8 +243,9 @@ async def wait_for_disconnect(http_request: Request) -> None:
 
 @dataclass(slots=True)
 class ChoiceProgress:
-    """How much of one choice a stream has sent. A chunk goes out for every new token (its text may
-    be empty: held back, or a special token), so clients see each token's timing."""
+    """How much of one choice a stream has sent. Completions send a chunk for every new token (its text
+    may be empty: held back, or a special token), so clients see each token's timing; chat completions
+    send only the chunks that carry something (chat_reply.ReplyStream)."""
 
     num_chars: int = 0
     num_tokens: int = 0

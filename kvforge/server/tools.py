@@ -1,41 +1,37 @@
-"""Tool calling for chat completions: the tools in the prompt, the grammar of a call, and its parsing.
+"""Tool calling for chat completions: the tools in the prompt and the grammar of the reply (tool_formats.py reads it).
 
-A tool call is always written the same way, the format Hermes-style templates use:
+A tool call is written the way Hermes-style templates write it (tool_formats.HERMES):
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-With `tool_choice` "required" or a named function the grammar allows nothing else, and the arguments
-follow the function's JSON schema; with "auto" it allows a call like that or any text that does not
-start with "<". One call per reply. A chat template that renders `tools` gets them as they are; for one
-that does not (the default model's), GENERIC_TOOL_PROMPT is added to the system message, the
-assistant's earlier calls are written back in the format above and `role: "tool"` messages become
-user messages wrapped in <tool_response> tags.
+or, when the chat template renders the tools and asks for Llama 3's JSON, that way (tool_formats.LLAMA3_JSON).
+With `tool_choice` "required" or a named function the grammar allows nothing else, and the arguments follow
+the function's JSON schema; with "auto" it allows a call like that or any text that does not start as a call
+does ("<", or "{" for Llama 3's JSON). With `parallel_tool_calls` (the default) a reply may hold several
+calls, one after the other (a newline between Hermes calls, "; " between Llama 3's); without it, exactly
+one. A chat template that renders `tools` gets them as they are; for one that does not (the default model's),
+GENERIC_TOOL_PROMPT is added to the system message, the assistant's earlier calls are written back in the
+format above and `role: "tool"` messages become user messages wrapped in <tool_response> tags.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from kvforge.server.errors import APIError
 from kvforge.server.protocol import ChatCompletionRequest, FunctionDefinition
-from kvforge.structured_output.compiler import JSON_OPTIONS
+from kvforge.server.tool_formats import HERMES, NO_PARAMETERS, CallFormat, call_format_of
 from kvforge.structured_output.params import StructuredOutputParams
-
-CALL_START, CALL_END = "<tool_call>\n", "\n</tool_call>"
-_CALL_PREFIX = re.compile(r'<tool_call>\n\{"name": "([A-Za-z0-9_-]+)", "arguments": ', re.DOTALL)
-_ARGUMENTS_END = "}" + CALL_END  # what follows the arguments object
-_NO_PARAMETERS = {"type": "object", "properties": {}}
 
 GENERIC_TOOL_PROMPT = """You can call functions to help you answer. The functions, with JSON schemas of their \
 arguments:
 {tools}
-To call a function, reply with nothing but:
+To call a function, reply with nothing but (one such block per call):
 <tool_call>
 {{"name": "<function name>", "arguments": <its arguments as a JSON object>}}
 </tool_call>"""
@@ -44,12 +40,12 @@ To call a function, reply with nothing but:
 @dataclass(slots=True)
 class ToolPlan:
     """How one chat request uses its tools: the messages and template arguments that render them, the
-    grammar of the reply (None: unconstrained), and whether replies are read for a tool call."""
+    grammar of the reply (None: unconstrained), and the format replies are read for calls in (None: not read)."""
 
     messages: list[dict[str, Any]]
     template_kwargs: dict[str, Any]
     structured_output: StructuredOutputParams | None
-    reads_calls: bool
+    calls: CallFormat | None
 
 
 def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], template: str | None) -> ToolPlan:
@@ -59,7 +55,7 @@ def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], temp
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     renders_tools = template is not None and "tools" in template
     if choice == "none":  # earlier calls and results still go back to the model
-        return ToolPlan(messages if renders_tools else [_generic_message(m) for m in messages], {}, None, False)
+        return ToolPlan(messages if renders_tools else [_generic_message(m) for m in messages], {}, None, None)
     tools = [t.function for t in body.tools]
     if not isinstance(choice, str):
         tools = [t for t in tools if t.name == choice.function.name]
@@ -69,28 +65,18 @@ def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], temp
     if body.response_format is not None and body.response_format.type != "text":
         raise APIError(400, "response_format cannot be combined with tools unless tool_choice is none",
                        param="response_format")
-    grammar = StructuredOutputParams(grammar=call_grammar(tools, allow_text=choice == "auto"))
+    call_format = call_format_of(template) if renders_tools else HERMES
+    grammar = StructuredOutputParams(grammar=call_format.grammar(tools, allow_text=choice == "auto",
+                                                                 parallel=body.parallel_tool_calls))
     if renders_tools:
-        return ToolPlan(messages, {"tools": [t.model_dump(exclude_none=True) for t in body.tools]}, grammar, True)
-    return ToolPlan(_generic_messages(messages, [t.function for t in body.tools]), {}, grammar, True)
-
-
-def call_grammar(tools: list[FunctionDefinition], allow_text: bool) -> str:
-    """A Lark grammar of one call of one of tools (or, if allow_text, text not starting with "<")."""
-    calls = []
-    for tool in tools:
-        schema = {**(tool.parameters or _NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
-        prefix = f'{CALL_START}{{"name": "{tool.name}", "arguments": '
-        calls.append(f"{json.dumps(prefix)} %json {json.dumps(schema)} {json.dumps(_ARGUMENTS_END)}")
-    rules = ["start: call" + (" | TEXT" if allow_text else ""), "call: " + " | ".join(calls)]
-    if allow_text:
-        rules.append("TEXT: /[^<](?s:.)*/")
-    return "\n".join(rules)
+        return ToolPlan(messages, {"tools": [t.model_dump(exclude_none=True) for t in body.tools]}, grammar,
+                        call_format)
+    return ToolPlan(_generic_messages(messages, [t.function for t in body.tools]), {}, grammar, call_format)
 
 
 def _generic_messages(messages: list[dict[str, Any]], tools: list[FunctionDefinition]) -> list[dict[str, Any]]:
     listing = "\n".join(json.dumps({"name": t.name, "description": t.description or "",
-                                    "parameters": t.parameters or _NO_PARAMETERS}) for t in tools)
+                                    "parameters": t.parameters or NO_PARAMETERS}) for t in tools)
     prompt = GENERIC_TOOL_PROMPT.format(tools=listing)
     rewritten = [_generic_message(m) for m in messages]
     if rewritten and rewritten[0]["role"] == "system":
@@ -107,31 +93,9 @@ def _generic_message(message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if message["role"] != "assistant" or not calls:
         return message
-    written = [f'{CALL_START}{{"name": "{c["function"]["name"]}", "arguments": {c["function"]["arguments"]}}}'
-               f"{CALL_END}" for c in calls]
-    content = "\n".join(filter(None, [message.get("content"), *written]))
+    written = [HERMES.write(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    content = HERMES.separator.join(filter(None, [message.get("content"), *written]))
     return {"role": "assistant", "content": content}
-
-
-def parse_call(text: str, finished: bool) -> tuple[str, str] | None:
-    """(function name, its arguments so far) when text is a tool call, else None.
-
-    While the call runs, the arguments end before the last len('}\\n</tool_call>') characters, which may
-    be the call's end, so what a stream sends is always a prefix of the final arguments."""
-    match = _CALL_PREFIX.match(text)
-    if match is None:
-        return None
-    arguments = text[match.end():]
-    if arguments.endswith(_ARGUMENTS_END):
-        arguments = arguments[: -len(_ARGUMENTS_END)]
-    elif not finished:
-        arguments = arguments[: max(0, len(arguments) - len(_ARGUMENTS_END))]
-    return match.group(1), arguments
-
-
-def may_become_call(text: str) -> bool:
-    """Whether text is still short of deciding between a tool call and plain text."""
-    return _CALL_PREFIX.match(text) is None and (text.startswith("<") and len(text) < 96 or not text)
 
 
 def new_call_id() -> str:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 
+from kvforge.structured_output.deferred import DeferredMatcher
 from kvforge.structured_output.matcher import GrammarMatcher
 from kvforge.structured_output.params import StructuredOutputParams
 from kvforge.tokenizer import Tokenizer
@@ -21,13 +23,16 @@ _KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list",
 class CompiledGrammar:
     """A compiled constraint: every request using it starts from a copy of one fresh matcher."""
 
-    __slots__ = ("_prototype",)
+    __slots__ = ("_prototype", "_token_text")
 
-    def __init__(self, prototype: llguidance.LLMatcher) -> None:
+    def __init__(self, prototype: llguidance.LLMatcher, token_text: Callable[[int], str]) -> None:
         self._prototype = prototype
+        self._token_text = token_text  # a token id's text, to find a starts_after marker
 
-    def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._prototype.deep_copy())
+    def matcher(self, starts_after: str | None = None) -> GrammarMatcher | DeferredMatcher:
+        """A fresh matcher; with starts_after, one that applies the grammar only after that text."""
+        matcher = GrammarMatcher(self._prototype.deep_copy())
+        return matcher if starts_after is None else DeferredMatcher(matcher, starts_after, self._token_text)
 
 
 class GrammarCompiler:
@@ -89,4 +94,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the {_KIND_NAMES[kind]} cannot be compiled: {matcher.get_error()}")
-        return CompiledGrammar(matcher)
+        return CompiledGrammar(matcher, self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -40,13 +40,17 @@ def _properties(properties: dict[str, Any]) -> dict[str, Any]:
 class StructuredOutputParams:
     """Exactly one of: a JSON schema (`json`, a dict or its text), a regular expression (`regex`, the
     whole output must match), a list of strings to choose from (`choice`), an EBNF grammar (`grammar`,
-    GBNF as llama.cpp writes it, or Lark), or `json_object` (any JSON object)."""
+    GBNF as llama.cpp writes it, or Lark), or `json_object` (any JSON object).
+
+    starts_after: the constraint applies only to what follows this text in the output (the end of the
+    model's reasoning, "</think>"); before it any token may come. None: from the first token."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -69,10 +73,12 @@ class StructuredOutputParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.starts_after is not None and (not isinstance(self.starts_after, str) or not self.starts_after):
+            raise ValueError(f"starts_after must be a non-empty string, got {self.starts_after!r}")
 
     def grammar_source(self) -> tuple[str, str]:
         """(kind, text) in the grammar library's terms; the text is canonical, so equal constraints
-        share one compiled grammar."""
+        share one compiled grammar (starts_after is not part of it: it changes when the grammar starts)."""
         if self.json is not None or self.json_object:
             schema = ANY_JSON_OBJECT if self.json_object else self.json
             return "json", json.dumps(schema_as_enforced(schema))

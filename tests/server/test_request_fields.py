@@ -225,7 +225,7 @@ CHAT_FIELDS: dict[str, tuple[dict, str]] = {
     "tools": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
               HONOURED),
     "tool_choice": ({"tool_choice": "none"}, HONOURED),
-    "parallel_tool_calls": ({"parallel_tool_calls": False}, IGNORED),
+    "parallel_tool_calls": ({"parallel_tool_calls": False}, HONOURED),
     "reasoning_effort": ({"reasoning_effort": "low"}, REFUSED),
     "include_reasoning": ({"include_reasoning": False}, REFUSED),
     "echo": ({"echo": True}, HONOURED),

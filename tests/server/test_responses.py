@@ -165,7 +165,8 @@ def test_agents_sdk_runs_a_function_tool(default_server: ServerThread) -> None:
     calls = []
 
     # NOTE: the tiny model, once shown a tool, calls it again and again; so the first turn must call it and the
-    # tool leaves the agent once it has run, and the next turn answers with the tool's result
+    # tool leaves the agent once it has run, and the next turn answers with the tool's result (one call a turn:
+    # parallel_tool_calls false)
     @function_tool(is_enabled=lambda _context, _agent: not calls)
     def get_weather(city: str) -> str:
         """The weather in a city."""
@@ -173,7 +174,8 @@ def test_agents_sdk_runs_a_function_tool(default_server: ServerThread) -> None:
         return f"It is sunny in {city}."
 
     agent = Agent(name="weather", instructions="Answer in one short sentence.", tools=[get_weather], model=MODEL_NAME,
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=128, temperature=0))
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=128,
+                                               temperature=0))
     client = openai.AsyncOpenAI(base_url=f"{default_server.base_url}/v1", api_key=API_KEY, max_retries=0)
     config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
     result = Runner.run_sync(agent, ASK, run_config=config, max_turns=3)

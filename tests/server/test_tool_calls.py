@@ -1,6 +1,7 @@
 """Tool calls through the official `openai` client against the served default model (whose chat template
 has no tools, so the generic tool prompt is used): arguments validate against the function's schema
-with `jsonschema`, streamed deltas add up to the non-streamed call, and a tool result goes back in."""
+with `jsonschema`, streamed deltas add up to the non-streamed call, and a tool result goes back in. One call per
+reply (`parallel_tool_calls: false`): tests/server/test_reasoning.py has several, on a model scripted to write them."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _call(client: openai.OpenAI, tool_choice: object, messages: list = ASK) -> openai.types.chat.ChatCompletion:
-    return client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS,
-                                          tool_choice=tool_choice, max_tokens=48, temperature=0)
+    return client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS, tool_choice=tool_choice,
+                                          parallel_tool_calls=False, max_tokens=48, temperature=0)
 
 
 def _streamed_call(client: openai.OpenAI, tool_choice: object) -> tuple[str, str, str, str]:
@@ -34,8 +35,8 @@ def _streamed_call(client: openai.OpenAI, tool_choice: object) -> tuple[str, str
     call_id = name = finish_reason = None
     arguments = ""
     for chunk in client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS,
-                                                tool_choice=tool_choice, max_tokens=48, temperature=0,
-                                                stream=True):
+                                                tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=48,
+                                                temperature=0, stream=True):
         choice = chunk.choices[0]
         assert choice.delta.content in (None, "")
         for delta in choice.delta.tool_calls or []:

@@ -124,3 +124,23 @@ def test_json_output_cannot_pad_with_whitespace(compiler: GrammarCompiler, token
             assert not padding, f"after {before!r} the grammar allows {padding}"
         assert matcher.advance([token_id]) == 1
     assert matcher.is_complete
+
+
+def test_a_grammar_after_a_marker_starts_once_the_marker_is_written(compiler: GrammarCompiler,
+                                                                     tokenizer: Tokenizer) -> None:
+    compiled = compiler.compile(StructuredOutputParams(choice=["cat", "dog"])).result()
+    words = compiler.bitmask_words
+    start = _allowed(compiled.matcher(), words)
+    matcher = compiled.matcher(starts_after="</think>")
+    free = _allowed(matcher, words)
+    reasoning = tokenizer.encode("The quick fox </think>", add_special_tokens=False)
+    assert len(tokenizer.encode("</think>", add_special_tokens=False)) > 1  # the marker spans tokens
+    for token_id in reasoning[:-1]:
+        assert matcher.advance([token_id]) == 1 and _allowed(matcher, words) == free
+        assert not matcher.is_complete and not matcher.is_terminated
+    assert matcher.advance(reasoning[-1:]) == 1 and _allowed(matcher, words) == start
+    dog = tokenizer.encode("dog", add_special_tokens=False)
+    assert matcher.advance(dog) == len(dog) and matcher.is_complete
+    matcher.rollback(len(dog) + 1)  # back before the marker's last token: free again
+    assert _allowed(matcher, words) == free
+    assert matcher.advance(reasoning[-1:] + dog) == 1 + len(dog) and matcher.is_terminated

@@ -1,0 +1,1 @@
+"""Reasoning parsers: a reply's reasoning (between <think> tags) apart from its content."""

@@ -1,0 +1,68 @@
+"""Tool-call formats (Hermes', Llama 3's JSON): two calls parsed from every prefix of a reply only ever grow
+toward the whole reply's calls, whose arguments json.loads reads back; the grammar admits two calls (after a
+blank line) only with parallel_tool_calls; a chat template's format is recognised."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvforge.server.protocol import FunctionDefinition
+from kvforge.server.tool_formats import HERMES, LLAMA3_JSON, CallFormat, call_format_of
+from kvforge.structured_output.compiler import GrammarCompiler
+from kvforge.structured_output.params import StructuredOutputParams
+from kvforge.tokenizer import Tokenizer
+
+CALLS = [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", '{"zone": "a}b"}')]
+TOOLS = [FunctionDefinition(name="get_weather", parameters={"type": "object"}),
+         FunctionDefinition(name="get_time", parameters={"type": "object"})]
+
+
+def _reply(call_format: CallFormat) -> str:
+    return call_format.separator.join(call_format.write(name, arguments) for name, arguments in CALLS)
+
+
+@pytest.mark.parametrize("call_format", [HERMES, LLAMA3_JSON], ids=lambda f: f.name)
+def test_calls_parsed_from_every_prefix_grow_to_the_whole(call_format: CallFormat) -> None:
+    reply = _reply(call_format)
+    assert call_format.parse(reply) == CALLS
+    assert [json.loads(arguments) for _, arguments in CALLS]
+    for cut in range(len(reply)):
+        calls = call_format.parse(reply[:cut]) or []
+        assert len(calls) <= len(CALLS)
+        for (name, arguments), (final_name, final_arguments) in zip(calls, CALLS, strict=False):
+            assert name == final_name and final_arguments.startswith(arguments), f"cut at {cut}"
+        if not calls:  # undecided until the first name is whole
+            assert call_format.may_become_call(reply[:cut])
+    assert call_format.parse("\n" + reply) == CALLS and call_format.may_become_call("\n")
+    assert call_format.parse("The weather is fine.") is None and not call_format.may_become_call("The weather")
+
+
+@pytest.mark.parametrize("call_format", [HERMES, LLAMA3_JSON], ids=lambda f: f.name)
+def test_the_grammar_admits_two_calls_only_when_parallel(tiny_llama_dir: tuple[Path, object],
+                                                         call_format: CallFormat) -> None:
+    tokenizer = Tokenizer.from_dir(tiny_llama_dir[0])
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    try:
+        token_ids = tokenizer.encode("\n\n" + _reply(call_format), add_special_tokens=False)  # a blank line first
+        one = "\n\n" + call_format.write(*CALLS[0])
+        for parallel, accepted in ((True, len(token_ids)), (False, None)):
+            grammar = call_format.grammar(TOOLS, allow_text=True, parallel=parallel)
+            matcher = compiler.compile(StructuredOutputParams(grammar=grammar)).result().matcher()
+            num_accepted = matcher.advance(token_ids)
+            if accepted is not None:
+                assert num_accepted == accepted and matcher.is_complete
+            else:  # the first call, and nothing after it
+                assert tokenizer.decode(token_ids[:num_accepted]).startswith(one)
+                assert num_accepted < len(token_ids) and matcher.is_terminated
+    finally:
+        compiler.shutdown()
+
+
+def test_a_templates_call_format_is_recognised() -> None:
+    llama31 = ('Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+               'value}.{% for tool in tools %}{{ tool | tojson }}{% endfor %}')
+    qwen25 = '<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools> <tool_call>'
+    assert call_format_of(llama31) is LLAMA3_JSON and call_format_of(qwen25) is HERMES
