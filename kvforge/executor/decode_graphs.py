@@ -96,11 +96,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        # NOTE: torch.compile keeps its graphs (and its recompile count) on the code object of the function it
-        # compiles: a copy of _step's code per instance keeps each engine's buckets apart from other engines'.
-        step = types.FunctionType(DecodeGraphs._step.__code__.replace(), globals(), "_step")
-        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=_WeakBackend(self))
-        self._compiled = compiled  # NOTE: called with self, not bound to it: no reference cycle
+        self._compiled: Callable[..., torch.Tensor] | None = None  # _step under torch.compile, made by the first build
         self._graph: tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]] | None = None  # the last compiled
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> its ready graph
         self._building = 0  # the bucket being compiled
@@ -120,6 +116,15 @@ class DecodeGraphs:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         return self.model.compute_logits(hidden)
 
+    def _compiled_step(self) -> Callable[..., torch.Tensor]:
+        """_step under torch.compile, called with self (not bound to it: no reference cycle). NOTE: made when the first
+        bucket compiles, not with the engine: torch.compile imports dynamo (~1 s of CPU time), which an engine that
+        compiles nothing, or not yet, need not wait for. torch.compile keeps its graphs (and its recompile count) on
+        the code object of the function it compiles: a copy of _step's code per instance keeps each engine's buckets
+        apart from other engines'."""
+        step = types.FunctionType(DecodeGraphs._step.__code__.replace(), globals(), "_step")
+        return torch.compile(step, fullgraph=True, dynamic=False, backend=_WeakBackend(self))
+
     def _metadata(self, bucket: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket], query_start_loc=self.query_start_loc[: bucket + 1],
@@ -132,6 +137,8 @@ class DecodeGraphs:
         ids, positions = self.input_ids[:bucket], self.positions[:bucket]
         # NOTE: one graph per bucket of one compiled function: allow as many recompiles as there are buckets
         self._building = bucket  # for the backend, which dynamo calls with the graph alone
+        if self._compiled is None:
+            self._compiled = self._compiled_step()
         with torch._dynamo.config.patch(recompile_limit=len(self.buckets), accumulated_recompile_limit=10**6):
             self._compiled(self, ids, positions, metadata)
         assert self._graph is not None, "dynamo ran the bucket's step without compiling it"
