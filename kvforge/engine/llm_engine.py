@@ -121,10 +121,15 @@ class LLMEngine:
         if self.scheduler.speculation is not None:
             self.scheduler.speculation.reset()
 
+    def num_compiling(self) -> int:
+        """Decode buckets queued or compiling in the background; any thread may ask."""
+        graphs = self.runner.decode_graphs
+        return 0 if graphs is None else graphs.num_compiling
+
     def shutdown(self) -> None:
-        """Release the model, its KV cache and compiled graphs, the grammar threads, a draft model's engine and the
-        other ranks' processes (if any). The engine cannot be used afterwards (RuntimeError); a second call does
-        nothing."""
+        """Stop the compiles in the background and release the model, its KV cache and compiled graphs, the grammar
+        threads, a draft model's engine and the other ranks' processes (if any). The engine cannot be used afterwards
+        (RuntimeError); a second call does nothing."""
         if self.is_shut_down:
             return
         self.is_shut_down = True
