@@ -73,6 +73,8 @@ class CompileThread:
         self._step_seconds = 0.0
         self._waited = False  # the compile waited for a turn since the last one: it has Python to run
         self._cancelled = False
+        self._alone = threading.Lock()  # held by each step, and by the compile in a section no step may run beside
+        self._in_alone = False
 
     @property
     def num_pending(self) -> int:
@@ -120,11 +122,25 @@ class CompileThread:
             self._turn.clear()
         start = time.perf_counter()
         try:
-            yield
+            with self._alone:
+                yield
         finally:
             end = time.perf_counter()
             with self._lock:
                 self._stepping, self._last_step_end, self._step_seconds = False, end, end - start
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """For a job: a section that no engine step runs beside (it waits for the step running now, and the next
+        one waits for it), in which the compile does not wait for turns."""
+        self._alone.acquire()
+        self._in_alone = True
+        try:
+            yield
+        finally:
+            # NOTE: released before the compile may wait for a turn again: waiting with it held stops the steps
+            self._alone.release()
+            self._in_alone = False
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel the queued jobs and the running one (at its next call); wait up to timeout seconds for it to stop.
@@ -149,7 +165,7 @@ class CompileThread:
     def _wait_for_turn(self, frame: FrameType, event: str, arg: object) -> None:
         """The compile thread's profile hook, called at each call and return of its Python and C functions (C calls
         too: a Python loop of C calls, hashing files say, makes no Python call)."""
-        if event != "call" and event != "c_call":
+        if (event != "call" and event != "c_call") or self._in_alone:
             return
         if self._cancelled:
             raise CompileCancelled

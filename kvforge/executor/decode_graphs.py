@@ -234,6 +234,7 @@ class DecodeGraphs:
     def _build(self, bucket: int) -> Callable[[], torch.Tensor]:
         """On the compile thread: compile the bucket's step; returns what replays it on the bucket's buffers."""
         start = time.perf_counter()
+        _trace_fx_once(self._compiler)
         inputs = self._inputs[bucket]
         backend = _WeakBackend(self, bucket)
         # NOTE: torch.compile keeps its graphs on the code object of the function it compiles: a copy of _step's code
@@ -309,6 +310,18 @@ class _WeakBackend:
     def take(self) -> tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]] | None:
         built, self._built = self._built, None
         return built
+
+
+def _trace_fx_once(compiler: CompileThread) -> None:
+    """The one torch.fx symbolic trace Inductor runs in a process (LoopBody's placeholder module, cached), alone.
+
+    NOTE: while torch.fx's Tracer traces, torch.nn.Module.__call__ is its wrapper in every thread, and an eager step
+    calling the model then raised "module is not installed as a submodule". Inductor's other traces (make_fx) wrap
+    module calls with a pass-through."""
+    from torch._inductor.loop_body import InterpreterShim  # imported in the compile's turns: seconds of Python
+
+    with compiler.alone():
+        InterpreterShim._dummy_gm()
 
 
 def _capture(step: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
