@@ -38,10 +38,13 @@ logger = logging.getLogger(__name__)
 
 LEND_SHARE = 0.25  # of the last step's time, lent to a waiting compile before each step
 MIN_LEND_SECONDS = 0.001  # NOTE: a shorter turn is mostly the two threads' wake-ups
+LEND_SLACK_SECONDS = 0.002  # the engine waits this much beyond a lend for the compile to wake up and take it
 IDLE_SECONDS = 0.05  # without a step for this long, the engine idles: the compile runs until its next step
-# NOTE: a waiting compile may hold a lock that a step needs (a module's import lock, a logging handler's): after this
-# long without a turn it runs until the next step begins, so such a step waits for it instead of deadlocking.
-MAX_WAIT_SECONDS = 2.0
+# NOTE: a waiting compile may hold a lock that a step needs (a module's import lock, a logging handler's): after
+# MAX_WAIT_SECONDS without a turn it takes one of FORCED_TURN_SECONDS, so such a step waits for it instead of
+# deadlocking (and a step longer than that, a long prompt's, shares a tenth of its time).
+MAX_WAIT_SECONDS = 0.5
+FORCED_TURN_SECONDS = 0.05
 GC_DEFER_SECONDS = 30.0  # the longest the collector stays off after the jobs, waiting for the engine to idle
 # NOTE: the compile thread's OS priority (and its compiler processes'): the lowest, so that the engine's threads take
 # a core from them at once, but not SCHED_IDLE, under which a compile never ends on a machine that other work keeps busy
@@ -67,7 +70,9 @@ class CompileThread:
         self._results: list[tuple[Hashable, object]] = []
         self._thread: threading.Thread | None = None
         self._turn = threading.Event()  # set: the compile may run, until _turn_ends (time.perf_counter())
-        self._turn_ends = math.inf
+        self._turn_ends: float | None = math.inf  # None: a lend of _lent seconds from when the compile wakes up
+        self._lent = 0.0
+        self._turn_over = threading.Event()  # set by the compile when a lend ends
         self._stepping = False
         self._last_step_end = 0.0
         self._step_seconds = 0.0
@@ -117,8 +122,11 @@ class CompileThread:
         if self._waited:
             self._waited = False
             lend = max(LEND_SHARE * self._step_seconds, MIN_LEND_SECONDS)
-            self._give_turn(time.perf_counter() + lend)
-            time.sleep(lend)
+            with self._lock:
+                self._turn_over.clear()
+                self._lent, self._turn_ends = lend, None
+                self._turn.set()
+            self._turn_over.wait(lend + LEND_SLACK_SECONDS)
             self._turn.clear()
         start = time.perf_counter()
         try:
@@ -169,23 +177,26 @@ class CompileThread:
             return
         if self._cancelled:
             raise CompileCancelled
-        if not self._turn.is_set() or time.perf_counter() >= self._turn_ends:
+        if not self._turn.is_set() or self._turn_ends is None or time.perf_counter() >= self._turn_ends:
             self._wait()
 
     def _wait(self) -> None:
         """Wait (without the GIL) for a turn: a lend, the engine idling, or MAX_WAIT_SECONDS without one."""
-        self._waited = True
         give_up = time.perf_counter() + MAX_WAIT_SECONDS
         while True:
             now = time.perf_counter()
             with self._lock:
+                if self._turn.is_set() and self._turn_ends is None:  # a lend begins
+                    self._turn_ends = now + self._lent
                 if self._turn.is_set() and now < self._turn_ends:
                     return
-                self._turn.clear()  # a lend that has ended
+                self._turn.clear()  # a turn that has ended
+                self._turn_over.set()
+                self._waited = True
                 idle = not self._stepping and now - self._last_step_end >= IDLE_SECONDS
                 if self._cancelled or idle or now >= give_up:
-                    self._turn_ends = math.inf  # until the next step begins
-                    self._turn.set()
+                    self._turn_ends = math.inf if self._cancelled or idle else now + FORCED_TURN_SECONDS
+                    self._turn.set()  # until the next step begins, or the forced turn ends
                     return
             self._turn.wait(IDLE_SECONDS)
 
