@@ -101,6 +101,14 @@ class CompileThread:
                 atexit.register(self.close)
                 self._thread.start()
 
+    def thread_options(self) -> dict[str, object]:
+        """Inductor's configuration for a compile on this thread (none elsewhere): its work on this thread alone.
+
+        NOTE: Inductor compiles its C++ kernels on threads and processes of its own where it may (compile_threads,
+        which its caches do not key on): the Python of those threads would take no turns, and the steps would wait
+        for the GIL beside it."""
+        return {"compile_threads": 1} if threading.current_thread() is self._thread else {}
+
     def results(self) -> list[tuple[Hashable, object]]:
         """The jobs finished since the last call: (key, value or the exception it raised)."""
         with self._lock:
@@ -119,13 +127,13 @@ class CompileThread:
         with self._lock:
             self._stepping = True
             self._turn.clear()
-        if self._waited:
-            self._waited = False
-            lend = max(LEND_SHARE * self._step_seconds, MIN_LEND_SECONDS)
-            with self._lock:
+            lend = max(LEND_SHARE * self._step_seconds, MIN_LEND_SECONDS) if self._waited else 0.0
+            if lend:
+                self._waited = False
                 self._turn_over.clear()
                 self._lent, self._turn_ends = lend, None
                 self._turn.set()
+        if lend:
             self._turn_over.wait(lend + LEND_SLACK_SECONDS)
             self._turn.clear()
         start = time.perf_counter()
@@ -151,12 +159,14 @@ class CompileThread:
             self._in_alone = False
 
     def close(self, timeout: float = 10.0) -> None:
-        """Cancel the queued jobs and the running one (at its next call); wait up to timeout seconds for it to stop.
+        """Cancel the queued jobs and the running one (at its next call), and drop the results not taken yet; wait up
+        to timeout seconds for the running job to stop.
         A compile inside a long C++ build may outlast that: its daemon thread is then left behind, and ends when the
         build returns."""
         with self._lock:
             self._cancelled = True
             self._jobs.clear()
+            self._results.clear()
             thread = self._thread
         self._give_turn(math.inf)
         if thread is not None and thread is not threading.current_thread():
@@ -177,7 +187,8 @@ class CompileThread:
             return
         if self._cancelled:
             raise CompileCancelled
-        if not self._turn.is_set() or self._turn_ends is None or time.perf_counter() >= self._turn_ends:
+        ends = self._turn_ends  # NOTE: read once: the engine's thread may set it to None (a lend) meanwhile
+        if not self._turn.is_set() or ends is None or time.perf_counter() >= ends:
             self._wait()
 
     def _wait(self) -> None:

@@ -273,7 +273,8 @@ class DecodeGraphs:
         wrappers = ("C++", "Python") if self.device.type == "cpu" and batch <= CPP_WRAPPER_MAX_BATCH else ("Python",)
         for wrapper in wrappers:
             try:
-                with torch._inductor.config.patch(inductor_options(self.device, wrapper == "C++")):
+                with torch._inductor.config.patch({**inductor_options(self.device, wrapper == "C++"),
+                                                   **self._compiler.thread_options()}):
                     compiled = compile_fx(graph, example_inputs)
                 break
             except Exception as err:  # noqa: BLE001 -- the Python wrapper compiles whatever Inductor compiles
