@@ -91,20 +91,20 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             return error_response(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
 
-    compiled_at_start = not engine.engine.config.compilation.compile_at_start
+    awaiting_start_compiles = engine.engine.config.compilation.compile_at_start
 
     @app.get("/ready")
     async def ready() -> Response:
         """Readiness: the engine runs and, with --compile-at-start, the decode steps it started compiling are
         compiled (later compiles of a new batch size, in the background, leave it ready)."""
-        nonlocal compiled_at_start
+        nonlocal awaiting_start_compiles
         if not engine.is_alive:
             return error_response(503, "the engine is not running")
-        if not compiled_at_start:
+        if awaiting_start_compiles:
             num_compiling = engine.num_compiling()
             if num_compiling:
                 return error_response(503, f"compiling the decode steps of {num_compiling} more batch sizes")
-            compiled_at_start = True
+            awaiting_start_compiles = False
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
