@@ -52,9 +52,10 @@ def test_bad_values_give_one_line_and_exit_code_2(tiny_llama_dir, tmp_path):
 
 
 def test_compile_fills_the_caches_a_later_start_compiles_from(tiny_llama_dir, tmp_path):
-    """`kvforge compile` compiles each batch size into Inductor's on-disk caches: the second time, from them."""
+    """`kvforge compile` compiles each batch size (here one) into Inductor's on-disk caches: the second time, from
+    them."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    args = ("compile", str(tiny_llama_dir[0]), "--kv-cache-memory", "8MiB", "--compile-buckets", "2", "4")
+    args = ("compile", str(tiny_llama_dir[0]), "--kv-cache-memory", "8MiB", "--compile-buckets", "2")
     seconds = []
     for _ in range(2):
         result = _kvforge(*args, env=env)
@@ -62,4 +63,4 @@ def test_compile_fills_the_caches_a_later_start_compiles_from(tiny_llama_dir, tm
         assert f"compiled into {tmp_path / 'inductor'}" in result.stdout
         times = re.findall(r"^batch \d+: ([\d.]+) s \(Python wrapper\)$", result.stdout, re.M)
         seconds.append([float(t) for t in times])
-    assert len(seconds[0]) == 2 and sum(seconds[1]) < sum(seconds[0]) / 2, seconds
+    assert len(seconds[0]) == 1 and seconds[1][0] < seconds[0][0] / 2, seconds
