@@ -201,7 +201,8 @@ def test_compiled_single_stream_steps_read_the_kept_weights_interleaved_and_answ
     (the order the step multiplies by them); the compiled single-stream step calls them from Inductor's C++ wrapper
     and answers as eager."""
     options = dict(ENGINE, quantization="gguf", compile_buckets=(1,))
-    compiled = LLM(str(tiny_path), compile_after=0, **options)
+    compiled = LLM(str(tiny_path), **options)
+    compiled.engine.runner.decode_graphs.compile_ahead(1)
     eager = LLM(str(tiny_path), enforce_eager=True, **options)
     kernels = [(name, module) for name, module in compiled.engine.local_model.named_modules()
                if isinstance(module, PanelKernel)]  # fmt: skip
