@@ -5,7 +5,8 @@ resident memory read around each, so that nothing else of the test process is co
                                  "compile_ahead": false}'
 
 Each round makes LLM(model, **engine), compiles its decode steps first with compile_ahead (else they compile in the
-background, as configured), generates a few tokens for two prompts, and ends the engine the round's way
+background, as configured), generates a few tokens for two prompts, writes its whole KV cache (this process's
+ranks'), and ends the engine the round's way
 (ends, taken in turn): "drop" (del, gc.collect()), "shutdown" (shutdown(); the name still holds the LLM) or "with"
 (the end of a `with LLM(...) as llm:` block; the name still holds it). It prints one JSON line:
 
@@ -36,10 +37,15 @@ def live_children() -> list[int]:
 
 
 def generate(llm: LLM, compile_ahead: bool) -> None:
-    graphs = llm.engine.runner.decode_graphs
+    runner = llm.engine.runner
     if compile_ahead:
-        graphs.compile_ahead(graphs.max_batch)
+        runner.decode_graphs.compile_ahead(runner.decode_graphs.max_batch)
     llm.generate(PROMPTS, PARAMS)
+    # NOTE: a CPU cache is backed page by page as it is first written (platforms/zeroed_memory.py): written whole here,
+    # as a busy engine's is, so that an engine left behind would keep all of it resident
+    for layer in runner.kv_caches:
+        for cache in layer:
+            cache.fill_(0)
 
 
 def one_round(model: str, end: str, engine: dict, compile_ahead: bool) -> dict:
