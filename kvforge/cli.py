@@ -1,4 +1,4 @@
-"""The `kvforge` command: generate, chat, serve and bench."""
+"""The `kvforge` command: generate, chat, serve, compile and bench."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ _BENCHMARKS = {
                                           "(and llama.cpp)"),
     "speculative": ("kvforge.benchmarks.speculative",
                     "decode tokens/s with speculation off and with each method, acceptance per position"),
+    "startup": ("kvforge.benchmarks.startup", "`kvforge generate` in fresh processes: start-up, time to first "
+                                              "token, whole run"),
 }
 _SERVE_MODULE = "kvforge.server.cli"
 _QUANTIZE_MODULE = "kvforge.quantize.cli"
@@ -30,6 +32,7 @@ _PLAN_MODULE = "kvforge.plan.cli"
 _PROFILE_MODULE = "kvforge.profiler.cli"
 _COMPILE_MODULE = "kvforge.tools.cross_compile"
 _ENV_MODULE = "kvforge.tools.env"
+_WARM_COMPILE_MODULE = "kvforge.compile_cli"
 _EVALS = {"perplexity": ("kvforge.eval.perplexity", "perplexity of each held-out text and their mean")}
 
 
@@ -145,6 +148,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                       for name, (_, text) in _BENCHMARKS.items()}
     module_parsers[("serve", None)] = commands.add_parser(
         "serve", help="OpenAI-compatible HTTP server", description="Serve the model over an OpenAI-compatible API.")
+    module_parsers[("compile", None)] = commands.add_parser(
+        "compile", help="compile a model's decode steps ahead of serving it (fills Inductor's on-disk caches)",
+        description="Compile the decode step of every batch size the engine can run, so that a later start of the "
+        "same model compiles each from Inductor's caches in seconds.")
     module_parsers[("quantize", None)] = commands.add_parser(
         "quantize", help="write a quantized checkpoint (rtn, gptq, awq, w8a8)",
         description="Quantize a float model and write a checkpoint folder.")
@@ -182,6 +189,8 @@ def _module_of(argv: list[str]) -> tuple[tuple, str] | None:
         return ("plan", None), _PLAN_MODULE
     if words[:1] == ["profile"]:
         return ("profile", None), _PROFILE_MODULE
+    if words[:1] == ["compile"]:
+        return ("compile", None), _WARM_COMPILE_MODULE
     if words[:1] == ["compile-kernels"]:
         return ("compile-kernels", None), _COMPILE_MODULE
     if words[:1] == ["env"]:

@@ -161,15 +161,19 @@ COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 class CompilationConfig:
     """How decode steps run: compiled once per batch bucket (torch.compile; the batch padded up to the
     smallest bucket that holds it) or eagerly. Prefill and mixed steps, decode batches above the largest
-    bucket and a bucket's first compile_after steps run eagerly."""
+    bucket and a bucket's steps until its graph is compiled (in the background, after compile_after eager
+    steps, or from the start with compile_at_start) run eagerly."""
 
     enforce_eager: bool = option(False, "run every step eagerly: no torch.compile of the decode step")
     compile_buckets: tuple[int, ...] = option(
         COMPILE_BUCKETS, "decode batch sizes to compile, e.g. 1 2 4 8 (each when it has run --compile-after "
                          "steps eagerly)")
     compile_after: int = option(
-        16, "decode steps of a bucket that run eagerly before it is compiled (0: on its first step): a short "
-            "generation does not wait seconds for a compile", minimum=0)
+        16, "decode steps of a bucket that run eagerly before its compile starts (0: on its first step); it "
+            "compiles in the background while its steps go on eagerly", minimum=0)
+    compile_at_start: bool = option(
+        False, "start compiling every decode bucket the engine can use when it starts, in the background; "
+               "`kvforge serve` reports ready (GET /ready) once they are compiled")
 
     def __post_init__(self) -> None:
         buckets = self.compile_buckets

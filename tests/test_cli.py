@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
 
-def _kvforge(*args: str) -> subprocess.CompletedProcess:
+def _kvforge(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvforge.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def test_generate_on_a_checkpoint_folder(tiny_llama_dir):
@@ -47,3 +49,18 @@ def test_bad_values_give_one_line_and_exit_code_2(tiny_llama_dir, tmp_path):
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kvforge: error:") and message in lines[0]
+
+
+def test_compile_fills_the_caches_a_later_start_compiles_from(tiny_llama_dir, tmp_path):
+    """`kvforge compile` compiles each batch size (here one) into Inductor's on-disk caches: the second time, from
+    them."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    args = ("compile", str(tiny_llama_dir[0]), "--kv-cache-memory", "8MiB", "--compile-buckets", "2")
+    seconds = []
+    for _ in range(2):
+        result = _kvforge(*args, env=env)
+        assert result.returncode == 0, result.stderr
+        assert f"compiled into {tmp_path / 'inductor'}" in result.stdout
+        times = re.findall(r"^batch \d+: ([\d.]+) s \(Python wrapper\)$", result.stdout, re.M)
+        seconds.append([float(t) for t in times])
+    assert len(seconds[0]) == 1 and seconds[1][0] < seconds[0][0] / 2, seconds

@@ -25,7 +25,9 @@ def default_llm():
     # what `kvforge generate` and the decode benchmarks run.
     # quantization="none" and a float32 cache: the float model transformers runs (the file's Q4_1 weights
     # dequantized); the defaults (kept weights, a float16 cache) are tests/quantization/test_gguf_kept.py's
-    return LLM(kv_cache_memory="256MiB", compile_buckets=(4,), quantization="none", kv_cache_dtype="float32")
+    llm = LLM(kv_cache_memory="256MiB", compile_buckets=(4,), quantization="none", kv_cache_dtype="float32")
+    llm.engine.runner.decode_graphs.compile_ahead(4)  # every decode step compiled: not some, as a compile ends
+    return llm
 
 
 def test_chat_greedy_matches_transformers(default_llm, hf_default_tokenizer, hf_default_model):

@@ -19,9 +19,10 @@ KV_CACHE_MIB = 512
 TOLERANCE_MIB = 300  # what the first engine may leave behind: imports, the C++ kernels, torch's caches
 
 
-def rss_rounds(model: Path, ends: list[str], **engine: object) -> dict:
+def rss_rounds(model: Path, ends: list[str], compile_ahead: bool = False, **engine: object) -> dict:
     """Four engines made and ended (ends taken in turn) in a fresh process: its RSS around each (tests/rss_rounds)."""
-    args = {"model": str(model), "ends": ends, "rounds": 4, "engine": {"kv_cache_memory": KV_CACHE_MEMORY, **engine}}
+    args = {"model": str(model), "ends": ends, "rounds": 4, "engine": {"kv_cache_memory": KV_CACHE_MEMORY, **engine},
+            "compile_ahead": compile_ahead}
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
     result = subprocess.run([sys.executable, "-m", "tests.rss_rounds", json.dumps(args)], capture_output=True,
@@ -39,8 +40,14 @@ def assert_memory_comes_back(measured: dict) -> None:
 
 
 def test_four_dropped_engines_give_their_memory_back(tiny_llama_dir) -> None:
-    # every decode step compiled (bucket 2 at once): the compiled graphs are released too
-    measured = rss_rounds(tiny_llama_dir[0], ["drop"], compile_buckets=(2,), compile_after=0)
+    # every decode step compiled (bucket 2, before the first): the compiled graphs are released too
+    measured = rss_rounds(tiny_llama_dir[0], ["drop"], compile_ahead=True, compile_buckets=(2,))
+    assert_memory_comes_back(measured)
+
+
+def test_four_engines_dropped_while_their_decode_steps_compile_give_their_memory_back(tiny_llama_dir) -> None:
+    # the compile on its thread, begun at the start, is cancelled and joined: it held the model and its KV cache
+    measured = rss_rounds(tiny_llama_dir[0], ["drop", "shutdown"], compile_buckets=(2,), compile_at_start=True)
     assert_memory_comes_back(measured)
 
 

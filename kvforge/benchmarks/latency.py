@@ -17,7 +17,6 @@ import time
 import torch
 
 from kvforge.benchmarks.workload import random_workload
-from kvforge.config import CompilationConfig
 from kvforge.engine_args import add_engine_arguments, engine_kwargs_from_args
 
 
@@ -35,16 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _kvforge_engine(kwargs: dict):
-    """An engine of these options, warmed up with one request long enough to compile the single-stream decode
-    step (its bucket compiles after compile_after eager steps), and the seconds its load took (LLM(...))."""
+    """An engine of these options with its single-stream decode step compiled and warmed up by one short request,
+    and the seconds its load took (LLM(...))."""
     from kvforge import LLM, SamplingParams
 
     start = time.perf_counter()
     engine = LLM(**kwargs).engine
     load_s = time.perf_counter() - start
-    warmup_tokens = kwargs.get("compile_after", CompilationConfig().compile_after) + 4
+    if engine.runner.decode_graphs is not None:
+        engine.runner.decode_graphs.compile_ahead(1)
     engine.add_request("warmup", {"prompt_token_ids": list(range(1, 9))},
-                       SamplingParams(max_tokens=warmup_tokens, ignore_eos=True))
+                       SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     return engine, load_s

@@ -157,6 +157,10 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
+    def num_compiling(self) -> int:
+        """Decode batch sizes compiling in the background (the engine answers this from any thread)."""
+        return self.engine.num_compiling()
+
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: SamplingParams | PoolingParams) -> RequestStream:
         """Queue a request; returns once the engine has taken it. Raises ValueError for a bad request,

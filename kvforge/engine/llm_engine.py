@@ -56,26 +56,31 @@ class LLMEngine:
         self.config = config
         torch.manual_seed(config.seed)
         self.executor = create_executor(config)
-        info = self.executor.model_info
-        self.device = info.device
-        self.attention_backend = info.attention_backend
-        self.tokenizer = info.tokenizer
-        self.model_name = info.name
-        self.hf_config = info.hf_config
-        self.vocab_size = info.vocab_size
-        num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        graphs = self.runner.decode_graphs
-        speculation = _speculation(config, self.vocab_size, () if graphs is None else graphs.buckets)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, speculation)
-        self.in_flight: deque[SchedulerOutput] = deque()
-        self.max_model_len = min(info.max_model_len, self.kv_cache_manager.capacity_tokens)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.groups: dict[str, SampleGroup] = {}
-        self._ids = itertools.count()
-        self._decode_logprobs = logprob_decoder(self.tokenizer)
-        # NOTE: thread-safe; the async engine awaits compilations on its event loop, off the step loop
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        try:
+            info = self.executor.model_info
+            self.device = info.device
+            self.attention_backend = info.attention_backend
+            self.tokenizer = info.tokenizer
+            self.model_name = info.name
+            self.hf_config = info.hf_config
+            self.vocab_size = info.vocab_size
+            num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
+            self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+            graphs = self.runner.decode_graphs
+            speculation = _speculation(config, self.vocab_size, () if graphs is None else graphs.buckets)
+            self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, speculation)
+            self.in_flight: deque[SchedulerOutput] = deque()
+            self.max_model_len = min(info.max_model_len, self.kv_cache_manager.capacity_tokens)
+            self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+            self.groups: dict[str, SampleGroup] = {}
+            self._ids = itertools.count()
+            self._decode_logprobs = logprob_decoder(self.tokenizer)
+            # NOTE: thread-safe; the async engine awaits compilations on its event loop, off the step loop
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        except BaseException:
+            # NOTE: the compiles begun at start (--compile-at-start) hold the model on their thread: stopped at once
+            self.executor.shutdown()
+            raise
         self.is_shut_down = False
         self._log_cache(info.kv_cache_dtype, info.kv_bytes_per_token)
 
@@ -121,10 +126,16 @@ class LLMEngine:
         if self.scheduler.speculation is not None:
             self.scheduler.speculation.reset()
 
+    def num_compiling(self) -> int:
+        """Decode buckets queued or compiling in the background; any thread may ask (0 once shut down)."""
+        runner = self.executor.worker.runner  # NOTE: read once: None from the moment a shutdown releases it
+        graphs = None if runner is None else runner.decode_graphs
+        return 0 if graphs is None else graphs.num_compiling
+
     def shutdown(self) -> None:
-        """Release the model, its KV cache and compiled graphs, the grammar threads, a draft model's engine and the
-        other ranks' processes (if any). The engine cannot be used afterwards (RuntimeError); a second call does
-        nothing."""
+        """Stop the compiles in the background and release the model, its KV cache and compiled graphs, the grammar
+        threads, a draft model's engine and the other ranks' processes (if any). The engine cannot be used afterwards
+        (RuntimeError); a second call does nothing."""
         if self.is_shut_down:
             return
         self.is_shut_down = True

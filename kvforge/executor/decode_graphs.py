@@ -1,10 +1,12 @@
 """Decode steps compiled once per batch bucket and replayed: torch.compile (Inductor), plus a CUDA/HIP graph
 of each bucket on GPUs.
 
-A decode-only step of n sequences runs the graph of the smallest bucket b >= n, once that bucket has run
-`compile_after` steps eagerly (so that a short generation does not wait for a compile). Its inputs live in static
-buffers sized for the largest bucket, updated in place each step; rows n..b-1 are padding that writes no
-cache slot and attends to nothing:
+A decode-only step of n sequences runs the graph of the smallest bucket b >= n once it is ready. A bucket that has
+run `compile_after` steps eagerly is compiled on a thread of its own (background_compile.py) while its steps go on
+eagerly, and its graph is swapped in at the start of a later step, on the engine's thread: no step ever waits for a
+compile. Each bucket's inputs live in static buffers of its own, updated in place each step (so a compile, which
+runs its bucket once on padding rows, writes nothing that a running step reads); rows n..b-1 are padding that
+writes no cache slot and attends to nothing:
 
     row              0 .. n-1 (the step's sequences)        n .. b-1 (padding)
     input_ids        the new tokens                           0
@@ -13,12 +15,13 @@ cache slot and attends to nothing:
     seq_lens         context lengths                          0      (attention outputs zeros)
     block_tables     [n, max_blocks] rows of the step         stale rows, never read (seq_len 0)
 
-Each bucket's graph (model forward + LM head: fp32 logits [b, vocab]) is compiled with static shapes on the
-first step that needs it; norms, rotary, SiLU-and-mul and residual adds fuse, while the cache write,
-attention and quantized matmuls stay opaque ops. Since its inputs (the static buffers, the caches and the
-parameters) are the same tensors every step, a replay calls Inductor's graph on them directly: dynamo runs
-only to compile. On the CPU, the graphs of small batches call their kernels from Inductor's C++ wrapper, the
-others from its Python one. Inductor's on-disk caches make a second start of the same model compile nothing new.
+Each bucket's graph (model forward + LM head: fp32 logits [b, vocab]) is compiled with static shapes; norms,
+rotary, SiLU-and-mul and residual adds fuse, while the cache write, attention and quantized matmuls stay opaque ops.
+Since its inputs (the static buffers, the caches and the parameters) are the same tensors every step, a replay calls
+Inductor's graph on them directly: dynamo runs only to compile. On GPUs the engine's thread captures the graph
+(CUDA/HIP graph) when it swaps it in, between steps. On the CPU, the graphs of small batches call their kernels
+from Inductor's C++ wrapper, the others from its Python one. Inductor's on-disk caches make a second start of the
+same model compile nothing new (`kvforge compile` fills them ahead).
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ import time
 import types
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from kvforge.executor.background_compile import CompileThread
 from kvforge.kernels.cpu.extension import c_shims, cpu_kernels
 from kvforge.layers.attention import AttentionMetadata
 
@@ -76,9 +82,50 @@ def inductor_options(device: torch.device, cpp_wrapper: bool) -> dict[str, objec
     return options
 
 
+@dataclass(slots=True)
+class _StaticInputs:
+    """One bucket's input buffers, which its graph reads every step: [bucket] rows (block_tables [bucket,
+    max_blocks_per_seq]), padding rows as allocated."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+
+    @classmethod
+    def allocate(cls, bucket: int, max_blocks_per_seq: int, device: torch.device) -> _StaticInputs:
+        return cls(
+            input_ids=torch.zeros(bucket, dtype=torch.int64, device=device),
+            positions=torch.zeros(bucket, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((bucket,), -1, dtype=torch.int64, device=device),
+            seq_lens=torch.zeros(bucket, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(bucket, max_blocks_per_seq, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=device))
+
+    def metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
+                                 seq_lens=self.seq_lens, block_tables=self.block_tables, decode_only=True)
+
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """The step's n rows, then padding (a previous step's rows may linger there)."""
+        num_seqs, width = input_ids.shape[0], metadata.block_tables.shape[1]
+        self.input_ids[:num_seqs].copy_(input_ids)
+        self.positions[:num_seqs].copy_(positions)
+        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
+        self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
+        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
+        self.input_ids[num_seqs:].zero_()
+        self.positions[num_seqs:].zero_()
+        self.slot_mapping[num_seqs:].fill_(-1)
+        self.seq_lens[num_seqs:].zero_()
+
+
 class DecodeGraphs:
     """The compiled decode step of one model runner: `run` takes a decode-only step of at most
-    `max_batch` sequences and returns its logits [num_seqs, vocab]."""
+    `max_batch` sequences and returns its logits [num_seqs, vocab] once its bucket is compiled. `stepping()` wraps
+    every step of the runner (the compiles yield to it); `close()` stops the compiles."""
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], buckets: tuple[int, ...],
                  compile_after: int, max_blocks_per_seq: int, device: torch.device) -> None:
@@ -89,109 +136,133 @@ class DecodeGraphs:
         self.buckets = buckets
         self.max_batch = buckets[-1]
         self.device = device
-        size = self.max_batch
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        # NOTE: torch.compile keeps its graphs (and its recompile count) on the code object of the function it
-        # compiles: a copy of _step's code per instance keeps each engine's buckets apart from other engines'.
-        step = types.FunctionType(DecodeGraphs._step.__code__.replace(), globals(), "_step")
-        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=_WeakBackend(self))
-        self._compiled = compiled  # NOTE: called with self, not bound to it: no reference cycle
-        self._graph: tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]] | None = None  # the last compiled
+        self._inputs = {b: _StaticInputs.allocate(b, max_blocks_per_seq, device) for b in buckets}
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> its ready graph
-        self._building = 0  # the bucket being compiled
+        self._submitted: set[int] = set()  # buckets given to the compile thread, not swapped in yet
+        self._compiler = CompileThread("kvforge-compile")
         self.wrappers: dict[int, str] = {}  # bucket -> the wrapper Inductor built for its graph: "C++" or "Python"
         self.failed = False  # a bucket could not be compiled: every step runs eagerly from then on
 
     @property
     def compiled_buckets(self) -> tuple[int, ...]:
-        """The buckets whose graphs are ready."""
+        """The buckets whose graphs are swapped in."""
         return tuple(sorted(self._replays))
+
+    @property
+    def num_compiling(self) -> int:
+        """Buckets queued or compiling in the background (any thread may ask)."""
+        return self._compiler.num_pending
 
     def bucket_for(self, num_seqs: int) -> int | None:
         """The smallest bucket holding num_seqs sequences; None above the largest (or after a failed compile)."""
         return None if self.failed else next((b for b in self.buckets if b >= num_seqs), None)
 
+    def stepping(self) -> AbstractContextManager[None]:
+        """Wraps each step of the runner: a compile pauses while a step runs (see background_compile.py)."""
+        return self._compiler.step()
+
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         return self.model.compute_logits(hidden)
-
-    def _metadata(self, bucket: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket], query_start_loc=self.query_start_loc[: bucket + 1],
-            seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket], decode_only=True)
-
-    def _build(self, bucket: int) -> Callable[[], torch.Tensor]:
-        """Compile (and on GPUs capture) the bucket's step; returns what replays it on the static buffers."""
-        start = time.perf_counter()
-        metadata = self._metadata(bucket)
-        ids, positions = self.input_ids[:bucket], self.positions[:bucket]
-        # NOTE: one graph per bucket of one compiled function: allow as many recompiles as there are buckets
-        self._building = bucket  # for the backend, which dynamo calls with the graph alone
-        with torch._dynamo.config.patch(recompile_limit=len(self.buckets), accumulated_recompile_limit=10**6):
-            self._compiled(self, ids, positions, metadata)
-        assert self._graph is not None, "dynamo ran the bucket's step without compiling it"
-        graph, inputs = self._graph
-        self._graph = None
-
-        def replay() -> torch.Tensor:
-            # NOTE: every step passes the same static buffers, caches and parameters, which are the graph's
-            # inputs: the compiled graph is called on them directly, without dynamo's frame (guards and
-            # gathering ~490 tensors from the model: ~2.5 ms a step of the default model, 2-core EPYC).
-            return graph(*inputs)[0]
-
-        if self.device.type == "cuda":
-            replay = _capture(replay, self.device)
-        logger.info("compiled the decode step for batch %d in %.1f s (%s wrapper)", bucket,
-                    time.perf_counter() - start, self.wrappers[bucket])
-        return replay
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
             ) -> torch.Tensor | None:
         """input_ids, positions [n]; metadata of a decode-only step of n <= max_batch sequences -> logits
         [n, vocab]; None (nothing ran) while the bucket is not compiled yet, or when the model cannot be
         compiled: the caller runs the step eagerly."""
-        num_seqs = input_ids.shape[0]
-        bucket = self.bucket_for(num_seqs)
-        assert bucket is not None and metadata.decode_only
-        if bucket not in self._replays and self._eager_steps[bucket] < self.compile_after:
-            self._eager_steps[bucket] += 1
+        self._swap_in()
+        bucket = self.bucket_for(input_ids.shape[0])
+        if bucket is None:  # a compile failed just now
             return None
-        width = metadata.block_tables.shape[1]
-        self.input_ids[:num_seqs].copy_(input_ids)
-        self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
-        self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
-        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
-        self._pad(num_seqs, bucket)  # padding rows: the previous step's values may linger there
-        replay = self._replays.get(bucket) or self._compile(bucket)
-        return None if replay is None else replay()[:num_seqs]
+        assert metadata.decode_only
+        replay = self._replays.get(bucket)
+        if replay is None:
+            if self._eager_steps[bucket] < self.compile_after:
+                self._eager_steps[bucket] += 1
+            elif bucket not in self._submitted:
+                self._submit(bucket)
+            return None
+        self._inputs[bucket].fill(input_ids, positions, metadata)
+        return replay()[: input_ids.shape[0]]
 
-    @torch.inference_mode()  # as the runner's steps run: a graph compiled outside it would not match them
-    def compile_ahead(self, max_seqs: int) -> None:
-        """Compile now every bucket of at most max_seqs sequences that is not compiled yet (a benchmark's
-        warm-up: no compile then falls in its timed part). Each runs once on padding rows, which write no
-        cache slot and attend to nothing."""
-        for bucket in self.buckets:
-            if bucket <= max_seqs and bucket not in self._replays and not self.failed:
-                self._pad(0, bucket)
-                self._compile(bucket)
+    def compile_ahead(self, max_seqs: int, wait: bool = True) -> None:
+        """Compile every bucket of at most max_seqs sequences that is not compiled yet: now, on this thread (a
+        benchmark's warm-up, `kvforge compile`), or in the background from now on (not wait). Each runs once on
+        padding rows, which write no cache slot and attend to nothing."""
+        missing = [b for b in self.buckets if b <= max_seqs and b not in self._replays and b not in self._submitted]
+        if not wait:
+            for bucket in missing:
+                self._submit(bucket)
+            return
+        self._compiler.wait()
+        self._swap_in()
+        for bucket in missing:
+            if self.failed or bucket in self._replays:
+                continue
+            try:
+                built: Callable[[], torch.Tensor] | BaseException = self._build(bucket)
+            except torch._dynamo.exc.TorchDynamoException as err:
+                built = err
+            self._install(bucket, built)
 
-    def _pad(self, start: int, end: int) -> None:
-        self.input_ids[start:end].zero_()
-        self.positions[start:end].zero_()
-        self.slot_mapping[start:end].fill_(-1)
-        self.seq_lens[start:end].zero_()
+    def close(self) -> None:
+        """Cancel the queued and running compiles (the engine is shutting down)."""
+        self._compiler.close()
 
-    def _inductor(self, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
+    def _submit(self, bucket: int) -> None:
+        self._submitted.add(bucket)
+        self._compiler.submit(bucket, lambda: self._build(bucket))
+
+    def _swap_in(self) -> None:
+        """On the engine's thread, between steps: take the graphs compiled since the last step."""
+        for bucket, built in self._compiler.results():
+            self._submitted.discard(bucket)
+            self._install(bucket, built)
+
+    def _install(self, bucket: int, built: object) -> None:
+        """The bucket's graph replays from now on (captured on GPUs); or, where it cannot be compiled, every step
+        runs eagerly."""
+        if isinstance(built, torch._dynamo.exc.TorchDynamoException):  # raised while tracing: nothing has run
+            logger.warning("cannot compile the decode step of %s (%s); running it eagerly",
+                           type(self.model).__name__, str(built).splitlines()[0])
+            self.failed = True
+        elif isinstance(built, BaseException):
+            raise built
+        else:
+            self._replays[bucket] = _capture(built, self.device) if self.device.type == "cuda" else built
+
+    def _build(self, bucket: int) -> Callable[[], torch.Tensor]:
+        """On the compile thread: compile the bucket's step; returns what replays it on the bucket's buffers."""
+        start = time.perf_counter()
+        _trace_fx_once(self._compiler)
+        inputs = self._inputs[bucket]
+        backend = _WeakBackend(self, bucket)
+        # NOTE: torch.compile keeps its graphs on the code object of the function it compiles: a copy of _step's code
+        # per bucket of each instance keeps buckets and engines apart (and a bucket never counts as a recompile).
+        step = types.FunctionType(DecodeGraphs._step.__code__.replace(), globals(), "_step")
+        try:
+            with torch.inference_mode():  # as the runner's steps run: a graph compiled outside it would not match them
+                torch.compile(step, fullgraph=True, dynamic=False, backend=backend)(
+                    self, inputs.input_ids, inputs.positions, inputs.metadata())
+        finally:
+            built = backend.take()
+        assert built is not None, "dynamo ran the bucket's step without compiling it"
+        graph, graph_inputs = built
+
+        def replay() -> torch.Tensor:
+            # NOTE: every step passes the same static buffers, caches and parameters, which are the graph's
+            # inputs: the compiled graph is called on them directly, without dynamo's frame (guards and
+            # gathering ~490 tensors from the model: ~2.5 ms a step of the default model, 2-core EPYC).
+            return graph(*graph_inputs)[0]
+
+        logger.info("compiled the decode step for batch %d in %.1f s (%s wrapper)", bucket,
+                    time.perf_counter() - start, self.wrappers[bucket])
+        return replay
+
+    def _inductor(self, batch: int, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
                   ) -> Callable[..., list[torch.Tensor]]:
-        """The torch.compile backend: Inductor (inductor_options), keeping what it compiled and the tensors it
-        took (the replays pass the same ones). Small CPU batches get the C++ wrapper (CPP_WRAPPER_MAX_BATCH), or
-        Python's where it cannot be built."""
+        """The torch.compile backend: Inductor (inductor_options). Small CPU batches get the C++ wrapper
+        (CPP_WRAPPER_MAX_BATCH), or Python's where it cannot be built."""
         from torch._inductor.compile_fx import compile_fx
 
         # dynamo raises what a backend raises as BackendCompilerFailed: the engine then runs eagerly
@@ -199,50 +270,59 @@ class DecodeGraphs:
             raise TypeError("a decode step's graph takes tensors only (static shapes)")
         if len(graph.graph.output_node().args[0]) != 1:
             raise TypeError("a decode step's graph returns its logits only")
-        batch = self._building
         wrappers = ("C++", "Python") if self.device.type == "cpu" and batch <= CPP_WRAPPER_MAX_BATCH else ("Python",)
         for wrapper in wrappers:
             try:
-                with torch._inductor.config.patch(inductor_options(self.device, wrapper == "C++")):
+                with torch._inductor.config.patch({**inductor_options(self.device, wrapper == "C++"),
+                                                   **self._compiler.thread_options()}):
                     compiled = compile_fx(graph, example_inputs)
-                self.wrappers[batch] = wrapper
                 break
             except Exception as err:  # noqa: BLE001 -- the Python wrapper compiles whatever Inductor compiles
                 if wrapper == wrappers[-1]:
                     raise
                 logger.warning("cannot build the C++ wrapper of the decode step for batch %d (%s); using Python's",
                                batch, str(err).splitlines()[0] if str(err) else type(err).__name__)
-        self._graph = compiled, list(example_inputs)
+        self.wrappers[batch] = wrapper
         return compiled
-
-    def _compile(self, bucket: int) -> Callable[[], torch.Tensor] | None:
-        """The bucket's replay, compiled now; None (and every step eager from then on) if it cannot be."""
-        try:
-            replay = self._replays[bucket] = self._build(bucket)
-        except torch._dynamo.exc.TorchDynamoException as err:  # raised while tracing: nothing has run
-            logger.warning("cannot compile the decode step of %s (%s); running it eagerly",
-                           type(self.model).__name__, str(err).splitlines()[0])
-            self.failed = True
-            return None
-        return replay
 
 
 class _WeakBackend:
-    """The torch.compile backend of one DecodeGraphs: its `_inductor`, reached through a weak reference.
+    """The torch.compile backend of one bucket of a DecodeGraphs: its `_inductor`, reached through a weak reference;
+    `take()` hands over what it compiled (the compiled graph and the tensors it takes) and forgets it.
 
     NOTE: torch.compile keeps every backend it is given in a process-wide table (torch._dynamo.eval_frame's
-    cached_backends, emptied only by torch._dynamo.reset()). A bound method there would hold the DecodeGraphs, its
-    model and its KV cache for the life of the process: measured, each dropped engine of a tiny model kept its 2 GiB
-    of KV cache. The table keeps this object alone."""
+    cached_backends, emptied only by torch._dynamo.reset()). A bound method or a closure there would hold the
+    DecodeGraphs, its model and its KV cache for the life of the process: measured, each dropped engine of a tiny model
+    kept its 2 GiB of KV cache. The table keeps this small object alone."""
 
-    def __init__(self, graphs: DecodeGraphs) -> None:
+    def __init__(self, graphs: DecodeGraphs, bucket: int) -> None:
         self._graphs = weakref.ref(graphs)
+        self._bucket = bucket
+        self._built: tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
                  ) -> Callable[..., list[torch.Tensor]]:
         graphs = self._graphs()
         assert graphs is not None, "a dropped engine's decode step compiled"
-        return graphs._inductor(graph, example_inputs)
+        compiled = graphs._inductor(self._bucket, graph, example_inputs)
+        self._built = compiled, list(example_inputs)
+        return compiled
+
+    def take(self) -> tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]] | None:
+        built, self._built = self._built, None
+        return built
+
+
+def _trace_fx_once(compiler: CompileThread) -> None:
+    """The one torch.fx symbolic trace Inductor runs in a process (LoopBody's placeholder module, cached), alone.
+
+    NOTE: while torch.fx's Tracer traces, torch.nn.Module.__call__ is its wrapper in every thread, and an eager step
+    calling the model then raised "module is not installed as a submodule". Inductor's other traces (make_fx) wrap
+    module calls with a pass-through."""
+    from torch._inductor.loop_body import InterpreterShim  # imported in the compile's turns: seconds of Python
+
+    with compiler.alone():
+        InterpreterShim._dummy_gm()
 
 
 def _capture(step: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
@@ -255,7 +335,8 @@ def _capture(step: Callable[[], torch.Tensor], device: torch.device) -> Callable
             step()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # NOTE: thread-local capture: a compile of another bucket may use the device from its thread meanwhile
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         output = step()
 
     def replay() -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +32,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)
     # request id -> (index of the first prompt token predicted, logprobs of the tokens predicted)
     prompt_logprobs: dict[str, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
-    warmup: bool = False  # the step ran eagerly before its bucket compiles, or compiled it: untypically slow
+    warmup: bool = False  # the step ran eagerly before its bucket compiled, or beside a compile: untypically slow
 
 
 @dataclass(slots=True)
@@ -188,16 +189,26 @@ class ModelRunner:
         return (graphs is not None and batch.metadata.decode_only and not batch.prompt_rows
                 and graphs.bucket_for(batch.input_ids.shape[0]) is not None)
 
+    def _stepping(self) -> AbstractContextManager[None]:
+        """Around every step: compiles running in the background pause meanwhile."""
+        return nullcontext() if self.decode_graphs is None else self.decode_graphs.stepping()
+
+    def shutdown(self) -> None:
+        """Stop the compiles running in the background, if any."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.close()
+
     @torch.inference_mode()
     def logits_of_all_tokens(self, output: SchedulerOutput) -> torch.Tensor | None:
         """fp32 logits at every scheduled token: [num_tokens, vocab]. Nothing is sampled, and the
         runner forgets the output's requests afterwards."""
         self.requests.update(output)
         try:
-            hidden = self._forward(self._prepare(output))
+            with self._stepping():
+                hidden = self._forward(self._prepare(output))
+                return None if hidden is None else self.model.compute_logits(hidden)
         finally:
             self.requests.forget([s.request_id for s in output.scheduled])
-        return None if hidden is None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -207,31 +218,37 @@ class ModelRunner:
         result = ModelRunnerOutput() if samples else None
         if not output.scheduled:
             return result
+        with self._stepping():
+            self._execute(output, result, samples)
+        return result
+
+    def _execute(self, output: SchedulerOutput, result: ModelRunnerOutput | None, samples: bool) -> None:
         batch = self._prepare(output)
         logits = None
+        graphs = self.decode_graphs
+        if result is not None and graphs is not None:
+            result.warmup = graphs.num_compiling > 0  # the step lent the compile some time
         if self._runs_compiled(batch):
-            graphs = self.decode_graphs
-            if result is not None:
-                result.warmup = graphs.bucket_for(batch.input_ids.shape[0]) not in graphs.compiled_buckets
             logits = graphs.run(batch.input_ids, batch.positions, batch.metadata)
+            if result is not None:
+                result.warmup |= logits is None
         if logits is not None:
             if len(batch.sample_rows) < logits.shape[0]:
                 logits = logits[batch.sample_rows]
         else:
             hidden = self._forward(batch)
             if hidden is None:
-                return result
+                return
             if batch.prompt_rows:
                 prompt_logprobs = self._prompt_logprobs(hidden, batch)
                 if samples:
                     result.prompt_logprobs = prompt_logprobs
             if not batch.sample_rows:
-                return result
+                return
             logits = self.model.compute_logits(hidden[batch.sample_rows])  # collective under tensor parallel
         if not samples or not batch.sample_rows:
-            return result
+            return
         self._sample(logits, batch, result, output.grammar_bitmask)
-        return result
 
     def _sample(self, logits: torch.Tensor, batch: _Batch, result: ModelRunnerOutput,
                 grammar_bitmask: GrammarBitmask | None) -> None:

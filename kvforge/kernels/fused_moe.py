@@ -65,7 +65,7 @@ def fused_moe_cpu(
     NOTE: measured on a 2-core CPU (benchmarks/RESULTS.md, "MoE (CPU)"): on par with one matmul pair per
     expert over the sorted pairs (which needs a host sync), 1.0-1.35x faster than the per-expert loop,
     and 3-20x faster than gathering each pair's expert weights for a bmm."""
-    if torch.compiler.is_compiling():  # NOTE: grouped_mm's fake implementation takes bfloat16 only
+    if torch.compiler.is_dynamo_compiling():  # NOTE: grouped_mm's fake implementation takes bfloat16 only
         return _gathered_moe(hidden, w13, w2, topk_weights, topk_ids)
     if not _grouped_mm_fits(hidden, w2):
         return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

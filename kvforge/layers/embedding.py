@@ -20,7 +20,7 @@ from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.kernels.cpu.dense_gemv import dense_linear
 from kvforge.kernels.ops import current_ops
 from kvforge.quantization.quantized_weight import QuantizedWeight
-from kvforge.quantization.weight_only_kernels import WeightOnlyKernel, select_kernel
+from kvforge.quantization.weight_only_kernels import PanelArena, WeightOnlyKernel, select_kernel
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,6 +37,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = state.tp_rank * self.num_local
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
         self.kernel: WeightOnlyKernel | None = None  # the rows kept quantized, in place of weight
+        self.weight_arena: PanelArena | None = None  # where the kernel's packed rows go (set by the loader)
         self.dense_gemv = False  # the float head's rows through the CPU GEMV and oneDNN (set at load)
         self.onednn_weight: torch.Tensor | None = None  # the weight packed for oneDNN (set with dense_gemv)
         self.ops = current_ops()
@@ -68,7 +69,7 @@ class VocabParallelEmbedding(nn.Module):
         """Replace the float weight with this rank's rows [V_local, hidden], quantized."""
         device, dtype = self.weight.device, self.weight.dtype
         del self.weight
-        self.kernel = select_kernel(local, device, dtype, self.ops, needs_rows=True)
+        self.kernel = select_kernel(local, device, dtype, self.ops, needs_rows=True, arena=self.weight_arena)
         self.dtype = dtype
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:

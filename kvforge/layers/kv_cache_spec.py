@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvforge.kernels.kv_quant import SCALE_DTYPE, kv_code_dtype
+from kvforge.platforms.zeroed_memory import zeroed_tensor
 
 _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -88,9 +89,14 @@ class KVCacheSpec:
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> list[tuple[torch.Tensor, ...]]:
-        """Zeroed cache tensors, one tuple per layer in the order of layer_shapes (then their scales)."""
-        return [
-            tuple(torch.zeros((num_blocks, block_size, *shape), dtype=tensor_dtype, device=device)
-                  for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
-            for shapes in self.layer_shapes
-        ]
+        """Zeroed cache tensors, one tuple per layer in the order of layer_shapes (then their scales). NOTE: on the
+        CPU in zeroed_memory, resident as blocks are first written: a cache that serves fewer tokens than it holds
+        does not take its whole size (a 256 MiB cache serving one 256-token sequence of a 1B model: ~8 MiB)."""
+        def zeros(shape: tuple[int, ...], tensor_dtype: torch.dtype) -> torch.Tensor:
+            if device.type == "cpu":
+                return zeroed_tensor(shape, tensor_dtype)
+            return torch.zeros(shape, dtype=tensor_dtype, device=device)
+
+        return [tuple(zeros((num_blocks, block_size, *shape), tensor_dtype)
+                      for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
+                for shapes in self.layer_shapes]

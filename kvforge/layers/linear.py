@@ -19,6 +19,7 @@ from kvforge.kernels.cpu.dense_gemv import dense_linear
 
 if TYPE_CHECKING:
     from kvforge.quantization.linear_method import LinearMethod
+    from kvforge.quantization.weight_only_kernels import PanelArena
 
 
 class Linear(nn.Module):
@@ -39,6 +40,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.quant_method: LinearMethod | None = None
         self.kernel: nn.Module | None = None  # the quant method's kernel object, holding the weight (set at load)
+        self.weight_arena: PanelArena | None = None  # where the kernel's packed weight goes (set by the loader)
         self.register_buffer("w_perm", None, persistent=False)  # a weight-only method's input order (GPTQ act-order)
         # (parameter, shard) filled while a quant method waits for them all; None once it has converted them
         self.loaded_shards: set[tuple[str, int]] | None = set()

@@ -59,6 +59,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_LAYER_KINDS = list(_LAYER_NAMES)
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Layer tensors that are the weights of linear layers, and the vocabulary tensors (embedding, LM head): kept
 # quantized with keep_quantized.
@@ -116,7 +117,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
     quantized_layouts: dict[str, BlockLayout] = {}
     kept_bytes = dense_numel = 0
     widened: dict[str, list[GGUFTensor]] = {}  # type name -> the weights of that type dequantized for want of a kernel
-    for tensor in reader.tensors:
+    for tensor in sorted(reader.tensors, key=_model_order):
         if tensor.name == _ROPE_FREQS:
             logger.warning("%s: ignoring %s (llama3-style rope scaling is not applied)", path, _ROPE_FREQS)
             continue
@@ -232,6 +233,17 @@ def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
             f"{file.path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf cannot dequantize"
         ) from e
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape))
+
+
+def _model_order(tensor: GGUFTensor) -> tuple[int, int]:
+    """Where a tensor comes in the order the model runs them: the global ones first, then layer by layer, each
+    layer's in _LAYER_NAMES' order (q, k, v, o, gate, up, down), not the file's (llama.cpp writes them by name).
+    NOTE: a layer's weight is packed when its last shard is read, into the weight arena in that order
+    (quantization/weight_only_kernels.py's PanelArena), which a decode step then reads in one run."""
+    match = _LAYER_TENSOR.fullmatch(tensor.name)
+    if match is None:
+        return -1, 0
+    return int(match.group(1)), _LAYER_KINDS.index(match.group(2)) if match.group(2) in _LAYER_KINDS else 0
 
 
 def _is_weight_matrix(tensor: GGUFTensor) -> bool:

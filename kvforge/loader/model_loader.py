@@ -33,7 +33,7 @@ from kvforge.quantization import (
 )
 from kvforge.quantization.fp8 import fp8_checkpoint_tensors
 from kvforge.quantization.gguf_quants import keep_gguf_quantized
-from kvforge.quantization.weight_only_kernels import interleave_panel_parts
+from kvforge.quantization.weight_only_kernels import PanelArena, pack_into
 from kvforge.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -106,15 +106,20 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
     pooler = read_pooler_config(path, model_class.is_causal) if runner == "pooling" else None
     quant_config = resolve_quant_config(hf_config, config.online_quantization)
     dtype = resolve_dtype(config.dtype, hf_config, device)
+    huge_pages = config.huge_pages and device.type == "cpu" and huge_pages_offered()
+    arena = None
     if device.type == "cpu":
         weight_bytes = (checkpoint.weight_bytes(dtype) if path.is_file()
                         else safetensors_weight_bytes(safetensors_files(path), dtype))
         check_fits(path.name, weight_bytes, kv_cache_bytes)
+        arena = PanelArena.for_model(weight_bytes, huge_pages)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the run dtype; rope tables stay fp32
     try:
         with torch.device(device):
             model = model_class(hf_config)
+            if arena is not None:
+                pack_into(model, arena)
             if quant_config is not None:
                 quantize_model(model, quant_config, from_float="quantization_config" not in hf_config)
             if keep_gguf:
@@ -131,8 +136,6 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
     if config.quantize_lm_head and quant_config is not None and quant_config.method == "rtn":
         quantize_vocab_rows(model)
     use_dense_gemv(model)
-    huge_pages = config.huge_pages and device.type == "cpu" and huge_pages_offered()
-    interleave_panel_parts(model, huge_pages)
     if huge_pages:
         move_to_huge_pages(model)
     model.eval()

@@ -55,12 +55,14 @@ def drive(engine, workload: Workload, concurrency: int) -> int:
 
 
 def warm_up(engine, num_requests: int) -> None:
-    """Run num_requests short requests at once for long enough that the decode bucket they fill is compiled,
-    so that no compile falls inside the profile."""
-    steps = engine.config.compilation.compile_after + 4
+    """Compile the decode bucket that num_requests fill, then run that many short requests at once, so that no
+    compile runs beside the profile."""
+    graphs = engine.runner.decode_graphs
+    if graphs is not None:
+        graphs.compile_ahead(num_requests)
     for index in range(num_requests):
         engine.add_request(f"profile-warmup-{index}", {"prompt_token_ids": list(range(1, 9))},
-                           SamplingParams(max_tokens=steps, ignore_eos=True))
+                           SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -17,7 +17,7 @@ from torch import nn
 from kvforge.quantization import quantizable_linears
 from kvforge.quantization.gguf_blocks import BlockLayout
 from kvforge.quantization.linear_method import WeightOnlyMethod, drop_parameters
-from kvforge.quantization.quantized_weight import QuantizedWeight
+from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards
 
 if TYPE_CHECKING:
     from kvforge.layers.linear import Linear
@@ -34,10 +34,13 @@ class GGUFMethod(WeightOnlyMethod):
     """A Linear whose checkpoint shards are all kept GGUF blocks: it loads their codes [N, K], scales
     [N, K / group_size] and zero points [N, K / group_size]. bits is the widest of the shards' codes (narrower
     codes fit, as they are, in a wider layer: 4 in 6 or 8, 6 in 8); group_size is the smallest of the shards' (16 or
-    32): a shard in groups of 32 repeats each scale and zero point for the two halves of its groups."""
+    32): a shard in groups of 32 repeats each scale and zero point for the two halves of its groups. A merged layer
+    (q, k, v; gate, up) keeps its shards' tensors as they are, RowShards, for the kernel to pack without a copy of
+    them into one tensor; one GGUFMethod per layer (keep_gguf_quantized gives each its own)."""
 
     def __init__(self, bits: int, group_size: int = GGUF_GROUP_SIZE) -> None:
         self.bits, self.group_size = bits, group_size
+        self._shards: dict[tuple[str, int], torch.Tensor] = {}  # (tensor name, shard) -> a merged layer's tensor
 
     def create_weights(self, layer: Linear) -> None:
         if layer.in_features % GGUF_GROUP_SIZE:
@@ -53,10 +56,15 @@ class GGUFMethod(WeightOnlyMethod):
         if param_name not in GGUF_TENSORS or tensor.dim() != 2:
             return False
         param = getattr(layer, param_name)
-        if param_name != "codes" and tensor.shape[1] != param.shape[1] and param.shape[1] % tensor.shape[1] == 0:
-            tensor = tensor.repeat_interleave(param.shape[1] // tensor.shape[1], dim=1)  # groups of 32 as two of 16
+        if len(layer.shard_sizes) > 1:
+            width = param.shape[1]
+            if tensor.shape[0] != layer.shard_sizes[shard] or tensor.shape[1] > width or width % tensor.shape[1]:
+                raise ValueError(f"checkpoint {param_name} of shape {tuple(tensor.shape)} does not fit shard {shard} "
+                                 f"of shape {(layer.shard_sizes[shard], width)}")
+            self._shards[param_name, shard] = tensor.to(param.dtype)
+            return True
         whole = tensor.untyped_storage().nbytes() == tensor.nbytes  # not a view into a larger tensor
-        if len(layer.shard_sizes) == 1 and whole and tensor.shape == param.shape and tensor.dtype == param.dtype:
+        if whole and tensor.shape == param.shape and tensor.dtype == param.dtype:
             param.data = tensor  # NOTE: a layer of one shard takes the decoded tensor as it is, without a copy
         else:
             layer.load_into(param_name, shard, tensor)
@@ -65,8 +73,12 @@ class GGUFMethod(WeightOnlyMethod):
     def checkpoint_axes(self, param_name: str) -> tuple[int | None, int | None] | None:
         return (0, 1) if param_name in GGUF_TENSORS else None
 
-    def to_quantized_weight(self, layer: Linear) -> QuantizedWeight:
-        return QuantizedWeight(layer.codes.data, layer.scales.data, layer.zeros.data, self.bits)
+    def to_quantized_weight(self, layer: Linear) -> QuantizedWeight | RowShards:
+        if len(layer.shard_sizes) == 1:
+            return QuantizedWeight(layer.codes.data, layer.scales.data, layer.zeros.data, self.bits)
+        shards = [QuantizedWeight(*(self._shards.pop((name, shard)) for name in GGUF_TENSORS), self.bits)
+                  for shard in range(len(layer.shard_sizes))]
+        return RowShards(shards, self.bits, self.group_size)
 
 
 def _layer_and_shard(model: nn.Module, name: str) -> tuple[str, int]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvforge.kernels.ops import current_ops
-from kvforge.quantization.quantized_weight import QuantizedWeight, quantize_rtn
+from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards, quantize_rtn
 from kvforge.quantization.weight_only_kernels import select_kernel
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class LinearMethod:
 class WeightOnlyMethod(LinearMethod):
     """Weights quantized, activations in float: subclasses turn their tensors into a QuantizedWeight."""
 
-    def to_quantized_weight(self, layer: Linear) -> QuantizedWeight:
+    def to_quantized_weight(self, layer: Linear) -> QuantizedWeight | RowShards:
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: Linear) -> None:
@@ -85,9 +85,10 @@ def drop_parameters(layer: Linear, *names: str) -> None:
         delattr(layer, name)
 
 
-def install_weight_only(layer: Linear, weight: QuantizedWeight) -> None:
+def install_weight_only(layer: Linear, weight: QuantizedWeight | RowShards) -> None:
     """Store weight in the layout of the fastest kernel for the layer's device, drop the float weight."""
     device, dtype = layer.param_device, layer.param_dtype
     drop_parameters(layer, *[name for name, _ in layer.named_parameters(recurse=False) if name != "bias"])
-    layer.register_buffer("w_perm", None if weight.perm is None else weight.perm.to(device), persistent=False)
-    layer.kernel = select_kernel(weight, device, dtype, current_ops())
+    perm = weight.perm if isinstance(weight, QuantizedWeight) else None  # a merged layer's shards: input order
+    layer.register_buffer("w_perm", None if perm is None else perm.to(device), persistent=False)
+    layer.kernel = select_kernel(weight, device, dtype, current_ops(), arena=layer.weight_arena)

@@ -52,6 +52,33 @@ class QuantizedWeight:
         return g_idx
 
 
+@dataclass(slots=True)
+class RowShards:
+    """A merged layer's weight as the checkpoint's shards (q, k, v; gate, up), its rows stacked in order without a
+    copy into one tensor: each shard's codes [N_s, K] of at most `bits` bits, its scales and zeros in groups of a
+    multiple of group_size columns."""
+
+    shards: list[QuantizedWeight]
+    bits: int
+    group_size: int
+
+    def outline(self) -> QuantizedWeight:
+        """The stacked weight's shapes, bits and groups, on the meta device (what a kernel's `fits` reads)."""
+        rows, in_features = sum(shard.codes.shape[0] for shard in self.shards), self.shards[0].codes.shape[1]
+        groups = (rows, in_features // self.group_size)
+        return QuantizedWeight(torch.empty(rows, in_features, dtype=torch.uint8, device="meta"),
+                               torch.empty(groups, device="meta"), torch.empty(groups, device="meta"), self.bits)
+
+    def stacked(self) -> QuantizedWeight:
+        """The one QuantizedWeight [sum N_s, K] in groups of group_size (a copy)."""
+        def stack(name: str) -> torch.Tensor:
+            return torch.cat([getattr(shard, name).repeat_interleave(shard.group_size // self.group_size, dim=1)
+                              for shard in self.shards])
+
+        return QuantizedWeight(torch.cat([shard.codes for shard in self.shards]), stack("scales"), stack("zeros"),
+                               self.bits)
+
+
 def group_params(weight: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and zero points [N] that map the rows of weight [N, g] onto [0, 2**bits - 1].
 

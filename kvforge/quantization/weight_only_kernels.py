@@ -2,7 +2,8 @@
 
 Each kernel is a small module holding the weight in the layout it streams best:
 
-    prepare(weight)    QuantizedWeight -> its own buffers (the codes as stored, repacked for the kernel)
+    prepare(weight, arena)   QuantizedWeight -> its own buffers (the codes as stored, repacked for the kernel; a
+                             layout interleaved by part goes into the loader's PanelArena)
     apply(x)           x [M, K] float -> x W^T [M, N] in x's dtype
     gather_rows(ids)   rows W[ids] [len(ids), K] float32 (an embedding lookup that dequantizes only those rows)
 
@@ -21,6 +22,8 @@ device. A new format adds a kernel class and its place in that tuple; the layers
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -29,9 +32,9 @@ from kvforge.kernels.cpu.quant_gemv import pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panel_rows
 from kvforge.kernels.ops import OpTable
 from kvforge.kernels.quant_gemm import dequantize_ref, pack_codes
-from kvforge.loader.heap import release_freed_memory
-from kvforge.loader.huge_pages import arena_offsets, huge_page_arena
-from kvforge.quantization.quantized_weight import QuantizedWeight
+from kvforge.loader.huge_pages import HUGE_PAGE, arena_offsets, huge_page_arena
+from kvforge.platforms.zeroed_memory import zeroed_memory
+from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards
 
 
 class WeightOnlyKernel(nn.Module):
@@ -39,6 +42,7 @@ class WeightOnlyKernel(nn.Module):
 
     name = ""
     code_bits = (4, 8)  # the widths of codes its layout stores (6-bit codes are given to the others as 8-bit ones)
+    takes_row_shards = False  # prepare takes a merged layer's RowShards as they are (the others get them stacked)
 
     @classmethod
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
@@ -50,7 +54,8 @@ class WeightOnlyKernel(nn.Module):
         """An empty kernel, to prepare (dtype: the layer's float type)."""
         return cls()
 
-    def prepare(self, weight: QuantizedWeight) -> None:
+    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
+        """Repack weight into this kernel's buffers (arena: where a layout interleaved by part is placed)."""
         raise NotImplementedError
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,14 +73,18 @@ def _on_cpu(device: torch.device, ops: OpTable) -> bool:
 class PanelKernel(WeightOnlyKernel):
     name = "panels"
     code_bits = (4, 6, 8)
+    takes_row_shards = True
 
     @classmethod
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
         return _on_cpu(device, ops) and packed_gemm.panels_eligible(weight)
 
-    def prepare(self, weight: QuantizedWeight) -> None:
-        self.bits, self.out_features = weight.bits, weight.codes.shape[0]
-        packed, self.factor = pack_panels(weight.codes, weight.scales, weight.zeros, weight.bits)
+    def prepare(self, weight: QuantizedWeight | RowShards, arena: PanelArena | None = None) -> None:
+        shards = weight.shards if isinstance(weight, RowShards) else [weight]
+        self.bits, self.out_features = weight.bits, sum(shard.codes.shape[0] for shard in shards)
+        packed, self.factor = pack_panels(*([getattr(shard, name) for shard in shards]
+                                            for name in ("codes", "scales", "zeros")),
+                                          weight.bits, place=None if arena is None else arena.place)
         self.register_buffer("weight", packed, persistent=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,37 +94,63 @@ class PanelKernel(WeightOnlyKernel):
         return panel_rows(self.weight, self.factor, self.bits, ids)
 
 
+class PanelArena:
+    """Where panel-layout weights are packed (pack_panels' place): one region of memory per part, region t holding
+    part t of each weight one after another in the order they were placed, each at a multiple of 64 bytes:
+
+        arena  [w0 part 0 | w1 part 0 | ... | wn part 0 | ... || w0 part 1 | w1 part 1 | ... | wn part T-1]
+
+    Thread t multiplies part t of each weight, so in the order they are placed (the order the model calls them) it
+    reads one run of memory, and the hardware prefetchers run on from one weight into the next. The regions are
+    reserved, not written: the arena is one mapping of zero pages (in 2 MiB pages where asked, loader/huge_pages.py),
+    backed as the weights are written into it, so no packed weight is ever copied and its untouched end takes no
+    memory. A weight in another number of parts, or one that no longer fits, gets memory of its own."""
+
+    def __init__(self, parts: int, region_bytes: int, huge_pages: bool) -> None:
+        self.parts = parts
+        self.region = -(-region_bytes // HUGE_PAGE) * HUGE_PAGE  # regions begin at 2 MiB boundaries
+        size = parts * self.region
+        self._memory = huge_page_arena(size) if huge_pages else zeroed_memory(size)
+        self._used = 0  # bytes placed in each region
+
+    @classmethod
+    def for_model(cls, weight_bytes: int, huge_pages: bool) -> PanelArena:
+        """An arena for a model whose weights take about weight_bytes (as memory_fit counts them), in as many parts as
+        torch has threads. NOTE: a merged layer takes its widest shard's codes in its narrowest shard's groups (Q4_K_M's
+        q and k in v's 6-bit codes in groups of 16), more bytes than the file's: each region reserves a fourth more,
+        and 64 MiB for the panels' padding rows."""
+        parts = torch.get_num_threads()
+        return cls(parts, weight_bytes * 5 // 4 // parts + (64 << 20), huge_pages)
+
+    def place(self, parts: int, part_bytes: int) -> torch.Tensor:
+        """An unwritten uint8 [parts, part_bytes], part t in region t at the next multiple of 64 bytes."""
+        if parts != self.parts or self._used + part_bytes > self.region:
+            return torch.empty(parts, part_bytes, dtype=torch.uint8)
+        view = self._memory.as_strided((parts, part_bytes), (self.region, 1),
+                                       self._memory.storage_offset() + self._used)
+        self._used = arena_offsets([self._used + part_bytes])[1]
+        return view
+
+
+def pack_into(model: nn.Module, arena: PanelArena) -> None:
+    """Before loading: every layer that keeps a packed weight (Linear, the vocabulary) packs it into arena, in the
+    order its weights are converted (a GGUF file's: the order the model runs them, loader/gguf.py; a safetensors
+    folder's: its names' order, where each thread reads the same bytes, only not in one run)."""
+    for module in model.modules():
+        if hasattr(module, "weight_arena"):
+            module.weight_arena = arena
+
+
 def interleaved_views(weights: list[torch.Tensor], huge_pages: bool) -> list[torch.Tensor]:
-    """Unwritten tensors of the shapes of panel-layout weights (the same number of parts T), for copies of them, in
-    one arena of T regions, region t holding part t of each weight one after another in the given order, each at a
-    multiple of 64 bytes:
-
-        arena  [w0 part 0 | w1 part 0 | ... | wn part 0 | w0 part 1 | w1 part 1 | ... | wn part T-1]
-
-    Thread t multiplies part t of each weight, so in the order of `weights` it reads one run of memory, and the
-    hardware prefetchers run on from one weight into the next. In 2 MiB pages (loader/huge_pages.py) where asked."""
+    """Unwritten tensors of the shapes of panel-layout weights (the same number of parts T) in one PanelArena, in
+    the given order, for copies of them."""
     parts = {weight.shape[0] for weight in weights}
     if len(parts) != 1:
         raise ValueError(f"the weights are in different numbers of parts: {sorted(parts)}")
-    starts, region = arena_offsets([weight[0].nbytes for weight in weights])
-    size = len(weights[0]) * region
-    arena = huge_page_arena(size) if huge_pages else torch.empty(size, dtype=torch.uint8)  # torch's: 64-byte aligned
-    return [arena.as_strided(weight.shape, (region, *weight.stride()[1:]), start)
-            for weight, start in zip(weights, starts)]
-
-
-@torch.no_grad()
-def interleave_panel_parts(model: nn.Module, huge_pages: bool) -> None:
-    """The model's panel-layout weights moved into one arena of interleaved_views, in module order, which is the order
-    its decoder layers run their matmuls in (the LM head, or a tied embedding, first or last: the step's order runs
-    round from the last to the first). Where the order differs, each thread reads the same bytes, only not in one
-    run. Each packed weight is freed as soon as it has moved (memory peaks at the weights plus the largest one). Call
-    it before move_to_huge_pages, which then leaves these weights where they are."""
-    kernels = [module for module in model.modules() if isinstance(module, PanelKernel)]
-    if kernels:
-        for kernel, view in zip(kernels, interleaved_views([kernel.weight for kernel in kernels], huge_pages)):
-            kernel.weight = view.copy_(kernel.weight)
-            release_freed_memory()
+    sizes = [weight[0].nbytes for weight in weights]
+    arena = PanelArena(len(weights[0]), arena_offsets(sizes)[1], huge_pages)
+    return [arena.place(len(weight), size).as_strided(weight.shape, (arena.region, *weight.stride()[1:]))
+            for weight, size in zip(weights, sizes)]
 
 
 class NativeKernel(WeightOnlyKernel):
@@ -125,7 +160,7 @@ class NativeKernel(WeightOnlyKernel):
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
         return _on_cpu(device, ops) and packed_gemm.native_eligible(weight)
 
-    def prepare(self, weight: QuantizedWeight) -> None:
+    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
         self.bits = weight.bits
         codes, scales, offsets = pack_weight(weight.codes, weight.scales, weight.zeros, weight.bits)
         self.register_buffer("codes", codes, persistent=False)
@@ -149,7 +184,7 @@ class Int8PackKernel(WeightOnlyKernel):
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
         return _on_cpu(device, ops) and packed_gemm.int8pack_eligible(weight)
 
-    def prepare(self, weight: QuantizedWeight) -> None:
+    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
         codes, scales = packed_gemm.prepack_int8(weight)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
@@ -170,7 +205,7 @@ class Int4PackKernel(WeightOnlyKernel):
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
         return _on_cpu(device, ops) and not needs_rows and packed_gemm.int4pack_eligible(weight)
 
-    def prepare(self, weight: QuantizedWeight) -> None:
+    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
         self.group_size = weight.group_size
         packed, scales_zeros = packed_gemm.prepack_int4(weight)
         self.register_buffer("packed", packed, persistent=False)
@@ -195,7 +230,7 @@ class GenericKernel(WeightOnlyKernel):
     def build(cls, ops: OpTable, dtype: torch.dtype) -> WeightOnlyKernel:
         return cls(ops, dtype)
 
-    def prepare(self, weight: QuantizedWeight) -> None:
+    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
         self.bits = weight.bits
         self.register_buffer("codes", pack_codes(weight.codes, weight.bits), persistent=False)
         self.register_buffer("scales", weight.scales.to(self.dtype).contiguous(), persistent=False)
@@ -217,14 +252,29 @@ WEIGHT_ONLY_KERNELS: tuple[type[WeightOnlyKernel], ...] = (
 )
 
 
-def select_kernel(weight: QuantizedWeight, device: torch.device, dtype: torch.dtype, ops: OpTable,
-                  needs_rows: bool = False) -> WeightOnlyKernel:
-    """The first of WEIGHT_ONLY_KERNELS that takes weight on device, prepared and moved there. needs_rows: the
-    weight is also looked up by row (a tied embedding)."""
+def select_kernel(weight: QuantizedWeight | RowShards, device: torch.device, dtype: torch.dtype, ops: OpTable,
+                  needs_rows: bool = False, arena: PanelArena | None = None) -> WeightOnlyKernel:
+    """The first of WEIGHT_ONLY_KERNELS that takes weight on device, prepared (into arena where its layout goes
+    there) and moved there. needs_rows: the weight is also looked up by row (a tied embedding). A merged layer's
+    RowShards go as they are to a kernel that takes them, else stacked into one weight."""
+    if isinstance(weight, RowShards):
+        leading = itertools.takewhile(lambda k: k.takes_row_shards, WEIGHT_ONLY_KERNELS)  # before one that stacks
+        outline = weight.outline()
+        kernel_class = next((k for k in leading if weight.bits in k.code_bits and k.fits(outline, device, ops,
+                                                                                             needs_rows)), None)
+        if kernel_class is not None:
+            return _prepared(kernel_class, weight, device, dtype, ops, arena)
+        weight = weight.stacked()
+
     def stored(kernel_class: type[WeightOnlyKernel]) -> QuantizedWeight:  # the weight as its layout stores it
         return weight if weight.bits in kernel_class.code_bits else weight.widened()
 
     kernel_class = next(k for k in WEIGHT_ONLY_KERNELS if k.fits(stored(k), device, ops, needs_rows))
+    return _prepared(kernel_class, stored(kernel_class), device, dtype, ops, arena)
+
+
+def _prepared(kernel_class: type[WeightOnlyKernel], weight: QuantizedWeight | RowShards, device: torch.device,
+              dtype: torch.dtype, ops: OpTable, arena: PanelArena | None) -> WeightOnlyKernel:
     kernel = kernel_class.build(ops, dtype)
-    kernel.prepare(stored(kernel_class))
+    kernel.prepare(weight, arena)
     return kernel.to(device)

@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI routes, /health, /metrics, middleware and the engine's lifetime."""
+"""The FastAPI application: OpenAI routes, /health, /ready, /metrics, middleware and the engine's lifetime."""
 
 from __future__ import annotations
 
@@ -97,6 +97,22 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if not engine.is_alive:
             return error_response(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
+
+    awaiting_start_compiles = engine.engine.config.compilation.compile_at_start
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: the engine runs and, with --compile-at-start, the decode steps it started compiling are
+        compiled (later compiles of a new batch size, in the background, leave it ready)."""
+        nonlocal awaiting_start_compiles
+        if not engine.is_alive:
+            return error_response(503, "the engine is not running")
+        if awaiting_start_compiles:
+            num_compiling = engine.num_compiling()
+            if num_compiling:
+                return error_response(503, f"compiling the decode steps of {num_compiling} more batch sizes")
+            awaiting_start_compiles = False
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def metrics(_: Request) -> Response:

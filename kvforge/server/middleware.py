@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvforge.server.errors import error_response
 
 # Routes open without the API key, like vLLM: probes and scrapers carry no credentials.
-OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/version")  # answered without the API key
 
 
 class APIKeyMiddleware:

@@ -50,10 +50,11 @@ def _fix_operation(path: str, method: str, operation: dict[str, Any], authentica
             "required": ["data"],
             "description": "Server-sent events: one JSON chunk per `data:` line, then `data: [DONE]` (or an error "
                            "event)"}}
-    if path == "/health":
+    if path in ("/health", "/ready"):
         responses["200"]["content"] = {"application/json": {"schema": {
             "type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}}}
-        responses["503"] = _error("The engine is not running")
+        responses["503"] = _error("The engine is not running" if path == "/health" else
+                                  "The engine is not running, or still compiling its decode steps (--compile-at-start)")
     if path == "/v1/models/{model_id}":
         responses["404"] = _error(_BODY_ERRORS["404"])
     if path in _STORED_RESPONSE_PATHS:

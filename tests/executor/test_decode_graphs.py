@@ -1,12 +1,17 @@
-"""Compiled decode steps (torch.compile per batch bucket) give the eager engine's tokens and logprobs.
+"""Compiled decode steps (torch.compile per batch bucket) give the eager engine's tokens and logprobs, and compile
+in the background while the engine's steps go on.
 
 Batches shrink across bucket boundaries as requests of different lengths finish; prompts are chunked
 (a small token budget), share cached prefixes, and a small KV cache forces preemption."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -30,7 +35,11 @@ def _prompts(count: int, vocab_size: int) -> list[dict]:
 
 
 def _generate(folder: str, prompts: list[dict], params: list[SamplingParams], **options):
+    """The answers of an engine of options; compiled (unless enforce_eager), every bucket is compiled first."""
     llm = LLM(folder, **options)
+    if not options.get("enforce_eager"):
+        graphs = llm.engine.runner.decode_graphs
+        graphs.compile_ahead(graphs.max_batch)
     outputs = llm.generate(prompts, params)
     return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
@@ -51,7 +60,7 @@ def test_compiled_llama_matches_eager_across_buckets(tiny_llama_dir) -> None:
     # lengths 2..18: the batch of 17 (above the largest bucket: eager) shrinks through every bucket
     params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True, logprobs=3) for i in range(17)]
     options = dict(kv_cache_memory="4MiB", max_num_batched_tokens=64, compile_buckets=BUCKETS)
-    llm, compiled = _generate(folder, prompts, params, compile_after=0, **options)
+    llm, compiled = _generate(folder, prompts, params, **options)
     _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
     _assert_same(compiled, eager)
     graphs = llm.engine.runner.decode_graphs
@@ -68,7 +77,7 @@ def test_compiled_steps_survive_preemption(tiny_llama_dir) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     # 7 blocks of 16 tokens for 6 sequences of up to ~80 tokens: the scheduler must preempt
     options = dict(kv_cache_memory=7 * 16 * 2 * 2 * 2 * 16 * 4 + 1, compile_buckets=(4, 8))
-    llm, compiled = _generate(folder, prompts, [params] * 6, compile_after=0, **options)
+    llm, compiled = _generate(folder, prompts, [params] * 6, **options)
     _, eager = _generate(folder, prompts, [params] * 6, enforce_eager=True, **options)
     assert [t for t, _ in compiled] == [t for t, _ in eager]
     assert llm.engine.stats().num_preemptions > 0
@@ -100,7 +109,7 @@ def test_compiled_steps_write_and_read_a_quantized_cache(tiny_llama_dir, kv_cach
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 9, 12)]
     # the last request decodes alone: bucket 1, whose C++ wrapper passes the cache's scales to the C entry points
     options = dict(kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype, compile_buckets=(1, 4))
-    llm, compiled = _generate(folder, prompts, params, compile_after=0, **options)
+    llm, compiled = _generate(folder, prompts, params, **options)
     _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
     assert [t for t, _ in compiled] == [t for t, _ in eager]
     assert llm.engine.runner.decode_graphs.wrappers == {1: "C++", 4: "Python"}
@@ -123,7 +132,7 @@ def test_compiled_families_match_eager(tiny_folder: str) -> None:
     prompts = _prompts(3, 300)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (4, 7, 9)]
     options = dict(kv_cache_memory="4MiB", compile_buckets=(1, 2, 4))  # 1: the C++ wrapper, 2 and 4: Python's
-    llm, compiled = _generate(tiny_folder, prompts, params, compile_after=0, **options)
+    llm, compiled = _generate(tiny_folder, prompts, params, **options)
     _, eager = _generate(tiny_folder, prompts, params, enforce_eager=True, **options)
     _assert_same(compiled, eager)
     traced = "deepseek" not in tiny_folder
@@ -167,7 +176,75 @@ def test_cuda_graphs_replay_the_eager_tokens(tiny_llama_dir) -> None:
     prompts = _prompts(5, 390)
     params = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=2) for i in range(5)]
     options = dict(device="cuda", dtype="float32", kv_cache_memory="64MiB", compile_buckets=(1, 2, 4, 8))
-    llm, compiled = _generate(folder, prompts, params, compile_after=0, **options)
+    llm, compiled = _generate(folder, prompts, params, **options)
     _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
     _assert_same(compiled, eager)
     assert llm.engine.runner.decode_graphs.compiled_buckets == (1, 2, 4, 8)
+
+
+def _rounds_until_compiled(llm: LLM, prompts: list[dict], params: SamplingParams, bucket: int) -> list[tuple]:
+    """Generate prompts again and again, a moment apart (the engine idles: the compile runs freely meanwhile), until
+    a round began with bucket compiled: [(answers, seconds, compiled when the round began)]. While it is not, no other
+    bucket compiles."""
+    graphs = llm.engine.runner.decode_graphs
+    start = time.monotonic()
+    rounds = []
+    while not rounds or not rounds[-1][2]:
+        assert time.monotonic() < start + 600, "the bucket did not compile"
+        compiled, began = bucket in graphs.compiled_buckets, time.monotonic()
+        answers = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        rounds.append((answers, time.monotonic() - began, compiled))
+        if not compiled:
+            # NOTE: a compile that ended after the round's last decode step is swapped in at the next one
+            assert set(graphs.compiled_buckets) <= {bucket} and graphs.num_compiling <= 1
+            time.sleep(0.5)
+    return rounds
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("speculative_method", [None, "ngram"])
+def test_a_bucket_compiles_in_the_background_while_its_steps_run_eagerly(tiny_llama_dir, speculative_method) -> None:
+    """A bucket's first decode step (compile_after=0) starts its compile on another thread and runs eagerly, as do
+    the steps after it until the graph is swapped in between two steps: a generation does not wait for the compile,
+    and its answers equal the eager engine's before, during and after the swap. With n-gram speculation the bucket
+    is the verification steps' (4 drafts + 1 rows: the bucket of 5)."""
+    folder = str(tiny_llama_dir[0])
+    if speculative_method is None:
+        prompts, bucket, options = _prompts(2, 390), 2, dict(compile_buckets=(2,))
+    else:
+        prompts, bucket = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 8}], 5
+        options = dict(compile_buckets=(8,), speculative_method="ngram", num_speculative_tokens=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(folder, kv_cache_memory="4MiB", compile_after=0, **options)
+    assert bucket in llm.engine.runner.decode_graphs.buckets
+    rounds = _rounds_until_compiled(llm, prompts, params, bucket)
+    compile_seconds = sum(seconds + 0.5 for _, seconds, compiled in rounds if not compiled)  # at most
+    assert rounds[0][1] < compile_seconds / 2, [seconds for _, seconds, _ in rounds]
+    _, eager = _generate(folder, prompts, [params] * len(prompts), enforce_eager=True, kv_cache_memory="4MiB")
+    assert all(answers == [tokens for tokens, _ in eager] for answers, _, _ in rounds)
+    if speculative_method is not None:
+        assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("shutdown", [True, False])
+def test_an_engine_ends_while_its_buckets_compile(tiny_llama_dir, tmp_path, shutdown: bool) -> None:
+    """Shut down (or just left at exit) while every bucket compiles from a cold Inductor cache, an engine's process
+    ends within seconds: the queued compiles are dropped and the running one stops at its next Python call (or is
+    left to its C++ compiler on a daemon thread)."""
+    script = f"""
+import time
+from kvforge import LLM
+llm = LLM({str(tiny_llama_dir[0])!r}, kv_cache_memory="4MiB", compile_buckets=(1, 2, 4), compile_at_start=True)
+time.sleep(2)
+assert llm.engine.num_compiling() > 0
+print("ending", flush=True)
+if {shutdown}:
+    llm.shutdown()
+"""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    process = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ending\n"
+    ending = time.monotonic()
+    assert process.wait(timeout=120) == 0
+    assert time.monotonic() - ending < 30

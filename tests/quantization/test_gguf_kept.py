@@ -202,10 +202,13 @@ def test_rtn_quantizes_the_vocabulary_rows_to_int8(tiny_llama_dir) -> None:
 
 @pytest.mark.skipif(not panels_available(), reason="the panel kernels need AVX-512 VNNI")
 def test_compiled_single_stream_steps_read_the_kept_weights_interleaved_and_answer_as_eager(tiny_path: Path) -> None:
-    """The panel weights lie in one arena, part t of each in region t, in module order (the order the step multiplies
-    by them); the compiled single-stream step calls them from Inductor's C++ wrapper and answers as eager."""
+    """The panel weights lie in one arena, part t of each in region t, the vocabulary's first (the embedding, then
+    the LM head, which a step reads last: the next step's layers run on from it), then the layers' in module order
+    (the order the step multiplies by them); the compiled single-stream step calls them from Inductor's C++ wrapper
+    and answers as eager."""
     options = dict(ENGINE, quantization="gguf", compile_buckets=(1,))
-    compiled = LLM(str(tiny_path), compile_after=0, **options)
+    compiled = LLM(str(tiny_path), **options)
+    compiled.engine.runner.decode_graphs.compile_ahead(1)
     eager = LLM(str(tiny_path), enforce_eager=True, **options)
     kernels = [(name, module) for name, module in compiled.engine.local_model.named_modules()
                if isinstance(module, PanelKernel)]  # fmt: skip
@@ -213,11 +216,12 @@ def test_compiled_single_stream_steps_read_the_kept_weights_interleaved_and_answ
     region = weights[0].stride(0)
     assert {weight.untyped_storage().data_ptr() for weight in weights} == {weights[0].untyped_storage().data_ptr()}
     assert all(weight.stride(0) == region for weight in weights)
-    starts = [weight.data_ptr() for weight in weights]
-    assert starts == sorted(starts) and weights[-1][0].data_ptr() + weights[-1][0].nbytes <= starts[0] + region
+    in_arena = sorted(zip(weights, (name.removesuffix(".kernel") for name, _ in kernels)),
+                      key=lambda pair: pair[0].data_ptr())
+    assert in_arena[-1][0][0].data_ptr() + in_arena[-1][0][0].nbytes <= in_arena[0][0].data_ptr() + region
     layer = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.down_proj"]  # gate_up stays float (a Q6_K shard)
-    assert [name.removesuffix(".kernel") for name, _ in kernels] == [
-        "embed_tokens", *(f"layers.{i}.{name}" for i in range(2) for name in layer), "lm_head"]
+    assert [name for _, name in in_arena] == [
+        "embed_tokens", "lm_head", *(f"layers.{i}.{name}" for i in range(2) for name in layer)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(5, 17))}]
     answers = [llm.generate(prompt, params)[0].outputs[0].token_ids for llm in (compiled, eager)]

@@ -10,9 +10,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
+from kvforge.kernels.ops import TORCH_OPS
 from kvforge.layers.linear import Linear
 from kvforge.quantization.gguf_blocks import decode_blocks
 from kvforge.quantization.gguf_quants import GGUFMethod
+from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards
+from kvforge.quantization.weight_only_kernels import select_kernel
 from tests.kernels.cpu.test_quant_gemv_cpu import native_layer_input
 
 KEPT = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
@@ -90,6 +93,29 @@ def test_merged_layer_computes_with_the_gguf_weights(num_tokens: int, shard_type
     tolerance = 2e-2 if layer.kernel.name == "int4pack" else 1e-5
     scale = (x.abs() @ reference.abs().t()).max()
     assert (layer(x) - expected).abs().max() <= tolerance * scale
+
+
+def test_shards_in_groups_of_32_and_16_stack_to_the_same_weight() -> None:
+    """A merged layer's RowShards (4-bit codes in groups of 32 as Q4_K's, 6-bit ones in groups of 16 as Q6_K's)
+    stacked for the kernels that take one tensor: the same weights, each scale and zero point of 32 columns repeated
+    for its two groups of 16, and the same layer output as the kernel that takes the shards as they are."""
+    generator = torch.Generator().manual_seed(0)
+
+    def shard(rows: int, bits: int, group_size: int) -> QuantizedWeight:
+        groups = (rows, 256 // group_size)
+        return QuantizedWeight(torch.randint(0, 2**bits, (rows, 256), generator=generator, dtype=torch.uint8),
+                               torch.rand(groups, generator=generator) - 0.5,
+                               torch.rand(groups, generator=generator) * 2**bits, bits)
+
+    shards = [shard(48, 4, 32), shard(16, 6, 16)]
+    stacked = RowShards(shards, bits=6, group_size=16).stacked()
+    assert stacked.codes.shape == (64, 256) and stacked.scales.shape == stacked.zeros.shape == (64, 16)
+    reference = torch.cat([weight.dequantize() for weight in shards])
+    torch.testing.assert_close(stacked.dequantize(), reference, rtol=0, atol=1e-6)
+    x = torch.randn(3, 256, generator=generator)
+    as_shards = select_kernel(RowShards(shards, bits=6, group_size=16), torch.device("cpu"), torch.float32, TORCH_OPS)
+    as_one = select_kernel(stacked, torch.device("cpu"), torch.float32, TORCH_OPS)
+    assert as_shards.name == as_one.name and torch.equal(as_shards.apply(x), as_one.apply(x))
 
 
 @pytest.mark.gpu

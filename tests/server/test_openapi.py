@@ -80,6 +80,7 @@ def test_the_document_lists_the_real_responses(document: dict) -> None:
     assert set(document["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == {"200", "401", "404"}
     assert set(document["paths"]["/version"]["get"]["responses"]) == {"200"}
     assert set(document["paths"]["/health"]["get"]["responses"]) == {"200", "503"}
+    assert set(document["paths"]["/ready"]["get"]["responses"]) == {"200", "503"}
     assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     error = document["components"]["schemas"]["ErrorResponse"]
     assert error["properties"]["error"]["$ref"] == "#/components/schemas/ErrorInfo"
@@ -92,7 +93,7 @@ CASES = [("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGA
          ("POST", "/tokenize", POSITIVE), ("POST", "/tokenize", NEGATIVE),
          ("POST", "/detokenize", POSITIVE), ("POST", "/detokenize", NEGATIVE),
          ("GET", "/v1/models", POSITIVE), ("GET", "/v1/models/{model_id}", POSITIVE), ("GET", "/version", POSITIVE),
-         ("GET", "/health", POSITIVE), ("GET", "/metrics", POSITIVE)]
+         ("GET", "/health", POSITIVE), ("GET", "/ready", POSITIVE), ("GET", "/metrics", POSITIVE)]
 # The pooling routes (/v1/rerank and /v2/rerank are /rerank's handler), fewer examples each: their bodies are small.
 POOLING_CASES = [(path, mode) for path in ("/v1/embeddings", "/score", "/rerank", "/classify")
                  for mode in (POSITIVE, NEGATIVE)]

@@ -15,8 +15,9 @@ implementation below, so torch.compile traces them as opaque nodes:
     quant_gemv_isa() -> "avx512-vnni" | "avx2" | "portable"  (the build's instruction set, logged at engine start)
     quant_gemm_panels(x [M, K], weight, bits, out_features, factor) -> [M, N] fp32   (quant_panels.py, AVX-512 VNNI
         builds)
-    pack_panels(codes [N, K], scales [N, G], offsets [N, G] or None, bits, parts, multiplier) -> uint8 [T, bytes]
-        (the panel layout, at load time)                                         (quant_panels.py)
+    panel_factors(scales [], zeros [], bits) -> (symmetric, largest |scale| or |offset|)   (a weight's row shards)
+    pack_panels(codes [], scales [], zeros [], bits, symmetric, multiplier, out uint8 [T, >= part bytes]) -> ()
+        (the panel layout of a weight's row shards, written into out at load time)   (quant_panels.py)
     gguf_decode(blocks [N, B, block bytes], type) -> (codes [N, K], scales [N, G], zeros [N, G])   (GGUF blocks
         at load time: quantization/gguf_blocks.py)
     dense_gemv(x [M, K], weight [N, K]) -> [M, N] fp32 (AVX2 builds)             (dense_gemv.py)

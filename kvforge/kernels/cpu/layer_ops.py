@@ -19,8 +19,11 @@ Tensor = torch.Tensor
 
 
 def _eager_rows(x: Tensor) -> bool:
-    """x is run by a kernel: not traced, on the CPU, and its rows have at least one element."""
-    return not torch.compiler.is_compiling() and x.is_cpu and x.dim() >= 1 and x.shape[-1] > 0
+    """x is run by a kernel: not traced, on the CPU, and its rows have at least one element.
+
+    NOTE: not torch.compiler.is_compiling(), one flag for the whole process while any thread compiles: an eager
+    step beside a compile in the background would run the references."""
+    return not torch.compiler.is_dynamo_compiling() and x.is_cpu and x.dim() >= 1 and x.shape[-1] > 0
 
 
 def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -32,11 +32,11 @@ x is rounded to int8 per 32 columns in every layout; with groups of 16 the kerne
 block, each times its own scale, and the sum of x over a group (times its offset) is the half block's q times dx.
 
 One row of x reads each tile as one run of memory. Thread t multiplies part t, so the loader puts part t of every
-weight, one after another in the order the model calls them, into one region of memory (interleaved_views in
-quantization/weight_only_kernels.py): each thread then reads one run through a whole decode step. Half factors cut a
-4-bit weight's bytes from 0.75 to 0.625 per weight (as GGUF's Q4_1), and are exact for GGUF's Q8_0, Q4_0 and Q4_1
-blocks, whose scales and minimums are halves; float32 ones (RTN, GPTQ's integer zero points times a scale, the
-K-quants' half times a sub-block scale) round by at most 2^-11 of their value.
+weight, one after another in the order the model calls them, into one region of memory (pack_panels writes it
+there: PanelArena in quantization/weight_only_kernels.py): each thread then reads one run through a whole decode step.
+Half factors cut a 4-bit weight's bytes from 0.75 to 0.625 per weight (as GGUF's Q4_1), and are exact for GGUF's Q8_0,
+Q4_0 and Q4_1 blocks, whose scales and minimums are halves; float32 ones (RTN, GPTQ's integer zero points times a
+scale, the K-quants' half times a sub-block scale) round by at most 2^-11 of their value.
 
 References beside it: panel_linear_ref (x rounded the same way, times the dequantized weight), pack_panels_ref (the
 layout in torch ops).
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -75,43 +76,68 @@ def panel_layout_fits(bits: int, in_features: int, group_size: int) -> bool:
     return bits in (4, 6, 8) and fits_blocks and in_features % max(group_size, BLOCK) == 0
 
 
-def _panel_factors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, parts: int | None
-                   ) -> tuple[torch.Tensor | None, int, int]:  # fmt: skip
-    """The layout's checks, then (the offsets, None for a symmetric weight; the exponent e; the number of parts)."""
-    in_features, groups = codes.shape[1], scales.shape[1]
+def _checked_parts(bits: int, in_features: int, groups: int, parts: int | None) -> int:
+    """The layout's checks; returns the number of parts (default: torch's thread count)."""
     if not panel_layout_fits(bits, in_features, in_features // groups) or in_features % groups:
         raise ValueError(f"no panel layout for {bits}-bit codes of width {in_features} in {groups} groups")
     parts = torch.get_num_threads() if parts is None else parts
     if parts < 1:
         raise ValueError(f"parts must be at least 1, got {parts}")
-    symmetric = bool((zeros == SYMMETRIC_ZERO[bits]).all())  # then no offsets are stored
-    offsets = None if symmetric else -zeros.float() * scales.float()
-    largest = max(scales.abs().max().item(), 0.0 if offsets is None else offsets.abs().max().item())
-    return offsets, 0 if largest == 0 else 14 - math.floor(math.log2(largest)), parts
+    return parts
 
 
-def pack_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                parts: int | None = None) -> tuple[torch.Tensor, float]:
-    """codes [N, K] in [0, 2**bits), scales and zeros [N, G] -> (weight, factor) of the layout, in `parts` parts
-    (default: torch's thread count), written in one pass, tiles in parallel (csrc/panel_pack.cpp)."""
-    offsets, exponent, parts = _panel_factors(codes, scales, zeros, bits, parts)
-    weight = torch.ops.kvforge_cpu.pack_panels(codes.to(torch.uint8), scales.float(), offsets, bits, parts,
-                                               2.0**exponent)  # [T, part bytes]
-    (num_rows, in_features), groups = codes.shape, scales.shape[1]
+def _exponent(largest: float) -> int:
+    """e of the factor 2^-e that puts the largest scale or offset in [2^14, 2^15)."""
+    return 0 if largest == 0 else 14 - math.floor(math.log2(largest))
+
+
+def panel_part_bytes(num_rows: int, in_features: int, groups: int, bits: int, symmetric: bool, parts: int
+                     ) -> tuple[tuple[int, int, int, int], int]:  # fmt: skip
+    """(the layout's shape [T, S, G, group bytes], the bytes of a part, padded to 64) of a weight [num_rows,
+    in_features] in `groups` groups."""
     per_part = -(-num_rows // (PANEL_ROWS * parts))
     vectors = bits * in_features // groups // BLOCK  # 64-byte vectors a panel's group: `bits` a 32-column block
-    group_bytes = (32 if offsets is None else 64) + 64 * vectors
-    shape = (parts, per_part, groups, group_bytes)
-    return weight.as_strided(shape, (weight.shape[1], groups * group_bytes, group_bytes, 1)), 2.0**-exponent
+    group_bytes = (32 if symmetric else 64) + 64 * vectors
+    return (parts, per_part, groups, group_bytes), -(-per_part * groups * group_bytes // 64) * 64
+
+
+Rows = torch.Tensor | Sequence[torch.Tensor]  # a tensor, or its row shards in order (a merged layer's q, k, v)
+Place = Callable[[int, int], torch.Tensor]  # (parts, part bytes) -> an unwritten uint8 [parts, >= part bytes]
+
+
+def pack_panels(codes: Rows, scales: Rows, zeros: Rows, bits: int, parts: int | None = None,
+                place: Place | None = None) -> tuple[torch.Tensor, float]:
+    """codes [N, K] in [0, 2**bits), scales and zeros [N, G] -> (weight, factor) of the layout, in `parts` parts
+    (default: torch's thread count), written in one pass, tiles in parallel (csrc/panel_pack.cpp). Each of codes,
+    scales and zeros may come as row shards stacked in order (no copy of them into one tensor), a shard's scales and
+    zeros in G_s groups dividing G (each repeated G / G_s times); place: where the weight is written (default:
+    memory of its own)."""
+    codes, scales, zeros = ([rows] if isinstance(rows, torch.Tensor) else list(rows) for rows in (codes, scales, zeros))
+    num_rows, in_features = sum(shard.shape[0] for shard in codes), codes[0].shape[1]
+    groups = max(shard.shape[1] for shard in scales)
+    parts = _checked_parts(bits, in_features, groups, parts)
+    symmetric, largest = torch.ops.kvforge_cpu.panel_factors([s.float() for s in scales], [z.float() for z in zeros],
+                                                             bits)
+    exponent = _exponent(largest)
+    shape, part_bytes = panel_part_bytes(num_rows, in_features, groups, bits, symmetric, parts)
+    out = torch.empty(parts, part_bytes, dtype=torch.uint8) if place is None else place(parts, part_bytes)
+    torch.ops.kvforge_cpu.pack_panels([c.to(torch.uint8) for c in codes], [s.float() for s in scales],
+                                      [z.float() for z in zeros], bits, symmetric, 2.0**exponent, out)
+    group_bytes = shape[3]
+    return out.as_strided(shape, (out.stride(0), groups * group_bytes, group_bytes, 1)), 2.0**-exponent
 
 
 def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                     parts: int | None = None) -> tuple[torch.Tensor, float]:
-    """What pack_panels writes, in torch ops (the reference)."""
-    offsets, exponent, parts = _panel_factors(codes, scales, zeros, bits, parts)
-    symmetric = offsets is None
+    """What pack_panels writes (of one tensor each), in torch ops (the reference)."""
     num_rows, in_features = codes.shape
     groups = scales.shape[1]
+    parts = _checked_parts(bits, in_features, groups, parts)
+    symmetric = bool((zeros == SYMMETRIC_ZERO[bits]).all())  # then no offsets are stored
+    largest = scales.abs().max().item()
+    if not symmetric:
+        largest = max(largest, (-zeros.float() * scales.float()).abs().max().item())
+    exponent = _exponent(largest)
     per_part = -(-num_rows // (PANEL_ROWS * parts))  # ceil(ceil(N / 16) / T)
     panels = parts * per_part
     pad = panels * PANEL_ROWS - num_rows

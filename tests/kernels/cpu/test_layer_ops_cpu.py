@@ -3,6 +3,8 @@ references, and the choice between them: the kernel eagerly, the reference under
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -141,3 +143,28 @@ def test_compiled_code_traces_the_references() -> None:
     assert targets and not any("kvforge_cpu" in target for target in targets), targets
     for got, expected in zip(compiled, block(x, residual)):
         torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
+def test_eager_calls_run_the_kernels_while_another_thread_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode bucket compiles on a thread of its own while the engine's steps run eagerly: those steps keep the
+    kernels (torch.compiler.is_compiling() is one flag for the whole process while any thread compiles)."""
+    compiling, release = threading.Event(), threading.Event()
+
+    def held_backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        compiling.set()
+        release.wait(60)
+        return graph.forward
+
+    compile_thread = threading.Thread(
+        target=lambda: torch.compile(lambda x: x * 2, fullgraph=True, backend=held_backend)(torch.ones(3)))
+    compile_thread.start()
+    try:
+        assert compiling.wait(60)
+        calls = _kernel_calls(monkeypatch, "rms_norm")
+        x, weight = torch.randn(4, 64), torch.rand(64)
+        torch.testing.assert_close(rms_norm_cpu(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6),
+                                   **TOLERANCE[torch.float32])
+        assert calls == [1]
+    finally:
+        release.set()
+        compile_thread.join()

@@ -20,7 +20,7 @@ from kvforge.kernels.cpu.quant_panels import (
 )
 from kvforge.loader.huge_pages import huge_pages_offered
 from kvforge.quantization.quantized_weight import QuantizedWeight
-from kvforge.quantization.weight_only_kernels import interleaved_views
+from kvforge.quantization.weight_only_kernels import PanelArena, interleaved_views
 from tests.kernels.cpu.test_quant_gemv_cpu import _tolerance, _weight
 
 pytestmark = pytest.mark.skipif(not panels_available(), reason="the panel kernel needs AVX-512 VNNI")
@@ -227,3 +227,44 @@ def test_the_extension_packs_the_reference_layout(bits: int, num_rows: int, in_f
     assert factor == expected_factor and packed.shape == expected.shape and packed.stride() == expected.stride()
     whole = (parts, packed.stride(0)), (packed.stride(0), 1)  # each part with its padding
     assert torch.equal(packed.as_strided(*whole), expected.as_strided(*whole))
+
+
+@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("zeros", ["sym", "float"])
+def test_row_shards_pack_as_their_stack_into_an_arena(bits: int, zeros: str) -> None:
+    """A merged layer's shards (q in groups of 32, k and v in groups of 16: their own rows, scales and zero points)
+    packed as they are, straight into a PanelArena, hold the bytes of the reference's layout of the stacked weight;
+    the next weight lies right after each part, and one that does not fit gets memory of its own."""
+    shards = [_signed(_weight(num_rows, 128, bits, group_size, zeros, seed=num_rows), seed=bits)
+              for num_rows, group_size in ((40, 32), (13, 16), (30, 16))]
+    stacked = [torch.cat([shard.codes for shard in shards])]
+    for name in ("scales", "zeros"):
+        stacked.append(torch.cat([getattr(shard, name).repeat_interleave(8 // getattr(shard, name).shape[1], dim=1)
+                                  for shard in shards]))
+    expected, expected_factor = pack_panels_ref(*stacked, bits, parts=2)
+    part_bytes = expected.stride(0)
+    arena = PanelArena(2, 1 << 20, huge_pages=False)
+    first, factor = pack_panels(*([getattr(s, name) for s in shards] for name in ("codes", "scales", "zeros")), bits,
+                                parts=2, place=arena.place)
+    assert factor == expected_factor and first.shape == expected.shape and first.stride()[1:] == expected.stride()[1:]
+    assert torch.equal(first.as_strided((2, part_bytes), (arena.region, 1)),
+                       expected.as_strided((2, part_bytes), (part_bytes, 1)))
+    second, _ = pack_panels(*stacked, bits, parts=2, place=arena.place)
+    assert first.stride(0) == second.stride(0) == arena.region
+    assert second.data_ptr() == first.data_ptr() + part_bytes  # right after it, in each region
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(panel_linear(x, second, factor, bits, 83), panel_linear(x, first, factor, bits, 83))
+    full = PanelArena(2, 1, huge_pages=False)
+    full.place(2, full.region)
+    apart, _ = pack_panels(*stacked, bits, parts=2, place=full.place)
+    assert apart.stride(0) == part_bytes
+    assert torch.equal(panel_linear(x, apart, factor, bits, 83), panel_linear(x, first, factor, bits, 83))
+
+
+def test_panel_factors_of_shards() -> None:
+    """The extension's symmetric test and largest scale or offset over every shard, as the reference takes them."""
+    scales = [torch.tensor([[0.5, -3.0]]), torch.tensor([[2.0]])]
+    assert torch.ops.kvforge_cpu.panel_factors(scales, [torch.full((1, 2), 8.0), torch.full((1, 1), 8.0)], 4) == (
+        True, 3.0)
+    assert torch.ops.kvforge_cpu.panel_factors(scales, [torch.full((1, 2), 8.0), torch.full((1, 1), -4.0)], 4) == (
+        False, 24.0)

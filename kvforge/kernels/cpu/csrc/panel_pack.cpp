@@ -1,15 +1,23 @@
-// A weight's codes, scales and offsets written into the panel layout of quant_panels.cpp (pictured in
+// A weight's codes, scales and zero points written into the panel layout of quant_panels.cpp (pictured in
 // kvforge/kernels/cpu/quant_panels.py) in one pass, tiles in parallel: the fast path of pack_panels there, whose torch
 // reference (pack_panels_ref) gives the same bytes.
 //
-//   codes uint8 [N, K], scales and offsets float32 [N, G] (offsets absent: a symmetric layout, no offsets stored),
-//   times `multiplier` and rounded to half -> uint8 [T, part bytes], each part padded with zeros to 64 bytes
+//   the weight's rows in shards stacked in order (a merged layer's q, k, v: no copy of them into one tensor), shard
+//   s: codes uint8 [N_s, K], scales and zeros float32 [N_s, G_s], G_s dividing G (a shard in groups of 32 repeats
+//   each scale and zero point for its two groups of 16) -> out uint8 [T, >= part bytes] (the parts may lie apart:
+//   a view into the loader's arena), each part's bytes past the weight's zeroed to the next 64
+//
+//   panel_factors: whether every zero point is 2^(bits - 1) (symmetric: no offsets stored) and the largest |scale|
+//   (and |offset| = |zero * scale| unless symmetric), which the caller turns into the power-of-two multiplier
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace kvforge_cpu {
 namespace {
@@ -35,73 +43,158 @@ inline void lane(const uint8_t* row, int64_t u, int64_t bits, uint8_t* out) {
   for (int64_t i = 0; i < 4; ++i) out[i] = (c[i] & 15) | (c[i + 4] & 15) << 4;
 }
 
+// Where each row of the stacked shards lies: its codes, scales and zeros, and how many of the weight's groups each
+// of its own groups covers
+struct RowSource {
+  const uint8_t* codes;
+  const float *scales, *zeros;
+  int64_t repeat;
+};
+
+std::vector<RowSource> row_sources(const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
+                                   const std::vector<at::Tensor>& zeros, int64_t K, int64_t G) {
+  std::vector<RowSource> rows;
+  for (size_t s = 0; s < codes.size(); ++s) {
+    const int64_t n = codes[s].size(0), groups = scales[s].size(1);
+    for (int64_t r = 0; r < n; ++r)
+      rows.push_back({codes[s].data_ptr<uint8_t>() + r * K, scales[s].data_ptr<float>() + r * groups,
+                      zeros[s].data_ptr<float>() + r * groups, G / groups});
+  }
+  return rows;
+}
+
+// The shards' tensors made contiguous, checked: codes uint8 [N_s, K] (K the first's), scales and zeros float32
+// [N_s, G_s]; returns K
+int64_t checked_shards(std::vector<at::Tensor>& codes, std::vector<at::Tensor>& scales,
+                       std::vector<at::Tensor>& zeros) {
+  TORCH_CHECK(!scales.empty() && scales.size() == zeros.size() && (codes.empty() || codes.size() == scales.size()),
+              "one scales and zeros tensor (and codes tensor) per shard, at least one shard");
+  const int64_t K = codes.empty() ? 0 : codes[0].size(1);
+  for (size_t s = 0; s < scales.size(); ++s) {
+    TORCH_CHECK(scales[s].scalar_type() == at::kFloat && scales[s].dim() == 2 && scales[s].sizes() == zeros[s].sizes()
+                    && zeros[s].scalar_type() == at::kFloat && scales[s].device().is_cpu() && zeros[s].device().is_cpu(),
+                "shard ", s, ": scales and zeros must be float32 [rows, groups] CPU tensors of one shape");
+    scales[s] = scales[s].contiguous();
+    zeros[s] = zeros[s].contiguous();
+    if (codes.empty()) continue;
+    TORCH_CHECK(codes[s].scalar_type() == at::kByte && codes[s].dim() == 2 && codes[s].size(1) == K &&
+                    codes[s].size(0) == scales[s].size(0) && codes[s].device().is_cpu(),
+                "shard ", s, ": codes must be a uint8 [", scales[s].size(0), ", ", K, "] CPU tensor");
+    codes[s] = codes[s].contiguous();
+  }
+  return K;
+}
+
 }  // namespace
 
-at::Tensor pack_panels(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> offsets,
-                          int64_t bits, int64_t parts, double multiplier) {
+std::tuple<bool, double> panel_factors(std::vector<at::Tensor> scales, std::vector<at::Tensor> zeros,
+                                       int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.device().is_cpu(),
-              "codes must be a uint8 [N, K] CPU tensor");
-  const int64_t N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == N,
-              "scales must be float32 [", N, ", groups]");
-  const int64_t G = scales.size(1);
+  std::vector<at::Tensor> no_codes;
+  checked_shards(no_codes, scales, zeros);
+  const float symmetric_zero = static_cast<float>(int64_t{1} << (bits - 1));
+  struct Found {
+    bool symmetric = true;
+    float scale = 0.f, offset = 0.f;  // the largest |scale| and |offset|
+  };
+  Found all;
+  for (size_t s = 0; s < scales.size(); ++s) {
+    const float *sc = scales[s].data_ptr<float>(), *z = zeros[s].data_ptr<float>();
+    const int64_t n = scales[s].numel();
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 4096));
+    std::vector<Found> found(chunks);
+    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        bool symmetric = true;
+        float scale = 0.f, offset = 0.f;
+        for (int64_t i = n * c / chunks; i < n * (c + 1) / chunks; ++i) {
+          symmetric &= z[i] == symmetric_zero;
+          scale = std::max(scale, std::fabs(sc[i]));
+          offset = std::max(offset, std::fabs(-z[i] * sc[i]));
+        }
+        found[c] = {symmetric, scale, offset};
+      }
+    });
+    for (const Found& f : found) all = {all.symmetric && f.symmetric, std::max(all.scale, f.scale),
+                                        std::max(all.offset, f.offset)};
+  }
+  return {all.symmetric, all.symmetric ? all.scale : std::max(all.scale, all.offset)};
+}
+
+void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, std::vector<at::Tensor> zeros,
+                 int64_t bits, bool symmetric, double multiplier, at::Tensor out) {
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
+  TORCH_CHECK(!codes.empty(), "at least one shard of codes");
+  const int64_t K = checked_shards(codes, scales, zeros);
+  int64_t N = 0, G = 0;
+  for (size_t s = 0; s < codes.size(); ++s) {
+    N += codes[s].size(0);
+    G = std::max(G, scales[s].size(1));
+  }
+  for (size_t s = 0; s < scales.size(); ++s)
+    TORCH_CHECK(scales[s].size(1) > 0 && G % scales[s].size(1) == 0, "shard ", s, ": ", scales[s].size(1),
+                " groups do not divide the weight's ", G);
   TORCH_CHECK(G > 0 && K % G == 0 && K % kBlock == 0 && (K / G) % (kBlock / 2) == 0, "no panel layout for width ",
               K, " in ", G, " groups");
-  TORCH_CHECK(!offsets.has_value() || (offsets->scalar_type() == at::kFloat && offsets->sizes() == scales.sizes()),
-              "offsets must be float32 of the scales' shape");
-  TORCH_CHECK(parts >= 1, "parts must be at least 1, got ", parts);
-  codes = codes.contiguous();
-  scales = scales.contiguous();
-  const at::Tensor offs = offsets.has_value() ? offsets->contiguous() : at::Tensor();
+  const int64_t parts = out.dim() == 2 ? out.size(0) : 0;
+  TORCH_CHECK(parts >= 1 && out.scalar_type() == at::kByte && out.stride(1) == 1 && out.device().is_cpu(),
+              "out must be a uint8 [parts >= 1, bytes] CPU tensor, each part contiguous");
   const int64_t V = bits;                                  // vectors a 32-column block
   const int64_t group_vectors = V * (K / G) / kBlock;      // vectors a group (a half block: V / 2)
-  const int64_t header = offs.defined() ? 64 : 32;         // a panel's bytes of scales (and offsets)
+  const int64_t header = symmetric ? 32 : 64;              // a panel's bytes of scales (and offsets)
   const int64_t panel_group = header + 64 * group_vectors;  // a panel's bytes of a group
   const int64_t W = bits == 8 ? 2 : 4;                     // panels a tile
   const int64_t per_part = (N + kPanel * parts - 1) / (kPanel * parts);
-  const int64_t part_bytes = (per_part * G * panel_group + 63) / 64 * 64;
-  auto out = at::empty({parts, part_bytes}, codes.options());
-  const uint8_t* const c = codes.data_ptr<uint8_t>();
-  const float* const s = scales.data_ptr<float>();
-  const float* const o = offs.defined() ? offs.data_ptr<float>() : nullptr;
+  const int64_t used = per_part * G * panel_group, part_bytes = (used + 63) / 64 * 64;
+  TORCH_CHECK(out.size(1) >= part_bytes, "out holds ", out.size(1), " bytes a part, the layout takes ", part_bytes);
+  const std::vector<RowSource> rows = row_sources(codes, scales, zeros, K, G);
   uint8_t* const base = out.data_ptr<uint8_t>();
+  const int64_t part_stride = out.stride(0);
   const float mult = static_cast<float>(multiplier);
   const int64_t tiles = (per_part + W - 1) / W;
   const std::vector<uint8_t> zero_row(K, 0);
   at::parallel_for(0, parts * tiles, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t t = i / tiles, first_panel = i % tiles * W, w = std::min(W, per_part - first_panel);
-      uint8_t* dst = base + t * part_bytes + first_panel * G * panel_group;
+      uint8_t* dst = base + t * part_stride + first_panel * G * panel_group;
       const int64_t first_row = (t * per_part + first_panel) * kPanel;
-      const auto halves = [&](const float* factors, int64_t g) {  // [w, 16] halves of group g's factors
+      const auto halves = [&](bool offsets, int64_t g) {  // [w, 16] halves of group g's scales or offsets
         for (int64_t p = 0; p < w * kPanel; ++p, dst += 2) {
           const int64_t n = first_row + p;
-          const c10::Half h(n < N ? factors[n * G + g] * mult : 0.f);
+          float factor = 0.f;
+          if (n < N) {
+            const RowSource& row = rows[n];
+            const float scale = row.scales[g / row.repeat];
+            factor = offsets ? -row.zeros[g / row.repeat] * scale : scale;  // (-zero) * scale, as the reference
+          }
+          const c10::Half h(factor * mult);
           std::memcpy(dst, &h, 2);
         }
       };
       for (int64_t g = 0; g < G; ++g) {
-        halves(s, g);
-        if (o != nullptr) halves(o, g);
+        halves(false, g);
+        if (!symmetric) halves(true, g);
         for (int64_t v = 0; v < group_vectors; ++v)
           for (int64_t p = 0; p < w; ++p)
             for (int64_t r = 0; r < kPanel; ++r, dst += 4) {
               const int64_t n = first_row + p * kPanel + r;
-              lane(n < N ? c + n * K : zero_row.data(), g * group_vectors + v, bits, dst);
+              lane(n < N ? rows[n].codes : zero_row.data(), g * group_vectors + v, bits, dst);
             }
       }
     }
   });
-  const int64_t used = per_part * G * panel_group;
-  for (int64_t t = 0; t < parts; ++t) std::memset(base + t * part_bytes + used, 0, part_bytes - used);
-  return out;
+  for (int64_t t = 0; t < parts; ++t) std::memset(base + t * part_stride + used, 0, part_bytes - used);
 }
 
 }  // namespace kvforge_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("pack_panels(Tensor codes, Tensor scales, Tensor? offsets, int bits, int parts, float multiplier) -> Tensor");
+  m.def("panel_factors(Tensor[] scales, Tensor[] zeros, int bits) -> (bool, float)");
+  m.def("pack_panels(Tensor[] codes, Tensor[] scales, Tensor[] zeros, int bits, bool symmetric, float multiplier, "
+        "Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("pack_panels", &kvforge_cpu::pack_panels); }
+TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
+  m.impl("panel_factors", &kvforge_cpu::panel_factors);
+  m.impl("pack_panels", &kvforge_cpu::pack_panels);
+}
