@@ -28,6 +28,7 @@ from kvforge.server.responses_events import ResponseBuilder, new_item_id
 from kvforge.server.responses_protocol import (
     DeletedResponse,
     FunctionCallItem,
+    FunctionCallOutputItem,
     InputItem,
     MessageItem,
     ResponseObject,
@@ -50,7 +51,7 @@ def _input_items(body: ResponsesRequest) -> list[InputItem]:
 
 def _chat_messages(instructions: str | None, items: list[InputItem]) -> list[dict[str, Any]]:
     """Chat messages of the items: a function call joins the assistant message before it (or starts one), its
-    output is a `tool` message; developer messages are system messages."""
+    output is a `tool` message; developer messages are system messages; reasoning items are left out."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     for item in items:
         if isinstance(item, MessageItem):
@@ -62,7 +63,7 @@ def _chat_messages(instructions: str | None, items: list[InputItem]) -> list[dic
             if not (messages and messages[-1]["role"] == "assistant"):
                 messages.append({"role": "assistant", "content": None})
             messages[-1].setdefault("tool_calls", []).append(call)
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
     return messages
 

@@ -5,6 +5,7 @@ response holds (the same ids, the same call ids). The events, each with the next
 
     response.created, response.in_progress
     per output item:  response.output_item.added
+        reasoning:    response.reasoning_text.delta..., response.reasoning_text.done (when the answer begins)
         a message:    response.content_part.added, response.output_text.delta..., response.output_text.done,
                       response.content_part.done
         a call:       response.function_call_arguments.delta..., response.function_call_arguments.done
@@ -28,6 +29,8 @@ from kvforge.server.responses_protocol import (
     InputTokensDetails,
     OutputMessage,
     OutputTextPart,
+    ReasoningItem,
+    ReasoningTextPart,
     ResponseObject,
     ResponseUsage,
 )
@@ -48,6 +51,7 @@ class ResponseBuilder:
     def __init__(self, response: ResponseObject) -> None:
         self.response = response
         self.num_events = 0
+        self._reasoning: ReasoningItem | None = None  # the reasoning item being written
         self._message: OutputMessage | None = None  # the message item being written
         self._calls: dict[int, FunctionCallItem] = {}  # the call items, by the delta's tool-call index
 
@@ -62,18 +66,36 @@ class ResponseBuilder:
 
     def add(self, delta: DeltaMessage) -> list[str]:
         events = []
+        if delta.reasoning_content:
+            events += self._reasoning_text(delta.reasoning_content)
         if delta.content:
             events += self._text(delta.content)
         for call in delta.tool_calls or []:
             events += self._call(call.index, call.id, call.function.name, call.function.arguments or "")
         return events
 
-    def _position(self, item: OutputMessage | FunctionCallItem) -> int:
+    def _position(self, item: ReasoningItem | OutputMessage | FunctionCallItem) -> int:
         return next(i for i, other in enumerate(self.response.output) if other is item)
 
-    def _open(self, item: OutputMessage | FunctionCallItem) -> list[str]:
+    def _open(self, item: ReasoningItem | OutputMessage | FunctionCallItem) -> list[str]:
+        """Add an item; the reasoning's ends as the answer's first item begins."""
+        events = []
+        if self._reasoning is not None and self._reasoning.status == "in_progress" and item is not self._reasoning:
+            events = self._close(self._reasoning, "completed")
         self.response.output.append(item)
-        return [self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=item)]
+        return [*events,
+                self.event("response.output_item.added", output_index=len(self.response.output) - 1, item=item)]
+
+    def _reasoning_text(self, text: str) -> list[str]:
+        events = []
+        if self._reasoning is None:
+            self._reasoning = ReasoningItem(id=new_item_id("rs"), status="in_progress", content=[])
+            events += self._open(self._reasoning)
+            self._reasoning.content.append(ReasoningTextPart(text=""))
+        self._reasoning.content[0].text += text
+        events.append(self.event("response.reasoning_text.delta", item_id=self._reasoning.id,
+                                 output_index=self._position(self._reasoning), content_index=0, delta=text))
+        return events
 
     def _text(self, text: str) -> list[str]:
         events = []
@@ -104,24 +126,32 @@ class ResponseBuilder:
                                      output_index=self._position(item), delta=arguments))
         return events
 
+    def _close(self, item: ReasoningItem | OutputMessage | FunctionCallItem, status: str) -> list[str]:
+        """The item's closing events, with its final status."""
+        item.status, position = status, self._position(item)
+        if isinstance(item, ReasoningItem):
+            events = [self.event("response.reasoning_text.done", item_id=item.id, output_index=position,
+                                 content_index=0, text=item.content[0].text)]
+        elif isinstance(item, OutputMessage):
+            part = item.content[0]
+            events = [self.event("response.output_text.done", item_id=item.id, output_index=position,
+                                 content_index=0, text=part.text, logprobs=[]),
+                      self.event("response.content_part.done", item_id=item.id, output_index=position,
+                                 content_index=0, part=part)]
+        else:
+            events = [self.event("response.function_call_arguments.done", item_id=item.id, output_index=position,
+                                 arguments=item.arguments)]
+        return [*events, self.event("response.output_item.done", output_index=position, item=item)]
+
     def finish(self, output: RequestOutput | None, cancelled: bool) -> list[str]:
         """Close every item and set the response's status and usage (output: the request's last output)."""
         completion = output.outputs[0] if output is not None else None
         finished = completion is not None and completion.finished and not cancelled
         item_status = "completed" if finished and completion.finish_reason != "length" else "incomplete"
         events = []
-        for position, item in enumerate(self.response.output):
-            item.status = item_status
-            if isinstance(item, OutputMessage):
-                part = item.content[0]
-                events.append(self.event("response.output_text.done", item_id=item.id, output_index=position,
-                                         content_index=0, text=part.text, logprobs=[]))
-                events.append(self.event("response.content_part.done", item_id=item.id, output_index=position,
-                                         content_index=0, part=part))
-            else:
-                events.append(self.event("response.function_call_arguments.done", item_id=item.id,
-                                         output_index=position, arguments=item.arguments))
-            events.append(self.event("response.output_item.done", output_index=position, item=item))
+        for item in self.response.output:
+            if item.status == "in_progress":
+                events += self._close(item, item_status)
         if output is not None:
             counts = usage([output])
             self.response.usage = ResponseUsage(

@@ -79,13 +79,30 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
+class ReasoningTextPart(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: Text
+
+
+class ReasoningItem(BaseModel):
+    """The reasoning of a reply (a server with a reasoning parser), before its message or calls; sent back as input,
+    it is left out of the prompt, as chat templates leave earlier turns' reasoning out."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningTextPart] | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 def _item_kind(item: Any) -> str | None:
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
     return kind
 
 
 InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_kind)]
 
 
 class FunctionTool(BaseModel):
@@ -125,7 +142,7 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-_ITEM_KINDS = ("message", "function_call", "function_call_output")
+_ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
 _PART_KINDS = ("input_text", "output_text")
 
 
@@ -138,7 +155,7 @@ def _served_kinds(items: Any) -> Any:
         kind = item.get("type", "message")
         if kind not in _ITEM_KINDS:
             raise ValueError(f"input items of type {kind!r} are not supported; kvforge takes {list(_ITEM_KINDS)}")
-        content = item.get("content") if kind == "message" else item.get("output")
+        content = item.get("content") if kind == "message" else item.get("output") if kind != "reasoning" else None
         for part in content if isinstance(content, list) else []:
             if isinstance(part, dict) and part.get("type") not in _PART_KINDS:
                 raise ValueError(f"content parts of type {part.get('type')!r} are not supported; kvforge takes "
@@ -167,7 +184,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: Annotated[bool, _default_if_none(True)] = True
     text: TextConfig | None = None
-    reasoning: dict[str, Any] | None = None  # accepted; no reasoning items are produced
+    reasoning: dict[str, Any] | None = None  # accepted; reasoning items come from the server's reasoning parser
     store: Annotated[bool, _default_if_none(True)] = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
@@ -185,7 +202,7 @@ class OutputMessage(BaseModel):
     content: list[OutputTextPart]
 
 
-OutputItem = Annotated[OutputMessage | FunctionCallItem, Field(discriminator="type")]
+OutputItem = Annotated[ReasoningItem | OutputMessage | FunctionCallItem, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):

@@ -114,3 +114,21 @@ def test_parallel_tool_calls_after_the_reasoning(client: openai.OpenAI) -> None:
     assert sorted(streamed) == [0, 1]
     assert [streamed[i] for i in (0, 1)] == [[c.function.name, c.function.arguments] for c in calls]
     assert "".join(_reasoning(d) for d in deltas) == REASONING
+
+
+def test_responses_put_the_reasoning_in_a_reasoning_item_before_the_message(client: openai.OpenAI) -> None:
+    """/v1/responses: the reasoning is an output item of its own (reasoning_text), streamed as its own events, and
+    a stored reply with its reasoning continues a conversation (previous_response_id)."""
+    response = client.responses.create(model=MODEL_NAME, input=ASK[0]["content"], temperature=0)
+    reasoning, message = response.output
+    assert (reasoning.type, message.type) == ("reasoning", "message")
+    assert [part.text for part in reasoning.content] == [REASONING] and response.output_text == CONTENT
+    events = list(client.responses.create(model=MODEL_NAME, input=ASK[0]["content"], temperature=0, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == REASONING
+    (done,) = [e for e in events if e.type == "response.completed"]
+    assert [item.type for item in done.response.output] == ["reasoning", "message"]
+    follow_up = client.responses.create(model=MODEL_NAME, input="And Berlin?", temperature=0,
+                                        previous_response_id=response.id)
+    assert follow_up.output_text == CONTENT
