@@ -6,12 +6,14 @@ import base64
 
 import numpy as np
 from fastapi import APIRouter, Request
+from starlette.responses import Response
 
 from kvforge.pooling_params import PoolingParams
 from kvforge.server.errors import APIError
 from kvforge.server.pooling_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
 from kvforge.server.pooling_serving import input_prompts, pooling_engine, pooling_usage, run_pooling
-from kvforge.server.serving import ServerState, new_request_id
+from kvforge.server.request_fields import check_fields
+from kvforge.server.serving import ServerState, json_response, new_request_id
 
 router = APIRouter()
 
@@ -22,10 +24,11 @@ def _encoded(values: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
 
 
-@router.post("/v1/embeddings")
-async def create_embeddings(body: EmbeddingRequest, http_request: Request) -> EmbeddingResponse:
+@router.post("/v1/embeddings", response_model=EmbeddingResponse)
+async def create_embeddings(body: EmbeddingRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
+    headers = check_fields(body)
     engine = pooling_engine(state, "/v1/embeddings")
     try:
         params = PoolingParams("embed", body.dimensions, body.normalize, body.truncate_prompt_tokens)
@@ -37,4 +40,5 @@ async def create_embeddings(body: EmbeddingRequest, http_request: Request) -> Em
     outputs = await run_pooling(state, request_id, inputs, params, http_request)
     data = [EmbeddingData(index=i, embedding=_encoded(o.outputs.embedding, body.encoding_format))
             for i, o in enumerate(outputs)]
-    return EmbeddingResponse(id=request_id, model=model, data=data, usage=pooling_usage(outputs))
+    response = EmbeddingResponse(id=request_id, model=model, data=data, usage=pooling_usage(outputs))
+    return json_response(response, headers)

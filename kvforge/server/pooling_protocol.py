@@ -15,9 +15,10 @@ Inputs = Text | list[Text] | list[int] | list[list[int]]
 
 
 class PoolingRequest(BaseModel):
-    """Fields every pooling request shares. Unknown fields are ignored."""
+    """Fields every pooling request shares. Other fields are kept in `model_extra`, and request_fields.check_fields
+    refuses them or reports them ignored, as on the other routes."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     user: str | None = None

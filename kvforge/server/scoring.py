@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.responses import Response
 
 from kvforge.engine.scoring import cosine_scores, pair_prompts, pair_up
 from kvforge.outputs import PoolingRequestOutput
@@ -21,7 +22,8 @@ from kvforge.server.pooling_protocol import (
     ScoreResponse,
 )
 from kvforge.server.pooling_serving import input_prompts, pooling_engine, pooling_usage, run_pooling
-from kvforge.server.serving import ServerState, new_request_id
+from kvforge.server.request_fields import check_fields
+from kvforge.server.serving import ServerState, json_response, new_request_id
 
 router = APIRouter()
 
@@ -43,24 +45,26 @@ async def _scores(state: ServerState, route: str, request_id: str, queries: str 
     return cosine_scores(await run_pooling(state, request_id, inputs, params, http_request, param="documents"))
 
 
-@router.post("/score")
-@router.post("/v1/score")
-async def score(body: ScoreRequest, http_request: Request) -> ScoreResponse:
+@router.post("/score", response_model=ScoreResponse)
+@router.post("/v1/score", response_model=ScoreResponse)
+async def score(body: ScoreRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
+    headers = check_fields(body)
     request_id = new_request_id("score")
     outputs = await _scores(state, "/score", request_id, body.text_1, body.text_2, body.truncate_prompt_tokens,
                             http_request)
     data = [ScoreData(index=i, score=o.outputs.score) for i, o in enumerate(outputs)]
-    return ScoreResponse(id=request_id, model=model, data=data, usage=pooling_usage(outputs))
+    return json_response(ScoreResponse(id=request_id, model=model, data=data, usage=pooling_usage(outputs)), headers)
 
 
-@router.post("/rerank")
-@router.post("/v1/rerank")
-@router.post("/v2/rerank")
-async def rerank(body: RerankRequest, http_request: Request) -> RerankResponse:
+@router.post("/rerank", response_model=RerankResponse)
+@router.post("/v1/rerank", response_model=RerankResponse)
+@router.post("/v2/rerank", response_model=RerankResponse)
+async def rerank(body: RerankRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
+    headers = check_fields(body)
     request_id = new_request_id("rerank")
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     if not texts:
@@ -71,14 +75,16 @@ async def rerank(body: RerankRequest, http_request: Request) -> RerankResponse:
                             document=RerankDocument(text=texts[i]) if body.return_documents else None)
                for i, o in enumerate(outputs)]
     results.sort(key=lambda r: r.relevance_score, reverse=True)
-    return RerankResponse(id=request_id, model=model, results=results[: body.top_n], usage=pooling_usage(outputs))
+    response = RerankResponse(id=request_id, model=model, results=results[: body.top_n], usage=pooling_usage(outputs))
+    return json_response(response, headers)
 
 
-@router.post("/classify")
-@router.post("/v1/classify")
-async def classify(body: ClassifyRequest, http_request: Request) -> ClassifyResponse:
+@router.post("/classify", response_model=ClassifyResponse)
+@router.post("/v1/classify", response_model=ClassifyResponse)
+async def classify(body: ClassifyRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
+    headers = check_fields(body)
     engine = pooling_engine(state, "/classify")
     params = PoolingParams("classify", truncate_prompt_tokens=body.truncate_prompt_tokens)
     try:
@@ -94,4 +100,4 @@ async def classify(body: ClassifyRequest, http_request: Request) -> ClassifyResp
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append(ClassifyData(index=i, label=labels.get(str(best), f"LABEL_{best}"), probs=probs,
                                  num_classes=len(probs)))
-    return ClassifyResponse(id=request_id, model=model, data=data, usage=pooling_usage(outputs))
+    return json_response(ClassifyResponse(id=request_id, model=model, data=data, usage=pooling_usage(outputs)), headers)

@@ -77,3 +77,11 @@ def test_bad_scoring_requests(reranker):
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
     embed = server.http.post("/v1/embeddings", json={"input": "a"})
     assert embed.status_code == 200  # a reranker is a pooling model too: its last hidden state
+    # a field no pooling route takes is refused, naming it; one that changes nothing is named in a header
+    bodies = {"/v1/embeddings": {"input": "a"}, "/score": {"text_1": "a", "text_2": "b"},
+              "/rerank": {"query": "a", "documents": ["b"]}, "/classify": {"input": "a"}}
+    for path, body in bodies.items():
+        unknown = server.http.post(path, json={**body, "rank_fields": ["text"]})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "rank_fields", path
+        ignored = server.http.post(path, json={**body, "priority": 1})
+        assert ignored.status_code == 200 and ignored.headers["kvforge-ignored-fields"] == "priority", path
