@@ -15,17 +15,18 @@ from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.prompts import PromptType, tokenize_prompt
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sample_group import SampleGroup, logprob_decoder
-from kvforge.engine.scheduler import NewRequest, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from kvforge.engine.scheduler import Scheduler, StepResult
 from kvforge.engine.speculation import Speculation
 from kvforge.engine.stats import CacheStats, EngineStats
 from kvforge.executor.executor import create_executor
-from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
+from kvforge.executor.model_runner import ModelRunner
 from kvforge.kernels.cpu.extension import kernels_build
 from kvforge.loader.heap import release_freed_memory
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 from kvforge.spec_decode.policy import SpeculationPolicy, StepCosts
 from kvforge.spec_decode.proposer import create_proposer
+from kvforge.step_data import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from kvforge.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)

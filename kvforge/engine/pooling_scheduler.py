@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvforge.config import SchedulerConfig
 from kvforge.engine.stats import SchedulerStats
 from kvforge.pooling_params import PoolingParams
+from kvforge.step_data import PoolingStep
 
 
 @dataclass(slots=True)
@@ -22,20 +23,6 @@ class PoolingRequest:
     params: PoolingParams
     token_type_ids: list[int] | None = None  # a pair's token types, for a model that reads them (BERT)
     arrival_time: float = field(default_factory=time.monotonic)
-
-
-@dataclass(slots=True)
-class PoolingStep:
-    """Plain data for the pooling runner: the inputs it runs together, each whole."""
-
-    request_ids: list[str] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)
-    token_type_ids: list[list[int] | None] = field(default_factory=list)  # None: every token of type 0
-    params: list[PoolingParams] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.token_ids)
 
 
 class PoolingScheduler:

@@ -5,69 +5,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import numpy as np
 
 from kvforge.config import SchedulerConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.speculation import Speculation
 from kvforge.engine.stats import SchedulerStats, SpecDecodeStats
-from kvforge.sampling_params import SamplingParams
 from kvforge.spec_decode.proposer import Drafts
+from kvforge.step_data import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from kvforge.structured_output.bitmask import GrammarBitmask
 
 NO_DRAFTS = Drafts([])  # (never changed)
-
-if TYPE_CHECKING:  # plain data; the runner's module imports torch, the scheduler does not
-    from kvforge.executor.model_runner import ModelRunnerOutput
-
-
-@dataclass(slots=True)
-class NewRequest:
-    """Sent to the runner once, when a request enters the running batch (again, after a preemption):
-    what it keeps for the request until the request finishes or is preempted."""
-
-    request_id: str
-    token_ids: list[int]  # the prompt and the tokens generated so far (a copy)
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: compute token_ids at positions num_computed_tokens onwards.
-
-    Only what changed since the request's previous step travels: its new tokens and the blocks its
-    table gained (the whole table in the step that sends it as a NewRequest)."""
-
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    new_block_ids: list[int]
-    num_prompt_tokens: int
-    needs_sample: bool
-    banned_token_ids: list[int]  # stop tokens the sampler must not pick before min_tokens
-    num_draft_tokens: int = 0  # the last num_draft_tokens of token_ids are drafts to verify
-    draft_probs: np.ndarray | None = None  # [num_draft_tokens, vocab]: what they were drawn from (None: one-hot)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """Plain data for the model runner: the requests it meets for the first time, what to compute this
-    step, and which requests are gone (finished, aborted or preempted: the runner forgets them)."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    new_requests: list[NewRequest] = field(default_factory=list)
-    finished_request_ids: list[str] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # the allowed tokens of the constrained requests that sample this step (set by the engine)
-    grammar_bitmask: GrammarBitmask | None = None
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
 
 
 @dataclass(slots=True)

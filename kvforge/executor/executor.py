@@ -16,12 +16,11 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.distributed.parallel_state import ParallelState
-from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.device import resolve_device
 from kvforge.executor.kv_cache_memory import KVCacheSize
 from kvforge.executor.model_info import ModelInfo
-from kvforge.executor.model_runner import ModelRunnerOutput
 from kvforge.executor.worker import Worker, agree_kv_cache_size
+from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor:

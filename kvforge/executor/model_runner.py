@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,27 +12,14 @@ from torch import nn
 from kvforge.config import CompilationConfig
 from kvforge.distributed.communicator import recv_tensor, send_tensor
 from kvforge.distributed.parallel_state import get_parallel_state
-from kvforge.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvforge.executor.decode_graphs import DecodeGraphs
 from kvforge.executor.request_states import RequestStates
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
 from kvforge.spec_decode.verify import verify_drafts
+from kvforge.step_data import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvforge.structured_output.bitmask import GrammarBitmask
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """Plain data back to the engine: the tokens each finished-prefill/decode request appends this step
-    (one, or the accepted drafts and one more when speculating), applied by Scheduler.update_from_output;
-    the logprobs of each of them where asked."""
-
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)
-    # request id -> (index of the first prompt token predicted, logprobs of the tokens predicted)
-    prompt_logprobs: dict[str, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
-    warmup: bool = False  # the step ran eagerly before its bucket compiled, or beside a compile: untypically slow
 
 
 @dataclass(slots=True)

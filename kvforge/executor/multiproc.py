@@ -40,12 +40,11 @@ from kvforge.distributed.communicator import (
     wait_for_sends,
 )
 from kvforge.distributed.parallel_state import building_with, init_parallel_state, leave_world
-from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.device import resolve_device
 from kvforge.executor.executor import Executor
-from kvforge.executor.model_runner import ModelRunnerOutput
 from kvforge.executor.rank_process import RankArgs, start_rank
 from kvforge.executor.worker import Worker, agree_kv_cache_size
+from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from kvforge.config import EngineConfig
-from kvforge.engine.pooling_scheduler import PoolingStep
 from kvforge.executor.device import resolve_device
 from kvforge.executor.pooling_runner import PoolingRunner
 from kvforge.executor.worker import load_with_ops
 from kvforge.loader.model_loader import LoadedModel
+from kvforge.step_data import PoolingStep
 
 
 class PoolingExecutor:

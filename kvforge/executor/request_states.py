@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvforge.sampling_params import SamplingParams
+from kvforge.step_data import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -16,13 +16,13 @@ import torch.distributed as dist
 
 from kvforge.config import CompilationConfig, EngineConfig
 from kvforge.distributed.parallel_state import ParallelState, get_parallel_state
-from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.executor.kv_cache_memory import KVCacheSize, memory_limits, size_kv_cache
 from kvforge.executor.model_info import ModelInfo
-from kvforge.executor.model_runner import ModelRunner, ModelRunnerOutput
+from kvforge.executor.model_runner import ModelRunner
 from kvforge.kernels.cpu.extension import keep_python_memory
 from kvforge.kernels.ops import OpTable, building_with_ops, op_table
 from kvforge.loader.model_loader import LoadedModel, load_model
+from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

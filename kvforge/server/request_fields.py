@@ -1,4 +1,4 @@
-"""Every field of a request (completions, chat, responses, the pooling routes) is honoured, refused, or reported ignored.
+"""Every field of a request (completions, chat, responses, pooling) is honoured, refused, or reported ignored.
 
 A field that no protocol model declares is a 400 naming it, as OpenAI answers one. The few fields below,
 which OpenAI's or vLLM's clients send and which change nothing kvforge returns, are accepted; the response

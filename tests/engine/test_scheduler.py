@@ -5,9 +5,9 @@ from __future__ import annotations
 from kvforge.config import SchedulerConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.engine.scheduler import Scheduler, SchedulerOutput
-from kvforge.executor.model_runner import ModelRunnerOutput
+from kvforge.engine.scheduler import Scheduler
 from kvforge.sampling_params import SamplingParams
+from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
 
 def _make(num_blocks=64, block_size=4, budget=16, max_seqs=8, prefix=True) -> Scheduler:

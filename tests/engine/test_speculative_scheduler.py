@@ -8,10 +8,10 @@ from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.speculation import Speculation
-from kvforge.executor.model_runner import ModelRunnerOutput
 from kvforge.sampling_params import SamplingParams
 from kvforge.spec_decode.policy import SpeculationPolicy, StepCosts
 from kvforge.spec_decode.proposer import Drafts
+from kvforge.step_data import ModelRunnerOutput
 
 
 class _FixedDrafts:

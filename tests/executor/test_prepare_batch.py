@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvforge.engine.scheduler import NewRequest, ScheduledRequest, SchedulerOutput
 from kvforge.executor.model_runner import ModelRunner
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
+from kvforge.step_data import NewRequest, ScheduledRequest, SchedulerOutput
 
 BLOCK_SIZE = 4
 

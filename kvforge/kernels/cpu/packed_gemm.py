@@ -54,12 +54,16 @@ was timed with an AVX-512 VNNI step the GEMV had then, removed since: on these m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.cpu.quant_gemv import layout_fits, native_kernels_available
 from kvforge.kernels.cpu.quant_panels import panel_layout_fits, panels_available
-from kvforge.quantization.quantized_weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from kvforge.quantization.quantized_weight import QuantizedWeight
 
 INT8PACK_MAX_TOKENS = 16  # above this many rows, dequantize + F.linear beats int8pack
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
