@@ -115,7 +115,8 @@ def test_compiled_steps_write_and_read_a_quantized_cache(tiny_llama_dir, kv_cach
     assert llm.engine.runner.decode_graphs.wrappers == {1: "C++", 4: "Python"}
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "mixtral", "deepseek_v3"])
+# NOTE: mistral's layers are llama's (test_compiled_llama_matches_eager_across_buckets)
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mixtral", "deepseek_v3"])
 def tiny_folder(request, tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp(f"compiled-{request.param}")
     if request.param in ("mixtral", "deepseek_v3"):
