@@ -6,9 +6,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvforge.engine.pooling_scheduler import PoolingStep
 from kvforge.layers.attention import WholeSequenceMetadata
 from kvforge.layers.pooler import PoolerConfig, pool, pooled_outputs
+from kvforge.step_data import PoolingStep
 
 
 class PoolingRunner:

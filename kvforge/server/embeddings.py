@@ -28,8 +28,8 @@ def _encoded(values: list[float], encoding_format: str) -> list[float] | str:
 async def create_embeddings(body: EmbeddingRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
-    headers = check_fields(body)
     engine = pooling_engine(state, "/v1/embeddings")
+    headers = check_fields(body)
     try:
         params = PoolingParams("embed", body.dimensions, body.normalize, body.truncate_prompt_tokens)
         engine.check_params(params)

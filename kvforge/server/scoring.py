@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from kvforge.engine.pooling_engine import PoolingEngine
 from kvforge.engine.scoring import cosine_scores, pair_prompts, pair_up
 from kvforge.outputs import PoolingRequestOutput
 from kvforge.pooling_params import PoolingParams
@@ -28,10 +29,9 @@ from kvforge.server.serving import ServerState, json_response, new_request_id
 router = APIRouter()
 
 
-async def _scores(state: ServerState, route: str, request_id: str, queries: str | list[str],
+async def _scores(state: ServerState, engine: PoolingEngine, request_id: str, queries: str | list[str],
                   documents: str | list[str], truncate_prompt_tokens: int | None,
                   http_request: Request) -> list[PoolingRequestOutput]:
-    engine = pooling_engine(state, route)
     try:
         queries, documents = pair_up(queries, documents)
     except ValueError as error:
@@ -50,9 +50,10 @@ async def _scores(state: ServerState, route: str, request_id: str, queries: str 
 async def score(body: ScoreRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
+    engine = pooling_engine(state, "/score")
     headers = check_fields(body)
     request_id = new_request_id("score")
-    outputs = await _scores(state, "/score", request_id, body.text_1, body.text_2, body.truncate_prompt_tokens,
+    outputs = await _scores(state, engine, request_id, body.text_1, body.text_2, body.truncate_prompt_tokens,
                             http_request)
     data = [ScoreData(index=i, score=o.outputs.score) for i, o in enumerate(outputs)]
     return json_response(ScoreResponse(id=request_id, model=model, data=data, usage=pooling_usage(outputs)), headers)
@@ -64,12 +65,13 @@ async def score(body: ScoreRequest, http_request: Request) -> Response:
 async def rerank(body: RerankRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
+    engine = pooling_engine(state, "/rerank")
     headers = check_fields(body)
     request_id = new_request_id("rerank")
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     if not texts:
         raise APIError(400, "documents must not be empty", param="documents")
-    outputs = await _scores(state, "/rerank", request_id, body.query, texts, body.truncate_prompt_tokens,
+    outputs = await _scores(state, engine, request_id, body.query, texts, body.truncate_prompt_tokens,
                             http_request)
     results = [RerankResult(index=i, relevance_score=o.outputs.score,
                             document=RerankDocument(text=texts[i]) if body.return_documents else None)
@@ -84,8 +86,8 @@ async def rerank(body: RerankRequest, http_request: Request) -> Response:
 async def classify(body: ClassifyRequest, http_request: Request) -> Response:
     state: ServerState = http_request.app.state.server
     model = state.check_model(body.model)
-    headers = check_fields(body)
     engine = pooling_engine(state, "/classify")
+    headers = check_fields(body)
     params = PoolingParams("classify", truncate_prompt_tokens=body.truncate_prompt_tokens)
     try:
         engine.check_params(params)
