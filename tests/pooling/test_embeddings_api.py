@@ -30,7 +30,7 @@ def server(minilm_dir):
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return server.openai_client()
 
 
 def _matrix(response) -> torch.Tensor:

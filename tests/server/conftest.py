@@ -29,7 +29,7 @@ def tiny_server(tiny_model_dir: Path) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="session")
 def client(tiny_server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return tiny_server.openai_client()
 
 
 @pytest.fixture(scope="session")
@@ -43,4 +43,4 @@ def default_server() -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="session")
 def default_client(default_server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return default_server.openai_client(timeout=300)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.engines import create_engine
@@ -41,6 +42,10 @@ class ServerThread:
         while not self.server.started:
             assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
+
+    def openai_client(self, timeout: float = 60) -> openai.OpenAI:
+        """The official client on this server's /v1, with the test key and no retries."""
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=timeout)
 
     def stop(self) -> None:
         self.http.close()

@@ -45,7 +45,7 @@ def server(fim_model: tuple[Path, object]) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return server.openai_client()
 
 
 def _complete(client: openai.OpenAI, **kwargs: object):

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.scripted_model import save_scripted_model
-from tests.server.harness import API_KEY, MODEL_NAME, ServerThread, start_tiny_server
+from tests.server.harness import MODEL_NAME, ServerThread, start_tiny_server
 
 REASONING, CONTENT = "The quick fox", "Paris"
 ASK = [{"role": "user", "content": "The weather in Paris, and the time?"}]
@@ -34,7 +34,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     folder: Path = tmp_path_factory.mktemp("scripted")
     save_scripted_model(folder, f"<think>{REASONING}</think>{CONTENT}")
     server: ServerThread = start_tiny_server(folder, reasoning_parser="qwen3", dtype="float32")
-    yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    yield server.openai_client()
     server.stop()
 
 

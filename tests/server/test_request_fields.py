@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvforge.server.request_fields import IGNORED_FIELDS_HEADER
-from tests.server.harness import API_KEY, MODEL_NAME, ServerThread, start_tiny_server
+from tests.server.harness import MODEL_NAME, ServerThread, start_tiny_server
 from tests.server.test_errors import assert_error, post
 from tests.tiny_models import CHAT_TEMPLATE
 
@@ -39,7 +39,7 @@ def server(tiny_llama_dir: tuple[Path, object], tmp_path_factory: pytest.TempPat
 
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return server.openai_client()
 
 
 def _chat(client: openai.OpenAI, **kwargs: object):
