@@ -155,7 +155,7 @@ def _served_kinds(items: Any) -> Any:
         kind = item.get("type", "message")
         if kind not in _ITEM_KINDS:
             raise ValueError(f"input items of type {kind!r} are not supported; kvforge takes {list(_ITEM_KINDS)}")
-        content = item.get("content") if kind == "message" else item.get("output") if kind != "reasoning" else None
+        content = {"message": item.get("content"), "function_call_output": item.get("output")}.get(kind)
         for part in content if isinstance(content, list) else []:
             if isinstance(part, dict) and part.get("type") not in _PART_KINDS:
                 raise ValueError(f"content parts of type {part.get('type')!r} are not supported; kvforge takes "
