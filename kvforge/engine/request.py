@@ -53,6 +53,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    ended_by_stop_token: bool = False  # the last output token is an EOS or stop token that finished the request
     first_token_time: float | None = None
     grammar: GrammarMatcher | DeferredMatcher | None = None  # the output's constraint, advanced per accepted token
 
@@ -87,9 +88,10 @@ class Request:
         if self.num_output_tokens >= params.min_tokens:
             last = self.output_token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
+                self.ended_by_stop_token = True
                 return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
-                self.stop_reason = last
+                self.stop_reason, self.ended_by_stop_token = last, True
                 return RequestStatus.FINISHED_STOPPED
         if self.grammar is not None and self.grammar.is_terminated:  # nothing but EOS could follow
             return RequestStatus.FINISHED_STOPPED

@@ -29,7 +29,11 @@ class Sample:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Detokenize the tokens the step appended; the stop string they complete, if any."""
+        """Detokenize the tokens the step appended; the stop string they complete, if any. The EOS or stop token
+        that finished the request is not text (shown with skip_special_tokens false otherwise), unless the
+        request includes what stopped it."""
+        if self.request.ended_by_stop_token and not self.request.sampling_params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
         for token_id in token_ids:
             stop = self.detokenizer.add_token(token_id)
             if stop is not None:

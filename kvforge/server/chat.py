@@ -100,7 +100,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
     _check_values(body)
     tokenizer = state.engine.tokenizer
     messages = [_message_dict(m) for m in body.messages]
-    plan = plan_tools(body, messages, tokenizer.chat_template)
+    plan = plan_tools(body, messages, tokenizer)
     token_ids = await chat_prompt_token_ids(tokenizer, plan.messages, body.add_generation_prompt,
                                             body.continue_final_message, body.chat_template_kwargs,
                                             plan.template_kwargs)
@@ -108,6 +108,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
     params = sampling_params(state, body, max_tokens_in_context(state, len(token_ids), requested),
                              logprobs=_num_logprobs(body), prompt_logprobs=body.prompt_logprobs,
                              **_constraint(body, plan))
+    if plan.calls is not None and plan.calls.special_tokens:  # the reply is read for special tokens
+        params.skip_special_tokens = False
     reply = _reply_format(state, body, plan)
     if reply.reasoning is not None and params.structured_output is not None:  # constrain what follows the reasoning
         params.structured_output = replace(params.structured_output, starts_after=reply.reasoning.end)

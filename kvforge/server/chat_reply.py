@@ -22,7 +22,6 @@ from kvforge.server.protocol import (
     ToolCall,
 )
 from kvforge.server.tool_formats import CallFormat
-from kvforge.server.tools import new_call_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +43,8 @@ class ReplyFormat:
         if calls is None:
             content = echo + split.content
             return AssistantMessage(content=content if content or split.reasoning is None else None, **reasoning)
-        return AssistantMessage(tool_calls=[ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=args))
+        return AssistantMessage(tool_calls=[ToolCall(id=self.calls.new_call_id(),
+                                                     function=FunctionCall(name=name, arguments=args))
                                             for name, args in calls], **reasoning)
 
     def finish_reason(self, completion: CompletionOutput) -> str | None:
@@ -97,7 +97,7 @@ class ReplyStream:
 
     def _call_delta(self, index: int, name: str, arguments: str) -> DeltaToolCall | None:
         if index == len(self.call_ids):  # a new call: its id, type and name
-            self.call_ids.append(new_call_id())
+            self.call_ids.append(self.reply.calls.new_call_id())
             self.num_argument_chars.append(len(arguments))
             return DeltaToolCall(index=index, id=self.call_ids[index], type="function",
                                  function=DeltaFunctionCall(name=name, arguments=arguments))

@@ -6,12 +6,13 @@ A tool call is written the way Hermes-style templates write it (tool_formats.HER
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-or, when the chat template renders the tools and asks for Llama 3's JSON, that way (tool_formats.LLAMA3_JSON).
-With `tool_choice` "required" or a named function the grammar allows nothing else, and the arguments follow
-the function's JSON schema; with "auto" it allows a call like that or any text that does not start as a call
-does ("<", or "{" for Llama 3's JSON). With `parallel_tool_calls` (the default) a reply may hold several
-calls, one after the other (a newline between Hermes calls, "; " between Llama 3's); without it, exactly
-one. A chat template that renders `tools` gets them as they are; for one that does not (the default model's),
+or, when the chat template renders the tools, the way it asks for (Llama 3's JSON, Mistral's [TOOL_CALLS]: see
+tool_formats.py). With `tool_choice` "required" or a named function the grammar allows nothing else, and the
+arguments follow the function's JSON schema; with "auto" it allows a call like that or any text that does not
+start as a call does ("<", or "{" for Llama 3's JSON; any text for Mistral's, whose calls start with a special
+token). With `parallel_tool_calls` (the default) a reply may hold several calls, one after the other (a newline
+between Hermes calls, "; " between Llama 3's); without it, exactly one. A chat template that renders `tools` gets
+them as they are; for one that does not (the default model's),
 GENERIC_TOOL_PROMPT is added to the system message, the assistant's earlier calls are written back in the
 format above and `role: "tool"` messages become user messages wrapped in <tool_response> tags.
 """
@@ -19,7 +20,6 @@ format above and `role: "tool"` messages become user messages wrapped in <tool_r
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from kvforge.server.errors import APIError
 from kvforge.server.protocol import ChatCompletionRequest, FunctionDefinition
 from kvforge.server.tool_formats import HERMES, NO_PARAMETERS, CallFormat, call_format_of
 from kvforge.structured_output.params import StructuredOutputParams
+from kvforge.tokenizer import Tokenizer
 
 GENERIC_TOOL_PROMPT = """You can call functions to help you answer. The functions, with JSON schemas of their \
 arguments:
@@ -48,8 +49,10 @@ class ToolPlan:
     calls: CallFormat | None
 
 
-def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], template: str | None) -> ToolPlan:
-    """The plan for body's tools and tool_choice; 400 for a choice that names no tool."""
+def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], tokenizer: Tokenizer) -> ToolPlan:
+    """The plan for body's tools and tool_choice under tokenizer's chat template; 400 for a choice that names no
+    tool."""
+    template = tokenizer.chat_template
     choice = body.tool_choice or ("auto" if body.tools else "none")
     if choice != "none" and not body.tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -66,8 +69,10 @@ def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], temp
         raise APIError(400, "response_format cannot be combined with tools unless tool_choice is none",
                        param="response_format")
     call_format = call_format_of(template) if renders_tools else HERMES
-    grammar = StructuredOutputParams(grammar=call_format.grammar(tools, allow_text=choice == "auto",
-                                                                 parallel=body.parallel_tool_calls))
+    special_ids = {token: tokenizer.backend.token_to_id(token) for token in call_format.special_tokens}
+    grammar = StructuredOutputParams(grammar=call_format.grammar(
+        tools, allow_text=choice == "auto", parallel=body.parallel_tool_calls,
+        special_ids={token: token_id for token, token_id in special_ids.items() if token_id is not None}))
     if renders_tools:
         return ToolPlan(messages, {"tools": [t.model_dump(exclude_none=True) for t in body.tools]}, grammar,
                         call_format)
@@ -96,7 +101,3 @@ def _generic_message(message: dict[str, Any]) -> dict[str, Any]:
     written = [HERMES.write(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     content = HERMES.separator.join(filter(None, [message.get("content"), *written]))
     return {"role": "assistant", "content": content}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"

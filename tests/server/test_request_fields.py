@@ -267,3 +267,12 @@ def test_every_field_of_the_vllm_and_openai_requests_is_honoured_ignored_or_refu
         if got != verdict:
             wrong.append(f"{field}: {verdict} expected, got {got}")
     assert not wrong
+
+
+def test_the_stop_token_that_ends_a_reply_is_not_its_text(client: openai.OpenAI) -> None:
+    eos = 2  # the tiny tokenizer's </s>
+    ended = _complete(client, logit_bias={str(eos): 100}, extra_body={"skip_special_tokens": False}).choices[0]
+    assert ended.finish_reason == "stop" and ended.text == ""
+    included = _complete(client, logit_bias={str(eos): 100},
+                         extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}).choices[0]
+    assert included.text == "</s>"

@@ -1,6 +1,7 @@
-"""Tool-call formats (Hermes', Llama 3's JSON): two calls parsed from every prefix of a reply only ever grow
-toward the whole reply's calls, whose arguments json.loads reads back; the grammar admits two calls (after a
-blank line) only with parallel_tool_calls; a chat template's format is recognised."""
+"""Tool-call formats (Hermes', Llama 3's JSON, Mistral's two): two calls parsed from every prefix of a reply only ever
+grow toward the whole reply's calls, whose arguments json.loads reads back; the grammar admits two calls (after a
+blank line) only with parallel_tool_calls, Mistral's [TOOL_CALLS] as its one special token; a chat template's format
+is recognised."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken
 
 from kvforge.server.protocol import FunctionDefinition
-from kvforge.server.tool_formats import HERMES, LLAMA3_JSON, CallFormat, call_format_of
+from kvforge.server.tool_formats import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, CallFormat, call_format_of
 from kvforge.structured_output.compiler import GrammarCompiler
 from kvforge.structured_output.params import StructuredOutputParams
 from kvforge.tokenizer import Tokenizer
@@ -20,11 +22,14 @@ TOOLS = [FunctionDefinition(name="get_weather", parameters={"type": "object"}),
          FunctionDefinition(name="get_time", parameters={"type": "object"})]
 
 
+FORMATS = [HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS]
+
+
 def _reply(call_format: CallFormat) -> str:
-    return call_format.separator.join(call_format.write(name, arguments) for name, arguments in CALLS)
+    return call_format.write_all(CALLS)
 
 
-@pytest.mark.parametrize("call_format", [HERMES, LLAMA3_JSON], ids=lambda f: f.name)
+@pytest.mark.parametrize("call_format", FORMATS, ids=lambda f: f.name)
 def test_calls_parsed_from_every_prefix_grow_to_the_whole(call_format: CallFormat) -> None:
     reply = _reply(call_format)
     assert call_format.parse(reply) == CALLS
@@ -40,23 +45,25 @@ def test_calls_parsed_from_every_prefix_grow_to_the_whole(call_format: CallForma
     assert call_format.parse("The weather is fine.") is None and not call_format.may_become_call("The weather")
 
 
-@pytest.mark.parametrize("call_format", [HERMES, LLAMA3_JSON], ids=lambda f: f.name)
+@pytest.mark.parametrize("call_format", FORMATS, ids=lambda f: f.name)
 def test_the_grammar_admits_two_calls_only_when_parallel(tiny_llama_dir: tuple[Path, object],
                                                          call_format: CallFormat) -> None:
     tokenizer = Tokenizer.from_dir(tiny_llama_dir[0])
+    tokenizer.backend.add_special_tokens([AddedToken(token, special=True) for token in call_format.special_tokens])
+    special_ids = {token: tokenizer.token_id(token) for token in call_format.special_tokens}
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
     try:
         token_ids = tokenizer.encode("\n\n" + _reply(call_format), add_special_tokens=False)  # a blank line first
-        one = "\n\n" + call_format.write(*CALLS[0])
-        for parallel, accepted in ((True, len(token_ids)), (False, None)):
-            grammar = call_format.grammar(TOOLS, allow_text=True, parallel=parallel)
-            matcher = compiler.compile(StructuredOutputParams(grammar=grammar)).result().matcher()
-            num_accepted = matcher.advance(token_ids)
-            if accepted is not None:
-                assert num_accepted == accepted and matcher.is_complete
-            else:  # the first call, and nothing after it
-                assert tokenizer.decode(token_ids[:num_accepted]).startswith(one)
-                assert num_accepted < len(token_ids) and matcher.is_terminated
+        assert all(token_ids.count(token_id) >= 1 for token_id in special_ids.values())
+        one = tokenizer.encode("\n\n" + call_format.write_all(CALLS[:1]), add_special_tokens=False)
+        for parallel in (True, False):
+            grammar = call_format.grammar(TOOLS, allow_text=True, parallel=parallel, special_ids=special_ids)
+            compiled = compiler.compile(StructuredOutputParams(grammar=grammar)).result()
+            two_calls, one_call = compiled.matcher(), compiled.matcher()
+            assert (two_calls.advance(token_ids) == len(token_ids)) == parallel
+            assert two_calls.is_complete or not parallel
+            assert one_call.advance(one) == len(one) and one_call.is_complete
+            assert one_call.is_terminated or parallel  # without parallel: the first call, and nothing after it
     finally:
         compiler.shutdown()
 
@@ -66,3 +73,6 @@ def test_a_templates_call_format_is_recognised() -> None:
                'value}.{% for tool in tools %}{{ tool | tojson }}{% endfor %}')
     qwen25 = '<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools> <tool_call>'
     assert call_format_of(llama31) is LLAMA3_JSON and call_format_of(qwen25) is HERMES
+    mistral_v3 = '{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}'
+    mistral_v11 = '{{- "[TOOL_CALLS]" + tool.function.name + "[ARGS]" + arguments }}'
+    assert call_format_of(mistral_v3) is MISTRAL and call_format_of(mistral_v11) is MISTRAL_ARGS
