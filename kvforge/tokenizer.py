@@ -17,44 +17,11 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import processors
+
+from kvforge.gguf_vocabulary import gguf_backend
 
 logger = logging.getLogger(__name__)
-
-# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-# The regexes each `tokenizer.ggml.pre` value splits text with, applied in order before the
-# byte-level mapping. They follow llama.cpp's pre-tokenizer table, which copies each model's
-# `tokenizer.json`. NOTE: "smollm" first isolates every numeral (\p{N}), as SmolLM2's tokenizer.json
-# does with Digits(individual_digits) before ByteLevel. That changes ids wherever whitespace
-# precedes a numeral: "  1" -> ["ĠĠ", "1"] (GPT-2 split: ["Ġ", "Ġ", "1"]), " ½" -> ["Ġ", "Â½"].
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo"), (_GPT2_SPLIT,)),
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-        (r"\p{N}", _GPT2_SPLIT),
-    ),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe"), (_LLAMA3_SPLIT,)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), (_QWEN2_SPLIT,)),
-    "tekken": (_TEKKEN_SPLIT,),
-}
-
 
 @dataclass(slots=True)
 class Tokenizer:
@@ -101,24 +68,11 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
-        """Rebuild the tokenizer a GGUF file describes in its `tokenizer.*` metadata (kvforge.loader.gguf_file).
-
-        Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported.
-        """
+        """Rebuild the tokenizer a GGUF file describes in its `tokenizer.*` metadata (kvforge.loader.gguf_file):
+        byte-level BPE (`tokenizer.ggml.model` "gpt2") or SentencePiece BPE ("llama"); see gguf_vocabulary.py."""
         meta = {key: value for key, value in metadata.items() if key.startswith("tokenizer.")}
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model tokenizer.ggml.model={kind!r}; "
-                "only 'gpt2' (byte-level BPE) is supported"
-            )
         tokens: list[str] = meta.get("tokenizer.ggml.tokens", [])
-        if not tokens:
-            raise ValueError("GGUF file has no tokenizer.ggml.tokens")
-        backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges", []))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-        if "tokenizer.ggml.token_type" in meta:
-            _add_typed_tokens(backend, tokens, meta["tokenizer.ggml.token_type"])
+        backend = gguf_backend(meta)
 
         def token(key: str) -> str | None:
             token_id = meta.get(f"tokenizer.ggml.{key}")
@@ -127,7 +81,8 @@ class Tokenizer:
             return None if token_id is None else tokens[token_id]
 
         bos_token, eos_token = token("bos_token_id"), token("eos_token_id")
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
+        # NOTE: as llama.cpp, a SentencePiece vocabulary adds BOS unless the file says otherwise
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
         add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
         backend.post_processor = _bos_eos_processor(
             backend, bos_token if add_bos else None, eos_token if add_eos else None
@@ -230,37 +185,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _token_content(token: str | dict[str, Any] | None) -> str | None:
     """tokenizer_config.json writes a special token as a string or as {"content": ..., ...}."""
     return token.get("content") if isinstance(token, dict) else token
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[str]) -> tokenizers.Tokenizer:
-    vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _add_typed_tokens(backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int]) -> None:
-    """Match CONTROL (special) and USER_DEFINED (plain) tokens whole in the text, as llama.cpp does."""
-    if len(token_types) != len(tokens):
-        raise ValueError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
-    typed = list(zip(tokens, token_types, strict=True))
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in typed if k == _TOKEN_TYPE_CONTROL]
-    )
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in typed if k == _TOKEN_TYPE_USER_DEFINED]
-    )
-
-
-def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    splits = _PRE_TOKENIZER_SPLITS.get(pre)
-    if splits is None:
-        logger.warning("unknown GGUF pre-tokenizer %r; splitting text the GPT-2 way", pre)
-        splits = (_GPT2_SPLIT,)
-    steps = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in splits]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    return pre_tokenizers.Sequence([*steps, byte_level])
 
 
 def _bos_eos_processor(

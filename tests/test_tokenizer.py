@@ -200,12 +200,12 @@ def test_from_dir_without_tokenizer_json(tmp_path):
 
 
 def test_unknown_gguf_tokenizer_model_gives_value_error(tmp_path):
-    path = tmp_path / "spm.gguf"
+    path = tmp_path / "unigram.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model("t5")
     writer.add_token_list(["<unk>", "<s>", "</s>", "▁hi"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'llama'"):
+    with pytest.raises(ValueError, match="'t5'"):
         Tokenizer.from_gguf(GGUFFile(str(path)).metadata)
