@@ -176,6 +176,8 @@ class LLM:
         if name is None or sampling_params is None:
             return sampling_params
         end = reasoning_parser(name).end
+        if end is None:  # harmony: a constraint is written around the reasoning, not started after it
+            return sampling_params
 
         def moved(params: SamplingParams) -> SamplingParams:
             constraint = params.structured_output

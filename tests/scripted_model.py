@@ -21,15 +21,21 @@ THINKING_TAGS = ["<think>", "</think>"]
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 
 
-def save_scripted_model(folder: Path, script: str) -> None:
-    """A model and tokenizer in folder whose greedy reply to any chat prompt is script, then EOS."""
+def save_scripted_model(folder: Path, script: str, special_tokens: tuple[str, ...] = (),
+                        chat_template: str | None = None, generation_prompt: str = GENERATION_PROMPT) -> None:
+    """A model and tokenizer in folder whose greedy reply to any chat prompt is script, then EOS; special_tokens are
+    added to the vocabulary as such, and chat_template (ending its prompts with generation_prompt) replaces the tiny
+    tokenizer's."""
     from transformers import AutoTokenizer
 
     save_tokenizer(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.add_tokens(THINKING_TAGS)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
-    prompt_end = tokenizer.encode(GENERATION_PROMPT, add_special_tokens=False)[-1]
+    prompt_end = tokenizer.encode(generation_prompt, add_special_tokens=False)[-1]
     chain = [prompt_end, *tokenizer.encode(script, add_special_tokens=False), tokenizer.eos_token_id]
     assert len(set(chain[:-1])) == len(chain) - 1, f"a scripted token repeats: {tokenizer.convert_ids_to_tokens(chain)}"
     model = build_model("llama", vocab_size=len(tokenizer), num_hidden_layers=1, max_position_embeddings=2048)

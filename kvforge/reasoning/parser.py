@@ -33,6 +33,7 @@ class ReasoningParser:
     start: str = "<think>"
     end: str = "</think>"
     starts_in_reasoning: bool = False
+    special_tokens: tuple[str, ...] = ()  # tags that are special tokens, which the reply's text must keep
 
     def split(self, text: str, finished: bool) -> ReasoningSplit:
         """The reasoning and content of text; while not finished, without what may still become a tag."""
@@ -49,11 +50,11 @@ class ReasoningParser:
         if found:
             return ReasoningSplit(reasoning, rest.lstrip())
         if not finished:
-            reasoning = reasoning[: len(reasoning) - _partial_suffix(reasoning, self.end)]
+            reasoning = reasoning[: len(reasoning) - partial_suffix(reasoning, self.end)]
         return ReasoningSplit(reasoning, "")
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of text that is a proper beginning of tag."""
     for length in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-length:]):

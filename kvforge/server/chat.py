@@ -9,7 +9,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from kvforge.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from kvforge.reasoning.registry import expects_reasoning, reasoning_parser
+from kvforge.reasoning.harmony import HarmonyParser
+from kvforge.reasoning.registry import expects_reasoning, reasoning_parser, template_reasoning_parser
 from kvforge.server.chat_prompt import chat_prompt_token_ids
 from kvforge.server.chat_reply import ReplyFormat, ReplyStream
 from kvforge.server.errors import APIError
@@ -39,8 +40,10 @@ from kvforge.server.serving import (
     sse_response,
     usage,
 )
-from kvforge.server.tools import ToolPlan, plan_tools
-from kvforge.structured_output.params import StructuredOutputParams
+from kvforge.server.tool_formats import HARMONY
+from kvforge.server.tools import ToolPlan, plan_tools, special_ids
+from kvforge.structured_output.params import ANY_JSON_OBJECT, StructuredOutputParams, schema_as_enforced
+from kvforge.tokenizer import Tokenizer
 
 router = APIRouter()
 
@@ -57,27 +60,34 @@ def _check_values(body: ChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
 
-def _response_format(body: ChatCompletionRequest) -> StructuredOutputParams | None:
-    """The constraint response_format asks for (`strict` or not, the schema is enforced)."""
+def _response_format(body: ChatCompletionRequest, reply: ReplyFormat,
+                     tokenizer: Tokenizer) -> StructuredOutputParams | None:
+    """The constraint response_format asks for (`strict` or not, the schema is enforced); for a harmony reply, on
+    its final message's text."""
     response_format = body.response_format
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return StructuredOutputParams(json_object=True)
-    if response_format.json_schema is None:
+        constraint = StructuredOutputParams(json_object=True)
+    elif response_format.json_schema is None:
         raise APIError(400, "response_format json_schema needs its json_schema field", param="response_format")
-    return StructuredOutputParams(json=response_format.json_schema.json_schema)
-
-
-def _constraint(body: ChatCompletionRequest, plan: ToolPlan) -> dict[str, StructuredOutputParams]:
-    constraint = plan.structured_output or _response_format(body)
-    return {} if constraint is None else {"structured_output": constraint}
+    else:
+        constraint = StructuredOutputParams(json=response_format.json_schema.json_schema)
+    if not isinstance(reply.reasoning, HarmonyParser):
+        return constraint
+    schema = schema_as_enforced(ANY_JSON_OBJECT if constraint.json_object else constraint.json)
+    return StructuredOutputParams(grammar=HARMONY.text_grammar(schema, special_ids(HARMONY, tokenizer)))
 
 
 def _reply_format(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan) -> ReplyFormat:
-    """The server's reasoning parser, unless the request turns thinking off, and the format calls are read in."""
+    """The server's reasoning parser (or harmony's, which a chat template that writes channels implies) and the
+    format calls are read in. A request that turns thinking off has no reasoning to part (a harmony reply still
+    has its channels)."""
     name = state.engine.engine.config.model.reasoning_parser
-    parser = None if name is None or not expects_reasoning(body.chat_template_kwargs) else reasoning_parser(name)
+    parser = reasoning_parser(name) if name is not None else template_reasoning_parser(
+        state.engine.tokenizer.chat_template)
+    if not isinstance(parser, HarmonyParser) and not expects_reasoning(body.chat_template_kwargs):
+        parser = None
     return ReplyFormat(parser, plan.calls)
 
 
@@ -105,13 +115,15 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
                                             body.continue_final_message, body.chat_template_kwargs,
                                             plan.template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    reply = _reply_format(state, body, plan)
+    constraint = plan.structured_output or _response_format(body, reply, tokenizer)
     params = sampling_params(state, body, max_tokens_in_context(state, len(token_ids), requested),
                              logprobs=_num_logprobs(body), prompt_logprobs=body.prompt_logprobs,
-                             **_constraint(body, plan))
-    if plan.calls is not None and plan.calls.special_tokens:  # the reply is read for special tokens
+                             **({} if constraint is None else {"structured_output": constraint}))
+    if reply.special_tokens:  # the reply is read for special tokens
         params.skip_special_tokens = False
-    reply = _reply_format(state, body, plan)
-    if reply.reasoning is not None and params.structured_output is not None:  # constrain what follows the reasoning
+    if reply.reasoning is not None and reply.reasoning.end is not None and params.structured_output is not None:
+        # constrain what follows the reasoning
         params.structured_output = replace(params.structured_output, starts_after=reply.reasoning.end)
     group = RequestGroup(state)
     await group.start(request_id, [({"prompt_token_ids": token_ids}, params)])

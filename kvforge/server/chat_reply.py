@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvforge.outputs import CompletionOutput
+from kvforge.reasoning.harmony import HarmonyParser
 from kvforge.reasoning.parser import ReasoningParser, ReasoningSplit
 from kvforge.server.protocol import (
     AssistantMessage,
@@ -29,8 +30,13 @@ class ReplyFormat:
     """How one request's replies are read: its reasoning parser (None: no reasoning expected, the reply is
     all content) and the format of the tool calls the content is read for (None: not read)."""
 
-    reasoning: ReasoningParser | None
+    reasoning: ReasoningParser | HarmonyParser | None
     calls: CallFormat | None
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether replies are read for special tokens (their text must keep them)."""
+        return any(part is not None and part.special_tokens for part in (self.reasoning, self.calls))
 
     def split(self, text: str, finished: bool) -> ReasoningSplit:
         return ReasoningSplit(None, text) if self.reasoning is None else self.reasoning.split(text, finished)

@@ -8,9 +8,13 @@
                  (one list of calls, separated by ", "; Mistral 7B v0.3's and Mixtral's templates)
     mistral_args [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}
                  (each call after its own [TOOL_CALLS]; the templates of Mistral's later tokenizers, which have [ARGS])
+    harmony      <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}
+                 (GPT-OSS: a message to a function, as reasoning/harmony.py hands it over; its grammar lets an
+                 analysis message come first, and under "auto" the alternative is a final message)
 
-Mistral's [TOOL_CALLS] and [ARGS] are special tokens: a grammar asks for them by id (the model writes them as one
-token each, never spelt out) and a reply read for such calls keeps special tokens in its text.
+Mistral's [TOOL_CALLS] and [ARGS] (and harmony's markers) are special tokens: a grammar asks for them by id (the
+model writes them as one token each, never spelt out) and a reply read for such calls keeps special tokens in its
+text.
 
 Whitespace may come before the first call (a model often writes a blank line after its reasoning). The
 arguments object ends where the JSON object ends (json.JSONDecoder.raw_decode finds it), so a stream
@@ -26,7 +30,9 @@ import string
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvforge.reasoning.harmony import CALL_ARGUMENTS, CALL_HEADER, SPECIAL_TOKENS
 from kvforge.server.protocol import FunctionDefinition
 from kvforge.structured_output.compiler import JSON_OPTIONS
 
@@ -44,7 +50,9 @@ class CallFormat:
     """A call is before_name + name + before_arguments + a JSON object + after_arguments; calls are
     joined by separator, and all of them written between opening and closing. special_tokens: the texts in
     these that are single special tokens of the model's vocabulary; call_id_length: the length of the
-    alphanumeric call ids the model's template accepts (None: any id)."""
+    alphanumeric call ids the model's template accepts (None: any id). preamble: (opening, closing) of a message of
+    any text the grammar lets come before the calls (None: none); text_opening: what a reply that is text, not
+    calls, starts with ("": any text that does not start as a call does)."""
 
     name: str
     before_name: str
@@ -55,6 +63,8 @@ class CallFormat:
     closing: str = ""
     special_tokens: tuple[str, ...] = ()
     call_id_length: int | None = None
+    preamble: tuple[str, str] | None = None
+    text_opening: str = ""
     _prefix: re.Pattern = field(init=False, repr=False, compare=False)
     _opening: re.Pattern = field(init=False, repr=False, compare=False)
 
@@ -89,11 +99,7 @@ class CallFormat:
         """A Lark grammar of a call of one of tools, or if parallel of one or more calls (or, if allow_text,
         of text that does not start as a call does). special_ids: the ids of those of special_tokens that the
         vocabulary has (the others are asked for as text)."""
-        def literal(text: str) -> str:
-            parts = re.split(f"({'|'.join(map(re.escape, special_ids))})", text) if special_ids else [text]
-            return " ".join(f"<[{special_ids[part]}]>" if part in special_ids else json.dumps(part)
-                            for part in parts if part)
-
+        literal = _Literals(special_ids)
         calls = []
         for tool in tools:
             schema = {**(tool.parameters or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
@@ -101,12 +107,32 @@ class CallFormat:
             calls.append(f"{before} %json {json.dumps(schema)} {literal(self.after_arguments)}".rstrip())
         more = " (" + " ".join(filter(None, [literal(self.separator), "call"])) + ")*" if parallel else ""
         sequence = filter(None, ["LEAD?", literal(self.opening), "call" + more, literal(self.closing)])
-        rules = ["start: calls" + (" | TEXT" if allow_text else ""), "calls: " + " ".join(sequence),
-                 "call: " + " | ".join(calls), f"LEAD: /[{_SPACE_CLASS}]{{1,{_MAX_LEAD}}}/"]
-        if allow_text:  # a special token is never text: any text is not a call then
-            first = "" if self._lead_is_special(special_ids) else re.escape(self.lead[0])
-            rules.append(f"TEXT: /[{_SPACE_CLASS}]*[^{first}{_SPACE_CLASS}](?s:.)*/")
-        return "\n".join(rules)
+        rules = [self._start("calls" + (" | text" if allow_text else "")), "calls: " + " ".join(sequence),
+                 "call: " + " | ".join(calls), f"LEAD: /[{_SPACE_CLASS}]{{1,{_MAX_LEAD}}}/",
+                 *self._preamble_rules(literal)]
+        if allow_text and self.text_opening:
+            rules += [f"text: {literal(self.text_opening)} ANY", "ANY: /(?s:.)*/"]
+        elif allow_text:  # a special token is never text: any text is not a call then
+            first = "" if any(self.lead.startswith(token) for token in special_ids) else re.escape(self.lead[0])
+            rules += ["text: TEXT", f"TEXT: /[{_SPACE_CLASS}]*[^{first}{_SPACE_CLASS}](?s:.)*/"]
+        return "\n".join(dict.fromkeys(rules))
+
+    def text_grammar(self, schema: Any, special_ids: Mapping[str, int]) -> str:
+        """A Lark grammar of a reply whose text, after the preamble and text_opening, is JSON of schema (a model
+        whose text has an opening of its own: harmony's final message)."""
+        literal = _Literals(special_ids)
+        schema = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else schema
+        return "\n".join(dict.fromkeys([self._start("text"), f"text: {literal(self.text_opening)} %json "
+                                         f"{json.dumps(schema)}", *self._preamble_rules(literal)]))
+
+    def _start(self, body: str) -> str:
+        return f"start: {'preamble? ' if self.preamble else ''}({body})"
+
+    def _preamble_rules(self, literal: _Literals) -> list[str]:
+        if self.preamble is None:
+            return []
+        opening, closing = self.preamble
+        return [f"preamble: {literal(opening)} ANY {literal(closing)}", "ANY: /(?s:.)*/"]
 
     def parse(self, text: str) -> list[tuple[str, str]] | None:
         """[(function name, its arguments so far)] when text is calls (the last one may be unfinished), else None."""
@@ -133,13 +159,22 @@ class CallFormat:
         lead = text.lstrip(_SPACE_CHARS)
         if self.parse(lead) is not None:
             return False
-        marker = self.lead.split()[0]
-        if marker in self.special_tokens:  # it comes whole, as one token: a call once it is there
-            return lead.startswith(marker) or marker.startswith(lead)
+        if any(self.lead.startswith(token) for token in self.special_tokens):  # it comes whole, as one token
+            return lead.startswith(self.lead) or self.lead.startswith(lead)
         return not lead or lead.startswith(self.lead[0]) and len(text) < _MAX_UNDECIDED_CHARS
 
-    def _lead_is_special(self, special_ids: Mapping[str, int]) -> bool:
-        return any(self.lead.startswith(token) for token in special_ids)
+
+class _Literals:
+    """A text as a Lark sequence: its special tokens asked for by id (those of special_ids), the rest as strings."""
+
+    def __init__(self, special_ids: Mapping[str, int]) -> None:
+        self.special_ids = special_ids
+        self._split = re.compile(f"({'|'.join(map(re.escape, special_ids))})") if special_ids else None
+
+    def __call__(self, text: str) -> str:
+        parts = self._split.split(text) if self._split is not None else [text]
+        return " ".join(f"<[{self.special_ids[part]}]>" if part in self.special_ids else json.dumps(part)
+                        for part in parts if part)
 
 
 HERMES = CallFormat("hermes", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n")
@@ -148,13 +183,18 @@ MISTRAL = CallFormat("mistral", '{"name": "', '", "arguments": ', "}", ", ", ope
                      special_tokens=("[TOOL_CALLS]",), call_id_length=9)
 MISTRAL_ARGS = CallFormat("mistral_args", "[TOOL_CALLS]", "[ARGS]", "", "",
                           special_tokens=("[TOOL_CALLS]", "[ARGS]"), call_id_length=9)
+HARMONY = CallFormat("harmony", CALL_HEADER, CALL_ARGUMENTS, "", "", special_tokens=SPECIAL_TOKENS,
+                     preamble=("<|channel|>analysis<|message|>", "<|end|><|start|>assistant"),
+                     text_opening="<|channel|>final<|message|>")
 _ID_CHARS = string.ascii_letters + string.digits
 
 
 def call_format_of(template: str) -> CallFormat:
-    """The format a chat template that renders tools asks for: Mistral's when it writes [TOOL_CALLS] (with [ARGS]
-    after each name in its later templates), Llama 3's JSON when it speaks of "parameters" and has no <tool_call>
-    tags, Hermes' otherwise."""
+    """The format a chat template that renders tools asks for: harmony's when it writes channels, Mistral's when it
+    writes [TOOL_CALLS] (with [ARGS] after each name in its later templates), Llama 3's JSON when it speaks of
+    "parameters" and has no <tool_call> tags, Hermes' otherwise."""
+    if "<|channel|>" in template:
+        return HARMONY
     if "[TOOL_CALLS]" in template:
         return MISTRAL_ARGS if "[ARGS]" in template else MISTRAL
     return LLAMA3_JSON if '"parameters"' in template and "<tool_call>" not in template else HERMES

@@ -69,14 +69,19 @@ def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], toke
         raise APIError(400, "response_format cannot be combined with tools unless tool_choice is none",
                        param="response_format")
     call_format = call_format_of(template) if renders_tools else HERMES
-    special_ids = {token: tokenizer.backend.token_to_id(token) for token in call_format.special_tokens}
     grammar = StructuredOutputParams(grammar=call_format.grammar(
         tools, allow_text=choice == "auto", parallel=body.parallel_tool_calls,
-        special_ids={token: token_id for token, token_id in special_ids.items() if token_id is not None}))
+        special_ids=special_ids(call_format, tokenizer)))
     if renders_tools:
         return ToolPlan(messages, {"tools": [t.model_dump(exclude_none=True) for t in body.tools]}, grammar,
                         call_format)
     return ToolPlan(_generic_messages(messages, [t.function for t in body.tools]), {}, grammar, call_format)
+
+
+def special_ids(call_format: CallFormat, tokenizer: Tokenizer) -> dict[str, int]:
+    """The ids of those of call_format's special tokens that tokenizer's vocabulary has."""
+    ids = {token: tokenizer.backend.token_to_id(token) for token in call_format.special_tokens}
+    return {token: token_id for token, token_id in ids.items() if token_id is not None}
 
 
 def _generic_messages(messages: list[dict[str, Any]], tools: list[FunctionDefinition]) -> list[dict[str, Any]]:

@@ -17,6 +17,15 @@ CASES = [
     ("deepseek_r1", "Count the r's: 3.</think>\nThere are 3.", "Count the r's: 3.", "There are 3."),
     ("deepseek_r1", "<think>a < b</think>b", "a < b", "b"),
     ("deepseek_r1", "no end, all reasoning </thi", "no end, all reasoning </thi", ""),
+    # harmony (GPT-OSS): channels; a message to a function is handed on as a call (server/tool_formats.HARMONY)
+    ("openai_gptoss", "<|channel|>analysis<|message|>Greets.<|end|><|start|>assistant<|channel|>final<|message|>Hi!",
+     "Greets.", "Hi!"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Weather.<|end|><|start|>assistant to=functions.get_weather"
+     "<|channel|>commentary json<|message|>{\"city\": \"Paris\"}", "Weather.",
+     "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}"),
+    ("openai_gptoss", "<|channel|>final<|message|>a < b", None, "a < b"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>never ends <|", "never ends <|", ""),
+    ("openai_gptoss", "no channels <b>", None, "no channels <b>"),
 ]
 
 

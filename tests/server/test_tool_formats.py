@@ -12,7 +12,15 @@ import pytest
 from tokenizers import AddedToken
 
 from kvforge.server.protocol import FunctionDefinition
-from kvforge.server.tool_formats import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, CallFormat, call_format_of
+from kvforge.server.tool_formats import (
+    HARMONY,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    MISTRAL_ARGS,
+    CallFormat,
+    call_format_of,
+)
 from kvforge.structured_output.compiler import GrammarCompiler
 from kvforge.structured_output.params import StructuredOutputParams
 from kvforge.tokenizer import Tokenizer
@@ -22,7 +30,7 @@ TOOLS = [FunctionDefinition(name="get_weather", parameters={"type": "object"}),
          FunctionDefinition(name="get_time", parameters={"type": "object"})]
 
 
-FORMATS = [HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS]
+FORMATS = [HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, HARMONY]
 
 
 def _reply(call_format: CallFormat) -> str:
@@ -53,8 +61,9 @@ def test_the_grammar_admits_two_calls_only_when_parallel(tiny_llama_dir: tuple[P
     special_ids = {token: tokenizer.token_id(token) for token in call_format.special_tokens}
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
     try:
-        token_ids = tokenizer.encode("\n\n" + _reply(call_format), add_special_tokens=False)  # a blank line first
-        assert all(token_ids.count(token_id) >= 1 for token_id in special_ids.values())
+        reply = _reply(call_format)
+        token_ids = tokenizer.encode("\n\n" + reply, add_special_tokens=False)  # a blank line first
+        assert all(special_ids[token] in token_ids for token in special_ids if token in reply)  # each one token
         one = tokenizer.encode("\n\n" + call_format.write_all(CALLS[:1]), add_special_tokens=False)
         for parallel in (True, False):
             grammar = call_format.grammar(TOOLS, allow_text=True, parallel=parallel, special_ids=special_ids)
@@ -76,3 +85,32 @@ def test_a_templates_call_format_is_recognised() -> None:
     mistral_v3 = '{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}'
     mistral_v11 = '{{- "[TOOL_CALLS]" + tool.function.name + "[ARGS]" + arguments }}'
     assert call_format_of(mistral_v3) is MISTRAL and call_format_of(mistral_v11) is MISTRAL_ARGS
+    assert call_format_of("{{- '<|start|>assistant<|channel|>' + message.channel }}") is HARMONY
+
+
+def test_harmonys_grammar_lets_an_analysis_come_first_and_a_final_message_be_the_text(
+        tiny_llama_dir: tuple[Path, object]) -> None:
+    tokenizer = Tokenizer.from_dir(tiny_llama_dir[0])
+    tokenizer.backend.add_special_tokens([AddedToken(token, special=True) for token in HARMONY.special_tokens])
+    special_ids = {token: tokenizer.token_id(token) for token in HARMONY.special_tokens}
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    analysis = "<|channel|>analysis<|message|>The user asks.<|end|><|start|>assistant"
+    try:
+        for allow_text, reply, whole in (
+                (False, analysis + HARMONY.write_all(CALLS[:1]), True),
+                (False, HARMONY.write_all(CALLS[:1]), True),
+                (True, analysis + "<|channel|>final<|message|>It is sunny.", True),
+                (False, analysis + "<|channel|>final<|message|>It is sunny.", False)):
+            grammar = HARMONY.grammar(TOOLS, allow_text=allow_text, parallel=False, special_ids=special_ids)
+            matcher = compiler.compile(StructuredOutputParams(grammar=grammar)).result().matcher()
+            token_ids = tokenizer.encode(reply, add_special_tokens=False)
+            assert (matcher.advance(token_ids) == len(token_ids) and matcher.is_complete) == whole, reply
+        grammar = HARMONY.text_grammar({"type": "object", "properties": {"a": {"type": "integer"}}}, special_ids)
+        for reply, whole in ((analysis + '<|channel|>final<|message|>{"a": 1}', True),
+                             ('<|channel|>final<|message|>{"a": 1}', True),
+                             (analysis + '<|channel|>final<|message|>{"a": "x"}', False)):
+            matcher = compiler.compile(StructuredOutputParams(grammar=grammar)).result().matcher()
+            token_ids = tokenizer.encode(reply, add_special_tokens=False)
+            assert (matcher.advance(token_ids) == len(token_ids) and matcher.is_complete) == whole, reply
+    finally:
+        compiler.shutdown()
