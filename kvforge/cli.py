@@ -1,4 +1,4 @@
-"""The `kvforge` command: generate, chat, serve, compile and bench."""
+"""The `kvforge` command: generate, chat, serve, router, compile and bench."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ _BENCHMARKS = {
                                               "token, whole run"),
 }
 _SERVE_MODULE = "kvforge.server.cli"
+_ROUTER_MODULE = "kvforge.router.cli"
 _QUANTIZE_MODULE = "kvforge.quantize.cli"
 _PLAN_MODULE = "kvforge.plan.cli"
 _PROFILE_MODULE = "kvforge.profiler.cli"
@@ -148,6 +149,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                       for name, (_, text) in _BENCHMARKS.items()}
     module_parsers[("serve", None)] = commands.add_parser(
         "serve", help="OpenAI-compatible HTTP server", description="Serve the model over an OpenAI-compatible API.")
+    module_parsers[("router", None)] = commands.add_parser(
+        "router", help="one OpenAI endpoint in front of several servers, routing each request by its prompt's prefix",
+        description="Route OpenAI requests over replicas started anywhere: where the prompt's longest prefix was "
+        "sent, unless that replica is loaded past a bound; health checks take replicas out and back in.")
     module_parsers[("compile", None)] = commands.add_parser(
         "compile", help="compile a model's decode steps ahead of serving it (fills Inductor's on-disk caches)",
         description="Compile the decode step of every batch size the engine can run, so that a later start of the "
@@ -181,6 +186,8 @@ def _module_of(argv: list[str]) -> tuple[tuple, str] | None:
     words = [w for i, w in enumerate(argv) if not w.startswith("-") and (i == 0 or argv[i - 1] != "--log-level")]
     if words[:1] == ["serve"]:
         return ("serve", None), _SERVE_MODULE
+    if words[:1] == ["router"]:
+        return ("router", None), _ROUTER_MODULE
     if words[:1] == ["bench"] and len(words) > 1 and words[1] in _BENCHMARKS:
         return ("bench", words[1]), _BENCHMARKS[words[1]][0]
     if words[:1] == ["quantize"]:
