@@ -77,3 +77,11 @@ def test_the_load_is_read_from_prometheus_text() -> None:
     replica = _replicas(1)[0]
     replica.load, replica.num_in_flight = load, 10  # 2 sent that it has not seen yet
     assert replica.queue_depth == 7
+
+
+def test_a_common_opening_alone_is_no_reason_to_follow() -> None:
+    policy, (a, b) = Policy("prefix"), _replicas(2)
+    assert policy.choose([a, b], "You are a pirate. " * 10).replica is a
+    a.num_requests = 1  # as the router counts it: the idle replicas take turns
+    choice = policy.choose([a, b], "You are a librarian. " * 10)  # 10 characters in common of 210
+    assert choice.replica is b and not choice.prefix_hit
