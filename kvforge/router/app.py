@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 
 import httpx
@@ -75,8 +75,9 @@ async def _health_loop(http: httpx.AsyncClient, replicas: Sequence[Replica], pol
         await _check_all(http, replicas, policy, config)
 
 
-def build_router_app(config: RouterConfig) -> Starlette:
-    """The router in front of `config.backends`; health checks run while the app does."""
+def build_router_app(config: RouterConfig, backends_lifetime: AbstractContextManager | None = None) -> Starlette:
+    """The router in front of `config.backends`; health checks run while the app does, and so does
+    `backends_lifetime` (entered at startup, left at shutdown: the replica processes the router started)."""
     replicas = [Replica(url) for url in config.backends]
     policy = Policy(config.policy, config.bound)
     # NOTE: no read timeout: a generation may take minutes, and a replica that dies is noticed by the health
@@ -87,13 +88,14 @@ def build_router_app(config: RouterConfig) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        await _check_all(http, replicas, policy, config)
-        checks = asyncio.create_task(_health_loop(http, replicas, policy, config))
-        try:
-            yield
-        finally:
-            checks.cancel()
-            await http.aclose()
+        with backends_lifetime or nullcontext():
+            await _check_all(http, replicas, policy, config)
+            checks = asyncio.create_task(_health_loop(http, replicas, policy, config))
+            try:
+                yield
+            finally:
+                checks.cancel()
+                await http.aclose()
 
     async def generate(request: Request) -> Response:
         body = await request.body()

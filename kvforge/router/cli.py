@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from contextlib import AbstractContextManager
 
 from kvforge.config import parse_bytes
 from kvforge.router.app import RouterConfig, build_router_app
 from kvforge.router.policy import POLICIES, LoadBound
-from kvforge.server.cli import API_KEY_ENV
+from kvforge.server.middleware import API_KEY_ENV
+
+
+def _default(config_class: type, name: str):
+    return next(f.default for f in dataclasses.fields(config_class) if f.name == name)
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,18 +23,18 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--policy", default="prefix", choices=POLICIES,
                        help="prefix: send a request where its prompt's longest prefix was sent (unless that replica "
                             "is loaded past the bound, then to the least loaded); round-robin: in turn")
-    group.add_argument("--route-max-queue-depth", type=int, default=LoadBound.max_queue_depth,
+    group.add_argument("--route-max-queue-depth", type=int, default=_default(LoadBound, "max_queue_depth"),
                        help="a replica with more requests not yet started takes no request for its prefix")
-    group.add_argument("--route-max-kv-usage", type=float, default=LoadBound.max_kv_cache_usage,
+    group.add_argument("--route-max-kv-usage", type=float, default=_default(LoadBound, "max_kv_cache_usage"),
                        help="a replica with more of its KV cache in use (0 to 1) takes no request for its prefix")
-    group.add_argument("--route-max-imbalance", type=int, default=LoadBound.max_imbalance,
+    group.add_argument("--route-max-imbalance", type=int, default=_default(LoadBound, "max_imbalance"),
                        help="a replica with this many more requests in flight than the least busy one takes no "
                             "request for its prefix")
-    group.add_argument("--health-interval", type=float, default=RouterConfig.health_interval,
+    group.add_argument("--health-interval", type=float, default=_default(RouterConfig, "health_interval"),
                        help="seconds between health checks of each replica (GET /health and /metrics)")
-    group.add_argument("--health-timeout", type=float, default=RouterConfig.health_timeout,
+    group.add_argument("--health-timeout", type=float, default=_default(RouterConfig, "health_timeout"),
                        help="seconds a health check may take")
-    group.add_argument("--unhealthy-after", type=int, default=RouterConfig.unhealthy_after,
+    group.add_argument("--unhealthy-after", type=int, default=_default(RouterConfig, "unhealthy_after"),
                        help="failed health checks in a row that take a replica out (a refused connection does at once)")
 
 
@@ -41,13 +47,14 @@ def router_config(args: argparse.Namespace, backends: tuple[str, ...], api_key: 
                         max_body_bytes=max_body_bytes)
 
 
-def serve_router(config: RouterConfig, host: str, port: int, log_level: str = "info") -> None:
-    """Serve the router until interrupted (SIGINT/SIGTERM)."""
+def serve_router(config: RouterConfig, host: str, port: int, log_level: str = "info",
+                 backends_lifetime: AbstractContextManager | None = None) -> None:
+    """Serve the router until interrupted (SIGINT/SIGTERM); `backends_lifetime` as build_router_app takes it."""
     import uvicorn
 
     if not 0 <= port < 2**16:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
-    app = build_router_app(config)
+    app = build_router_app(config, backends_lifetime)
     print(f"kvforge: routing ({config.policy}) over {len(config.backends)} replicas on http://{host}:{port}/v1",
           flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from kvforge.config import parse_bytes
 from kvforge.engine_args import add_engine_arguments, build_engine_config, engine_kwargs_from_args
-
-API_KEY_ENV = "KVFORGE_API_KEY"
+from kvforge.router.cli import add_router_arguments
+from kvforge.server.middleware import API_KEY_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas to start on this machine, each a process with its own KV cache, behind "
+                            "one router on --host:--port (the router flags below apply)")
+    add_router_arguments(parser)
     add_engine_arguments(parser)
 
 
@@ -57,11 +61,17 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if not 0 <= args.port < 2**16:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     max_body_bytes = parse_bytes(args.max_request_size)
     timeouts = {"body_read_timeout": args.body_read_timeout, "keep_alive_timeout": args.keep_alive_timeout,
                 "shutdown_timeout": args.shutdown_timeout}
     ServerConfig(served_model_names=("check",), max_stored_responses=args.max_stored_responses,
                  **timeouts)  # bad values fail before the model loads
+    if args.data_parallel_size > 1:
+        from kvforge.router.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     engine = create_engine(build_engine_config(**engine_kwargs_from_args(args)))
     names = tuple(args.served_model_name or [args.model or Path(engine.model_name).stem])
     config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=max_body_bytes,

@@ -10,6 +10,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvforge.server.errors import error_response
 
+# The environment variable `kvforge serve` and `kvforge router` read the API key from (where no --api-key is given).
+API_KEY_ENV = "KVFORGE_API_KEY"
 # Routes open without the API key, like vLLM: probes and scrapers carry no credentials.
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/version")  # answered without the API key
 

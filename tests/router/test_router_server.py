@@ -42,7 +42,8 @@ def _run_workload(router: RouterThread, tag: str) -> list[str]:
     texts = []
     for s, q in order:
         prompt = f"{tag} {SYSTEMS[s]}\nQ: {QUESTIONS[q]}\nA:"
-        texts.append(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0).choices[0].text)
+        answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
+        texts.append(answer.choices[0].text)
     return texts
 
 
@@ -63,7 +64,8 @@ def test_prefix_routing_keeps_each_system_prompt_on_one_replica(replicas) -> Non
     direct = replicas[0].openai_client()
     for text, (s, q) in zip(texts, [(0, 0), (1, 0)] + [(s, q) for s in (0, 1) for q in range(1, len(QUESTIONS))]):
         prompt = f"prefix {SYSTEMS[s]}\nQ: {QUESTIONS[q]}\nA:"
-        assert direct.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0).choices[0].text == text
+        answer = direct.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
+        assert answer.choices[0].text == text
     router = _router(replicas, "round-robin")
     try:
         hits_before = _prefix_hits(replicas)
@@ -84,7 +86,8 @@ def test_streams_models_and_bad_bodies_pass_through(replicas) -> None:
         whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0)
         stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
                                                 stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole.choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == whole.choices[0].message.content
         assert [m.id for m in client.models.list().data] == [MODEL_NAME]
         answer = router.http.post("/v1/completions", content=b"not json", headers={"Authorization": "Bearer x"})
         assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
