@@ -119,6 +119,9 @@ class SchedulerConfig:
         check_options(self)
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """Ranks that split each layer (tensor parallel) times stages that split the layer stack."""
@@ -126,12 +129,19 @@ class ParallelConfig:
     tensor_parallel_size: int = option(1, "ranks that split every layer (one process and device each)")
     pipeline_parallel_size: int = option(
         1, "stages that split the stack of layers (one process and device per rank)")
+    distributed_executor_backend: str = option(
+        "mp", "how the ranks beyond the engine's own start: mp (processes on this machine, or those torchrun "
+        "started) or ray (one Ray actor per rank across a Ray cluster; pip install kvforge[ray])",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    ray_address: str | None = option(
+        None, "the Ray cluster the ranks run on, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local one)")
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_options(self)
 
     @property
     def world_size(self) -> int:

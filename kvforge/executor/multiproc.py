@@ -99,7 +99,8 @@ class DistributedExecutor(Executor):
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.max_in_flight = parallel.pipeline_parallel_size
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen] = []  # or RayRank actors, which look the same to the executor
+        self._ray_group: tuple[object, bool] | None = None  # a Ray placement group, and whether we joined Ray
         self._results: deque[ModelRunnerOutput | None] = deque()
         self._closed = False
         self._num_threads = torch.get_num_threads()  # this process's, restored at shutdown
@@ -127,6 +128,8 @@ class DistributedExecutor(Executor):
         """Start ranks 1.. on this machine, or, under torchrun, become the rank torchrun says."""
         launched_world = int(os.environ.get("WORLD_SIZE", "1"))
         if launched_world > 1:
+            if config.parallel.distributed_executor_backend != "mp":
+                raise ValueError("under torchrun the ranks are torchrun's: leave out --distributed-executor-backend")
             if launched_world != self.world_size:
                 raise ValueError(f"torchrun started {launched_world} processes, but tensor x pipeline parallel "
                                  f"size is {self.world_size}")
@@ -136,10 +139,28 @@ class DistributedExecutor(Executor):
                 run_worker(rank, config, "env://", local_rank, local_world)
                 sys.exit(0)
             return "env://", local_world
+        if config.parallel.distributed_executor_backend == "ray":
+            return self._launch_on_ray(config)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         for rank in range(1, self.world_size):
             self.processes.append(start_rank(RankArgs(config, rank, init_method, rank, self.world_size)))
         return init_method, self.world_size
+
+    def _launch_on_ray(self, config: EngineConfig) -> tuple[str, int]:
+        from kvforge.executor import ray_ranks
+
+        connected = ray_ranks.connect(config.parallel.ray_address)
+        try:
+            on_gpu = rank_device(config.device, 0).type == "cuda"
+            init_method, self.processes, group = ray_ranks.start_ray_ranks(config, on_gpu)
+        except BaseException:
+            if connected:
+                import ray
+
+                ray.shutdown()
+            raise
+        self._ray_group = (group, connected)
+        return init_method, config.parallel.tensor_parallel_size
 
     # ---- failure handling -------------------------------------------------------------------
     def _dead_ranks(self) -> list[str]:
@@ -226,6 +247,10 @@ class DistributedExecutor(Executor):
                 process.wait()
         forget_sends()
         leave_world()
+        if self._ray_group is not None:
+            from kvforge.executor.ray_ranks import release
+
+            release(*self._ray_group)
         torch.set_num_threads(self._num_threads)
         if hasattr(self, "worker"):
             super().shutdown()
