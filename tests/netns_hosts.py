@@ -88,9 +88,10 @@ class NamespaceHosts:
         """Start argv on host `host`, with the repository importable and GLOO on the host's eth0."""
         return subprocess.Popen(self.command(host, argv), env=self.env(env), **kwargs)
 
-    def run_python(self, host: int, code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    def run_python(self, host: int, code: str, *args: str, env: dict[str, str] | None = None,
+                   timeout: float = 300) -> subprocess.CompletedProcess:
         """Run a Python snippet on host `host` (e.g. a client of a server there); its output comes back."""
-        return subprocess.run(self.command(host, [sys.executable, "-c", code, *args]), env=self.env(None),
+        return subprocess.run(self.command(host, [sys.executable, "-c", code, *args]), env=self.env(env),
                               capture_output=True, text=True, timeout=timeout)
 
     @staticmethod

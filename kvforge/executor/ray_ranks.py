@@ -16,6 +16,7 @@ an actor looks like a rank process: `poll`, `wait`, `kill`, `returncode`, `pid`.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -33,8 +34,6 @@ class RankActor:
     """One rank in a Ray worker process (made a Ray actor class by `_actor_class`)."""
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def run(self, rank: int, config: EngineConfig, init_method: str, local_rank: int, local_world: int) -> None:
@@ -102,6 +101,8 @@ def connect(address: str | None) -> bool:
         raise ValueError("--distributed-executor-backend ray needs Ray: pip install 'kvforge[ray]'") from error
     if ray.is_initialized():
         return False
+    # NOTE: "local", not None: ray.init(None) joins whatever cluster `ray start` last left on this machine
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
     ray.init(address=address, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": _PACKAGE_PARENT}})
     return True
