@@ -1,16 +1,18 @@
-"""`kvforge plan`: memory per device and roofline speed of each tensor x pipeline split, and the one to use."""
+"""`kvforge plan`: memory per device and roofline speed of each tensor x pipeline split, and the one to use; with
+--request-rate, how many data-parallel replicas of which split serve that rate within a TTFT bound."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from kvforge.config import parse_bytes
 from kvforge.plan.devices import DEVICE_TYPES, get_device
 from kvforge.plan.estimate import PlanOptions, make_plan
 from kvforge.plan.model_shape import known_model_names, load_model_shape
 from kvforge.plan.precision import KV_CACHE_DTYPES, WEIGHT_DTYPES, resolve_precision
+from kvforge.plan.replicas import Traffic, format_replicas, plan_replicas
 from kvforge.plan.report import format_plan, plan_to_dict
 
 
@@ -36,6 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache bytes per device, e.g. 20GiB (default: as the engine sizes it: what "
                              "--max-num-seqs sequences of the model's length need, within what is left)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    group = parser.add_argument_group("data-parallel replicas (with --request-rate: --devices is the most to use)")
+    group.add_argument("--request-rate", type=float, default=None,
+                       help="requests/s to serve: plan how many replicas of which TP x PP split serve it")
+    group.add_argument("--prompt-tokens", type=int, default=1024, help="prompt tokens per request")
+    group.add_argument("--output-tokens", type=int, default=256, help="output tokens per request")
+    group.add_argument("--ttft-ms", type=float, default=1000.0, help="bound on the mean time to first token")
+    group.add_argument("--prefix-hit-rate", type=float, default=0.0,
+                       help="share of prompt tokens found in the prefix cache (shared system prompts kept on one "
+                            "replica by the router)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +63,17 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     shape = load_model_shape(args.model)
     precision = resolve_precision(args.dtype, args.kv_cache_dtype, shape.checkpoint_format, device)
+    if args.request_rate is not None:
+        traffic = Traffic(args.request_rate, args.prompt_tokens, args.output_tokens, args.ttft_ms,
+                          args.prefix_hit_rate)
+        estimates, best = plan_replicas(shape, device, precision, options, traffic)
+        if args.json:
+            as_dict = lambda e: {**asdict(e), "num_devices": e.num_devices}
+            print(json.dumps({"replicas": [as_dict(e) for e in estimates],
+                              "recommended": None if best is None else as_dict(best)}, indent=2))
+        else:
+            print(format_replicas(estimates, best, traffic, args.devices))
+        return 0
     plan = make_plan(shape, device, precision, options)
     print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_plan(plan))
     return 0
