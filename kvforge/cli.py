@@ -23,6 +23,8 @@ _BENCHMARKS = {
                                           "(and llama.cpp)"),
     "speculative": ("kvforge.benchmarks.speculative",
                     "decode tokens/s with speculation off and with each method, acceptance per position"),
+    "router": ("kvforge.benchmarks.router", "replicas behind the router against one replica, on system prompts "
+                                            "shared by many requests: throughput, TTFT, prefix-cache hit rate"),
     "startup": ("kvforge.benchmarks.startup", "`kvforge generate` in fresh processes: start-up, time to first "
                                               "token, whole run"),
 }

@@ -28,8 +28,10 @@ _PER_REPLICA = (
      lambda r: r.queue_depth),
     ("kvforge_router:replica_kv_cache_usage", "Share of the replica's KV cache in use, as it last reported.",
      "gauge", lambda r: r.load.kv_cache_usage),
-    ("kvforge_router:replica_prefix_cache_hit_rate", "The replica's prefix-cache hit rate, as it last reported.",
-     "gauge", lambda r: r.load.prefix_hit_tokens / max(r.load.prefix_query_tokens, 1.0)),
+    ("kvforge_router:replica_prefix_cache_queries", "Prompt tokens the replica looked up in its prefix cache, as "
+     "it last reported.", "gauge", lambda r: r.load.prefix_query_tokens),
+    ("kvforge_router:replica_prefix_cache_hits", "Prompt tokens the replica found in its prefix cache, as it last "
+     "reported.", "gauge", lambda r: r.load.prefix_hit_tokens),
 )
 
 
