@@ -69,7 +69,7 @@ class Replica:
 
     def mark_up(self) -> None:
         if not self.healthy:
-            logger.warning("replica %s is up: taken in", self.url)
+            logger.info("replica %s is up: taken in", self.url)
         self.healthy = True
         self.down.clear()
 
