@@ -163,8 +163,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "quantize", help="write a quantized checkpoint (rtn, gptq, awq, w8a8)",
         description="Quantize a float model and write a checkpoint folder.")
     module_parsers[("plan", None)] = commands.add_parser(
-        "plan", help="memory and speed of each tensor x pipeline split over N devices",
-        description="Estimate memory per device and roofline speed for each TP x PP split, and pick one.")
+        "plan", help="memory and speed of each tensor x pipeline split over N devices (with --request-rate: the "
+        "data-parallel replicas that serve it)",
+        description="Estimate memory per device and roofline speed for each TP x PP split, and pick one; with "
+        "--request-rate, how many replicas of which split serve that rate within a TTFT bound.")
     module_parsers[("profile", None)] = commands.add_parser(
         "profile", help="where each step's time goes (host, op classes, collectives), against the roofline",
         description="Run a workload on the engine under torch.profiler; report per-step time by op class, "

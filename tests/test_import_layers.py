@@ -16,14 +16,14 @@ import kvforge
 ROOT = Path(kvforge.__file__).parent
 # package -> the kvforge packages it must never import (directly or through one of its modules)
 NEVER_IMPORTS = {
-    "step_data": {"engine", "executor", "server", "llm"},
-    "executor": {"engine", "server", "llm"},
-    "spec_decode": {"engine", "executor", "server", "llm"},
-    "kernels": {"layers", "models", "quantization", "loader", "engine", "executor", "server", "llm"},
-    "layers": {"models", "loader", "engine", "executor", "server", "llm"},
-    "models": {"loader", "engine", "executor", "server", "llm"},
-    "engine": {"server", "llm"},
-    "structured_output": {"engine", "executor", "server", "llm"},
+    "step_data": {"engine", "executor", "server", "router", "llm"},
+    "executor": {"engine", "server", "router", "llm"},
+    "spec_decode": {"engine", "executor", "server", "router", "llm"},
+    "kernels": {"layers", "models", "quantization", "loader", "engine", "executor", "server", "router", "llm"},
+    "layers": {"models", "loader", "engine", "executor", "server", "router", "llm"},
+    "models": {"loader", "engine", "executor", "server", "router", "llm"},
+    "engine": {"server", "router", "llm"},
+    "structured_output": {"engine", "executor", "server", "router", "llm"},
 }
 
 
