@@ -37,6 +37,7 @@ from kvforge.kernels.cpu.layer_ops import (
 from kvforge.kernels.cpu.paged_attention import paged_attention_cpu, paged_decode_cpu
 from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_triton
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton
+from kvforge.kernels.lora import lora_expand_cpu, lora_expand_triton, lora_shrink_cpu, lora_shrink_triton
 from kvforge.kernels.mla_decode import mla_decode_ref, mla_decode_triton
 from kvforge.kernels.paged_attention import paged_attention_triton
 from kvforge.kernels.quant_gemm import quant_gemm_ref, quant_gemm_triton
@@ -190,6 +191,26 @@ def _(
     return query.new_empty((*query.shape[:2], latent_dim))
 
 
+@torch.library.custom_op("kvforge::lora_shrink", mutates_args=())
+def _lora_shrink_op(x: Tensor, a: Tensor, slots: Tensor) -> Tensor:
+    return lora_shrink_triton(x, a, slots)
+
+
+@_lora_shrink_op.register_fake
+def _(x: Tensor, a: Tensor, slots: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], a.shape[1]))
+
+
+@torch.library.custom_op("kvforge::lora_expand", mutates_args=())
+def _lora_expand_op(h: Tensor, b: Tensor, slots: Tensor, y: Tensor) -> Tensor:
+    return lora_expand_triton(h, b, slots, y)
+
+
+@_lora_expand_op.register_fake
+def _(h: Tensor, b: Tensor, slots: Tensor, y: Tensor) -> Tensor:
+    return y.new_empty(y.shape)
+
+
 @dataclass(frozen=True, slots=True)
 class OpTable:
     """One implementation of every op. paged_decode takes paged_attention's arguments for a step whose every
@@ -208,6 +229,8 @@ class OpTable:
     int8_gemm: Callable[..., Tensor]
     fused_moe: Callable[..., Tensor]
     mla_decode: Callable[..., Tensor]
+    lora_shrink: Callable[..., Tensor]
+    lora_expand: Callable[..., Tensor]
 
 
 def _paged_decode_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
@@ -231,6 +254,8 @@ TORCH_OPS = OpTable(
     int8_gemm=int8_gemm_ref,
     fused_moe=fused_moe_cpu,
     mla_decode=mla_decode_ref,
+    lora_shrink=lora_shrink_cpu,
+    lora_expand=lora_expand_cpu,
 )
 TRITON_OPS = OpTable(
     backend="triton",
@@ -246,6 +271,8 @@ TRITON_OPS = OpTable(
     int8_gemm=torch.ops.kvforge.int8_gemm,
     fused_moe=torch.ops.kvforge.fused_moe,
     mla_decode=torch.ops.kvforge.mla_decode,
+    lora_shrink=torch.ops.kvforge.lora_shrink,
+    lora_expand=torch.ops.kvforge.lora_expand,
 )
 
 
