@@ -236,6 +236,28 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Adapters served over the base model: each request may name one (lora/request.py), and requests of up to
+    max_loras adapters (and of none) share a step; adapters live in max_loras slots of rank max_lora_rank on the
+    device, swapped in LRU order from up to max_cpu_loras kept in host memory."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT folders) over the base model")
+    max_loras: int = option(4, "most adapters in one step (device slots)", minimum=1)
+    max_lora_rank: int = option(16, "largest adapter rank (slots are allocated at this rank)", minimum=1)
+    max_cpu_loras: int | None = option(
+        None, "most adapters kept in host memory, ready to swap into a slot (default: --max-loras)", minimum=1)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The whole engine's configuration: one sub-config per component, each handed only its own.
 
@@ -249,5 +271,6 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     seed: int = option(0, "seed of torch's global generator (per-request seeds are a sampling parameter)",
                        cli=False)

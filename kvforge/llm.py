@@ -15,6 +15,7 @@ from kvforge.engine.pooling_engine import PoolingEngine
 from kvforge.engine.prompts import PromptType
 from kvforge.engine.scoring import cosine_scores, pair_prompts, pair_up
 from kvforge.engine_args import build_engine_config, engine_signature
+from kvforge.lora.request import LoRARequest
 from kvforge.outputs import PoolingRequestOutput, RequestOutput
 from kvforge.pooling_params import PoolingParams
 from kvforge.reasoning.registry import reasoning_parser
@@ -78,8 +79,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or {"prompt_token_ids": [...]}); outputs in input order."""
+        """Generate for every prompt (text, or {"prompt_token_ids": [...]}); outputs in input order. lora_request:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model); needs enable_lora=True."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -89,11 +92,14 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        loras = [lora_request] * len(prompts) if not isinstance(lora_request, Sequence) else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         engine = self._engine_of(LLMEngine, "generate")
         for params in sampling_params:  # every grammar compiles in parallel before the first is awaited
             if params.structured_output is not None:
                 engine.grammars.compile(params.structured_output)
-        return self._run(self._add_all(prompts, sampling_params), use_tqdm)
+        return self._run(self._add_all(prompts, sampling_params, loras), use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], dimensions: int | None = None,
               normalize: bool | None = None, truncate_prompt_tokens: int | None = None,
@@ -138,12 +144,14 @@ class LLM:
                              f"{other!r}; make it with LLM(model, runner={runner!r})")
         return engine
 
-    def _add_all(self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams]) -> list[str]:
-        """Queue every prompt; if one is refused, none stays queued."""
+    def _add_all(self, prompts: list[PromptType], params: Sequence[SamplingParams | PoolingParams],
+                 loras: Sequence[LoRARequest | None] | None = None) -> list[str]:
+        """Queue every prompt (with its LoRA adapter, if any); if one is refused, none stays queued."""
         request_ids = []
         try:
-            for prompt, prompt_params in zip(prompts, params):
-                request_ids.append(self.engine.add_request(None, prompt, prompt_params))
+            for i, (prompt, prompt_params) in enumerate(zip(prompts, params)):
+                lora = {} if loras is None or loras[i] is None else {"lora_request": loras[i]}
+                request_ids.append(self.engine.add_request(None, prompt, prompt_params, **lora))
         except ValueError:
             self.engine.abort_request(request_ids)
             raise

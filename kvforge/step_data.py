@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from kvforge.layers.sampler import RawLogprobs
+    from kvforge.lora.request import LoRARequest
     from kvforge.pooling_params import PoolingParams
     from kvforge.sampling_params import SamplingParams
     from kvforge.structured_output.bitmask import GrammarBitmask
@@ -28,6 +29,7 @@ class NewRequest:
     token_ids: list[int]  # the prompt and the tokens generated so far (a copy)
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass(slots=True)

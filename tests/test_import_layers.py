@@ -24,6 +24,7 @@ NEVER_IMPORTS = {
     "models": {"loader", "engine", "executor", "server", "router", "llm"},
     "engine": {"server", "router", "llm"},
     "structured_output": {"engine", "executor", "server", "router", "llm"},
+    "lora": {"loader", "engine", "executor", "server", "router", "llm"},
 }
 
 

@@ -47,9 +47,12 @@ class KVCacheManager:
         """Hashes of the request's first num_full_blocks blocks (memoized per request)."""
         hashes = self.block_hashes.setdefault(request.request_id, [])
         tokens, size = request.all_token_ids, self.block_size
+        # NOTE: an adapter's KV differs from the base model's for the same tokens: its chain starts from a block that
+        # no prompt holds, (-1, its id). (Not (-id,): CPython hashes -1 as -2, so ids 1 and 2 would share it.)
+        root = None if request.lora is None else hash_block(None, (-1, request.lora.int_id))
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * size : (i + 1) * size]))
+            hashes.append(hash_block(hashes[-1] if hashes else root, tokens[i * size : (i + 1) * size]))
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[int]:

@@ -22,6 +22,7 @@ from kvforge.executor.executor import create_executor
 from kvforge.executor.model_runner import ModelRunner
 from kvforge.kernels.cpu.extension import kernels_build
 from kvforge.loader.heap import release_freed_memory
+from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 from kvforge.spec_decode.policy import SpeculationPolicy, StepCosts
@@ -69,7 +70,8 @@ class LLMEngine:
             self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
             graphs = self.runner.decode_graphs
             speculation = _speculation(config, self.vocab_size, () if graphs is None else graphs.buckets)
-            self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, speculation)
+            max_loras = config.lora.max_loras if config.lora.enable_lora else None
+            self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, speculation, max_loras)
             self.in_flight: deque[SchedulerOutput] = deque()
             self.max_model_len = min(info.max_model_len, self.kv_cache_manager.capacity_tokens)
             self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -163,9 +165,13 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams) -> str:
-        """Queue a prompt (text, token ids or a dict with either); returns its request id."""
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue a prompt (text, token ids or a dict with either), run with a LoRA adapter or the base model (None);
+        returns its request id. A bad adapter is a ValueError naming it."""
         self._check_running()
+        if lora_request is not None:
+            self.executor.load_lora(lora_request)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -186,7 +192,7 @@ class LLMEngine:
         # NOTE: waits for the grammar when it is still compiling; callers on a step loop compile first
         grammar = None if params.structured_output is None else self.grammars.compile(params.structured_output).result()
         group = SampleGroup.create(request_id, text, token_ids, params, self.tokenizer, self.eos_token_ids,
-                                   self.max_model_len)
+                                   self.max_model_len, lora_request)
         self.groups[request_id] = group
         starts_after = None if params.structured_output is None else params.structured_output.starts_after
         for request in group.requests:
@@ -205,20 +211,23 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """The model's fp32 logits after each token of token_ids: [len(token_ids), vocab].
+    def score(self, token_ids: list[int], lora_request: LoRARequest | None = None) -> torch.Tensor:
+        """The model's fp32 logits after each token of token_ids (with a LoRA adapter, if given): [len(token_ids),
+        vocab].
 
         Runs between steps in blocks of its own, freed before returning (no prefix-cache reuse)."""
         self._check_running()
+        if lora_request is not None:
+            self.executor.load_lora(lora_request)
         _, token_ids = self.tokenize_prompt(token_ids)
         if not 0 < len(token_ids) <= self.max_model_len:
             raise ValueError(f"can score 1 to {self.max_model_len} tokens, got {len(token_ids)}")
-        request = Request(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1))
+        request = Request(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1), lora=lora_request)
         if not self.kv_cache_manager.allocate_slots(request, len(token_ids)):
             raise ValueError("not enough free KV cache blocks to score this sequence now")
         try:
             request_id = request.request_id
-            new = NewRequest(request_id, token_ids, len(token_ids), request.sampling_params)
+            new = NewRequest(request_id, token_ids, len(token_ids), request.sampling_params, lora_request)
             scheduled = ScheduledRequest(request_id, token_ids, 0, self.kv_cache_manager.get_block_table(request_id),
                                          len(token_ids), False, [])
             if self.in_flight:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvforge.lora.request import LoRARequest
 from kvforge.sampling_params import SamplingParams
 from kvforge.structured_output.deferred import DeferredMatcher
 from kvforge.structured_output.matcher import GrammarMatcher
@@ -56,6 +57,7 @@ class Request:
     ended_by_stop_token: bool = False  # the last output token is an EOS or stop token that finished the request
     first_token_time: float | None = None
     grammar: GrammarMatcher | DeferredMatcher | None = None  # the output's constraint, advanced per accepted token
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.request import Request
 from kvforge.layers.sampler import RawLogprobs
+from kvforge.lora.request import LoRARequest
 from kvforge.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kvforge.sampling_params import SamplingParams
 from kvforge.tokenizer import Tokenizer
@@ -69,7 +70,8 @@ class SampleGroup:
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-               tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> SampleGroup:
+               tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_model_len: int,
+               lora: LoRARequest | None = None) -> SampleGroup:
         """n samples of one prompt; with a seed, sample i draws from seed + i."""
         samples = []
         for index in range(params.n):
@@ -78,7 +80,7 @@ class SampleGroup:
                 seed = None if params.seed is None else params.seed + index
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             request = Request(f"{request_id}#{index}", prompt_token_ids, child_params, eos_token_ids,
-                              max_model_len, group_id=request_id, sample_index=index)
+                              max_model_len, group_id=request_id, sample_index=index, lora=lora)
             detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                  params.stop, params.include_stop_str_in_output)
             samples.append(Sample(request, detokenizer,

@@ -40,8 +40,9 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculation: Speculation | None = None) -> None:
+                 speculation: Speculation | None = None, max_loras: int | None = None) -> None:
         self.config = config
+        self.max_loras = max_loras  # most LoRA adapters among the running requests (the runner's slots)
         self.kv = kv_cache_manager
         self.speculation = speculation
         self.waiting: deque[Request] = deque()
@@ -112,7 +113,7 @@ class Scheduler:
         num_sent = self.num_sent_blocks.get(request_id)
         if num_sent is None:
             output.new_requests.append(NewRequest(request_id, list(request.all_token_ids),
-                                                  request.num_prompt_tokens, request.sampling_params))
+                                                  request.num_prompt_tokens, request.sampling_params, request.lora))
         block_table = self.kv.get_block_table(request_id)
         self.num_sent_blocks[request_id] = len(block_table)
         output.scheduled.append(ScheduledRequest(
@@ -171,10 +172,19 @@ class Scheduler:
             return NO_DRAFTS
         return self.speculation.drafts(request, budget)
 
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the request's LoRA adapter (if any) runs already or a slot is left for it."""
+        if request.lora is None or self.max_loras is None:
+            return True
+        running = {r.lora.int_id for r in self.running if r.lora is not None}
+        return request.lora.int_id in running or len(running) < self.max_loras
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, max_seqs: int) -> None:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(output.scheduled) < max_seqs):
             request = self.waiting[0]
+            if not self._adapter_fits(request):  # waits for a running adapter's requests to finish
+                break
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             request.num_computed_tokens = num_cached_tokens

@@ -20,6 +20,7 @@ from kvforge.executor.device import resolve_device
 from kvforge.executor.kv_cache_memory import KVCacheSize
 from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.worker import Worker, agree_kv_cache_size
+from kvforge.lora.request import LoRARequest
 from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
 
@@ -48,6 +49,11 @@ class Executor:
     def kv_cache_bytes(self) -> int:
         """Bytes of this process's KV cache tensors."""
         return self.worker.kv_cache_bytes()
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Read and check an adapter on this process's rank before a request uses it (the other ranks read theirs
+        on its first step); ValueError naming a bad adapter."""
+        self.worker.load_lora(lora)
 
     def submit(self, output: SchedulerOutput) -> None:
         raise NotImplementedError

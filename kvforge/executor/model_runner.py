@@ -17,6 +17,7 @@ from kvforge.executor.request_states import RequestStates
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
+from kvforge.lora.pool import LoRAPool
 from kvforge.spec_decode.verify import verify_drafts
 from kvforge.step_data import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvforge.structured_output.bitmask import GrammarBitmask
@@ -44,8 +45,10 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
         kv_cache_spec: KVCacheSpec | None = None, compilation: CompilationConfig | None = None,
+        lora: LoRAPool | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # the adapters' slots (their layers attached to the model), None without LoRA
         self.device = device
         self.dtype = dtype
         self.parallel = get_parallel_state()
@@ -68,6 +71,8 @@ class ModelRunner:
         np.cumsum(q_lens, out=query_start_loc[1:])
         computed = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
         seq_lens = (computed + q_lens).astype(np.int32)
+        if self.lora is not None:  # each row's adapter slot, in the buffer every LoRA layer reads
+            self.lora.prepare_step([self.requests[s.request_id].lora for s in scheduled], q_lens)
         tables = [self.requests[s.request_id].block_table for s in scheduled]
         block_tables = np.zeros((len(scheduled), max(len(t) for t in tables)), dtype=np.int32)
         for row, table in enumerate(tables):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.lora.request import LoRARequest
 from kvforge.sampling_params import SamplingParams
 from kvforge.step_data import ScheduledRequest, SchedulerOutput
 
@@ -32,6 +33,7 @@ class RequestState:
     block_table: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    lora: LoRARequest | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -77,7 +79,7 @@ class RequestStates:
             if seed is not None and request_id not in self.generators:
                 self.generators[request_id] = torch.Generator(self.device).manual_seed(seed)
             self.states[request_id] = RequestState(list(new.token_ids), new.num_prompt_tokens, [],
-                                                   new.sampling_params, self.generators.get(request_id))
+                                                   new.sampling_params, self.generators.get(request_id), new.lora)
         for scheduled in output.scheduled:
             self.states[scheduled.request_id].advance(scheduled)
 

@@ -22,6 +22,8 @@ from kvforge.executor.model_runner import ModelRunner
 from kvforge.kernels.cpu.extension import keep_python_memory
 from kvforge.kernels.ops import OpTable, building_with_ops, op_table
 from kvforge.loader.model_loader import LoadedModel, load_model
+from kvforge.lora.pool import LoRAPool
+from kvforge.lora.request import LoRARequest
 from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -91,9 +93,26 @@ class Worker:
     def init_cache(self, num_blocks: int) -> None:
         compilation = self._compilation()
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size,
-                                  self.loaded.dtype, self.device, self.kv_cache_spec, compilation)
+                                  self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self._lora_pool())
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
+
+    def _lora_pool(self) -> LoRAPool | None:
+        """The adapters' slots, attached to the model's layers (with enable_lora); sized for the longest step: a
+        prefill chunk, a decode bucket, or a whole sequence scored at once."""
+        config = self.config
+        if not config.lora.enable_lora:
+            return None
+        max_tokens = max(config.scheduler.max_num_batched_tokens, self.max_model_len, max_decode_rows(config),
+                         config.compilation.compile_buckets[-1])
+        return LoRAPool(self.loaded.model, config.lora, max_tokens, self.loaded.dtype, self.device, self.ops)
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Read and check an adapter into this rank's host registry (ValueError naming a bad one)."""
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora.name!r} given to an engine without LoRA: make it with "
+                             f"enable_lora=True")
+        self.runner.lora.load(lora)
 
     def shutdown(self) -> None:
         """Stop this rank's compiles in the background and release the model, its KV cache and its compiled graphs;

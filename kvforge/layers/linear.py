@@ -46,6 +46,7 @@ class Linear(nn.Module):
         self.loaded_shards: set[tuple[str, int]] | None = set()
         self.dense_gemv = False
         self.onednn_weight: torch.Tensor | None = None  # the weight packed for oneDNN (set at load with dense_gemv)
+        self.lora: nn.Module | None = None  # LoRA adapters' slots, adding each row's update (lora/layer.py)
 
     def set_quant_method(self, method: LinearMethod) -> None:
         """Before loading: let method replace the float weight with its own tensors."""
@@ -102,8 +103,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is None:
-            return dense_linear(x, self.weight, self.bias, self.dense_gemv, self.onednn_weight)
-        return self.quant_method.apply(self, x)
+            y = dense_linear(x, self.weight, self.bias, self.dense_gemv, self.onednn_weight)
+        else:
+            y = self.quant_method.apply(self, x)
+        return y if self.lora is None else self.lora(x, y)  # NOTE: before a row-parallel layer's all-reduce
 
 
 _FLOAT_AXES = {"weight": (0, 1), "bias": (0, None)}

@@ -1,0 +1,130 @@
+"""The device slots of one engine's LoRA adapters and the host-side registry they are swapped in from.
+
+    host registry   up to max_cpu_loras adapters read, checked and cut to this rank's share (LRU)
+    device slots    max_loras per LoRA layer (layer.py); a step's adapters are put in slots before it runs,
+                    evicting the least recently used adapter that the step does not use
+    token_slots     [max_tokens] slot id of each row of the step (-1: no adapter), read by every LoRA layer
+
+The scheduler never runs more than max_loras adapters in one step (engine/scheduler.py), so a step's adapters
+always find slots.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvforge.config import LoRAConfig
+from kvforge.kernels.ops import OpTable
+from kvforge.layers.linear import Linear
+from kvforge.lora.adapter import read_adapter
+from kvforge.lora.layer import LoRASlots
+from kvforge.lora.request import LoRARequest
+
+# the checkpoint modules an adapter may target: attention and MLP projections (merged ones are placed by the
+# model's merged_params: q/k/v -> qkv_proj, gate/up -> gate_up_proj)
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+# one adapter on this rank: LoRA layer name -> checkpoint matrix index -> (A, B), local shares in the model dtype
+LocalAdapter = dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
+
+
+def _placed_names(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """Checkpoint-module fragment -> (the model's layer fragment, matrix index), for the targets."""
+    merged = getattr(model, "merged_params", {})
+    return {f".{t}.": merged.get(f".{t}.", (f".{t}.", 0)) for t in TARGET_MODULES}
+
+
+class LoRAPool:
+    """Attaches LoRA slots to the model's target layers; `load` reads and checks an adapter (ValueError naming it),
+    `prepare_step` puts the step's adapters in slots and writes the per-row slot ids."""
+
+    def __init__(self, model: nn.Module, config: LoRAConfig, max_tokens: int, dtype: torch.dtype,
+                 device: torch.device, ops: OpTable) -> None:
+        self.config = config
+        self.model = model
+        self.dtype = dtype
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self._places = _placed_names(model)
+        fused = {merged.strip(".") for merged, _ in self._places.values()}
+        self.layers: dict[str, LoRASlots] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in fused:
+                module.lora = LoRASlots(module, config.max_loras, config.max_lora_rank, self.token_slots, ops, dtype)
+                self.layers[name] = module.lora
+        self.host: OrderedDict[int, LocalAdapter] = OrderedDict()  # int_id -> this rank's share, LRU first
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # int_id -> device slot, LRU first
+        self.paths: dict[int, str] = {}
+
+    def _place(self, request: LoRARequest, module: str) -> tuple[str, int] | None:
+        """The LoRA layer and matrix index of a checkpoint module; None for a layer of another pipeline stage."""
+        for fragment, (merged, shard) in self._places.items():
+            if not f".{module}.".endswith(fragment):
+                continue
+            name = f".{module}.".removesuffix(fragment).removeprefix(".") + merged.rstrip(".")
+            if name in self.layers:
+                return name, shard
+            layer = _LAYER_INDEX.match(name)
+            if layer is not None and not self.model.start_layer <= int(layer.group(1)) < self.model.end_layer:
+                return None  # a layer of another pipeline stage
+            break
+        raise ValueError(f"LoRA adapter {request.name!r} targets module {module!r}, which has no LoRA layer in "
+                         f"{type(self.model).__name__} (targets: {', '.join(TARGET_MODULES)})")
+
+    def load(self, request: LoRARequest) -> LocalAdapter:
+        """The adapter's share on this rank, read on first use (and again once the host registry dropped it)."""
+        known = self.paths.setdefault(request.int_id, request.path)
+        if known != request.path:
+            raise ValueError(f"LoRA adapter {request.name!r}: int_id {request.int_id} already names {known!r}")
+        if request.int_id in self.host:
+            self.host.move_to_end(request.int_id)
+            return self.host[request.int_id]
+        adapter = read_adapter(request, self.config.max_lora_rank)
+        local: LocalAdapter = {}
+        for module, (a, b) in adapter.weights.items():
+            placed = self._place(request, module)
+            if placed is None:
+                continue
+            name, shard = placed
+            layer = self.layers[name]
+            out_features, in_features = layer.full_shape(shard)
+            if a.shape[1] != in_features or b.shape[0] != out_features:
+                raise ValueError(f"LoRA adapter {request.name!r}: module {module!r} has A {tuple(a.shape)} and B "
+                                 f"{tuple(b.shape)}, but the base layer is [{out_features}, {in_features}]")
+            a, b = layer.local(shard, a, b)
+            local.setdefault(name, {})[shard] = (a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
+        self.host[request.int_id] = local
+        while len(self.host) > self.config.num_cpu_loras:
+            self.host.popitem(last=False)
+        return local
+
+    def _slot_for(self, request: LoRARequest, in_step: set[int]) -> int:
+        if request.int_id in self.slot_of:
+            self.slot_of.move_to_end(request.int_id)
+            return self.slot_of[request.int_id]
+        used = set(self.slot_of.values())
+        free = [s for s in range(self.config.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(i for i in self.slot_of if i not in in_step)
+            slot = self.slot_of.pop(victim)
+        local = self.load(request)
+        for name, layer in self.layers.items():
+            layer.write(slot, local.get(name, {}))
+        self.slot_of[request.int_id] = slot
+        return slot
+
+    def prepare_step(self, loras: list[LoRARequest | None], num_tokens_each: np.ndarray) -> None:
+        """Slots for the adapters of a step's requests (one entry per request, None: the base model), and the slot
+        of each of its rows (num_tokens_each: rows per request) in token_slots; the rest of the buffer -1."""
+        in_step = {lora.int_id for lora in loras if lora is not None}
+        assert len(in_step) <= self.config.max_loras, "a step with more adapters than slots"
+        slots = np.array([-1 if lora is None else self._slot_for(lora, in_step) for lora in loras], dtype=np.int64)
+        per_row = np.repeat(slots, num_tokens_each)
+        self.token_slots[: len(per_row)].copy_(torch.from_numpy(per_row), non_blocking=True)
+        self.token_slots[len(per_row) :].fill_(-1)

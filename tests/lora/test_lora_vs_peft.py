@@ -1,0 +1,79 @@
+"""LoRA adapters against PEFT + transformers on tiny random models: greedy tokens identical and logits within 1e-4,
+for each adapter alone and for one batch mixing three adapters and the base model; prefix caching per adapter."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvforge import LLM, LoRARequest, SamplingParams
+from tests.lora.adapters import ALL_TARGETS, greedy, logits, peft_model, save_adapter
+from tests.tiny_models import save_model
+
+NUM_NEW = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+# (rank, targets, alpha, rsLoRA): ranks differ, and each adapter covers different modules of the merged layers
+ADAPTERS = [(4, ALL_TARGETS, 8.0, False), (16, ["q_proj", "v_proj", "o_proj", "up_proj"], 16.0, True),
+            (7, ["k_proj", "gate_proj", "down_proj"], 32.0, False)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def lora_case(request, tmp_path_factory):
+    """(base folder, LoRA requests, prompts, {adapter index or None: PEFT's greedy tokens per prompt}, PEFT models)."""
+    base = tmp_path_factory.mktemp(f"lora-base-{request.param}")
+    model = save_model(base, request.param)
+    loras = []
+    for i, (rank, targets, alpha, rslora) in enumerate(ADAPTERS):
+        folder = save_adapter(base, tmp_path_factory.mktemp(f"adapter-{i}"), rank, targets, seed=i, alpha=alpha,
+                              rslora=rslora)
+        loras.append(LoRARequest(f"adapter-{i}", i + 1, str(folder)))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in (5, 21, 36, 12)]
+    refs = {None: model, **{i: peft_model(base, lora.path) for i, lora in enumerate(loras)}}
+    expected = {key: [greedy(ref, p, NUM_NEW) for p in prompts] for key, ref in refs.items()}
+    return base, loras, prompts, expected, refs
+
+
+@pytest.fixture(scope="module")
+def lora_llm(lora_case):
+    llm = LLM(str(lora_case[0]), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=4,
+              max_lora_rank=16)
+    yield llm
+    llm.shutdown()
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], loras) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_each_adapter_alone_matches_peft(lora_case, lora_llm) -> None:
+    _, loras, prompts, expected, refs = lora_case
+    for i, lora in enumerate(loras):
+        assert expected[i] != expected[None]  # the adapter changes the answers
+        assert _tokens(lora_llm, prompts, lora) == expected[i]
+        ours = lora_llm.engine.score(prompts[2], lora_request=lora)
+        assert (ours - logits(refs[i], prompts[2])).abs().max().item() < 1e-4
+
+
+def test_one_batch_of_three_adapters_and_the_base_model_matches_peft(lora_case, lora_llm) -> None:
+    _, loras, prompts, expected, _ = lora_case
+    keys = [0, 1, 2, None] * 2
+    batch = [prompts[(i + 1) % 4] for i in range(len(keys))]
+    got = _tokens(lora_llm, batch, [None if k is None else loras[k] for k in keys])
+    assert got == [expected[k][(i + 1) % 4] for i, k in enumerate(keys)]
+
+
+def test_prefix_cache_is_per_adapter(lora_case, lora_llm) -> None:
+    _, loras, prompts, expected, _ = lora_case
+    prompt = {"prompt_token_ids": prompts[2]}  # 36 tokens: two full blocks of 16
+    lora_llm.reset_caches()
+    first = lora_llm.generate(prompt, GREEDY, lora_request=loras[0])[0]
+    other = lora_llm.generate(prompt, GREEDY, lora_request=loras[1])[0]
+    base = lora_llm.generate(prompt, GREEDY)[0]
+    again = lora_llm.generate(prompt, GREEDY, lora_request=loras[0])[0]
+    assert (first.num_cached_tokens, other.num_cached_tokens, base.num_cached_tokens) == (0, 0, 0)
+    assert again.num_cached_tokens == 32
+    assert [o.outputs[0].token_ids for o in (first, other, base, again)] == [
+        expected[0][2], expected[1][2], expected[None][2], expected[0][2]]
