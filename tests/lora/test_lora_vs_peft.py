@@ -8,9 +8,11 @@ import random
 import pytest
 
 from kvforge import LLM, LoRARequest, SamplingParams
+from kvforge.kernels.cpu.extension import cpu_kernels
 from tests.lora.adapters import ALL_TARGETS, greedy, logits, peft_model, save_adapter
 from tests.tiny_models import save_model
 
+needs_cpu_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="compiled CPU steps need the C++ CPU kernels")
 NUM_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 # (rank, targets, alpha, rsLoRA): ranks differ, and each adapter covers different modules of the merged layers
@@ -77,3 +79,44 @@ def test_prefix_cache_is_per_adapter(lora_case, lora_llm) -> None:
     assert again.num_cached_tokens == 32
     assert [o.outputs[0].token_ids for o in (first, other, base, again)] == [
         expected[0][2], expected[1][2], expected[None][2], expected[0][2]]
+
+
+@pytest.mark.parametrize("lora_case", ["qwen3"], indirect=True)
+def test_tensor_parallel_adapters_match_peft(lora_case) -> None:
+    """Two ranks, each with its share of every adapter (B cut by output rows in QKV and gate-up, A by input columns in
+    the output and down projections): one batch of three adapters and the base model, and the logits of each."""
+    base, loras, prompts, expected, refs = lora_case
+    llm = LLM(str(base), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=3,
+              tensor_parallel_size=2)
+    try:
+        keys = [0, 1, 2, None]
+        assert _tokens(llm, prompts, [None if k is None else loras[k] for k in keys]) == [
+            expected[k][i] for i, k in enumerate(keys)]
+        for i, lora in enumerate(loras):
+            ours = llm.engine.score(prompts[1], lora_request=lora)
+            assert (ours - logits(refs[i], prompts[1])).abs().max().item() < 1e-4
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+@needs_cpu_kernels
+@pytest.mark.parametrize("lora_case", ["llama"], indirect=True)
+def test_compiled_decode_step_takes_the_adapters_as_inputs(lora_case) -> None:
+    """One compiled bucket replays steps of different adapter mixes: the slot ids and the slots' weights are inputs
+    of its graph (a graph that had baked them in would give the first mix's tokens to every later one)."""
+    base, loras, prompts, expected, _ = lora_case
+    llm = LLM(str(base), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=2,
+              compile_buckets=(4,))
+    try:
+        graphs = llm.engine.runner.decode_graphs
+        graphs.compile_ahead(4)
+        replays, run = [], graphs.run
+        graphs.run = lambda *args: (replays.append(out := run(*args)), out)[1]
+        for keys in ([0, 1, None, 0], [2, None, 2, 1], [None, None, None, None]):
+            got = _tokens(llm, prompts, [None if k is None else loras[k] for k in keys])
+            assert got == [expected[k][i] for i, k in enumerate(keys)]
+        assert graphs.compiled_buckets == (4,) and len(replays) == 3 * (NUM_NEW - 1)
+        assert all(out is not None for out in replays)
+    finally:
+        llm.shutdown()
