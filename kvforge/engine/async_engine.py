@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvforge.engine.engines import Engine
 from kvforge.engine.prompts import PromptType
 from kvforge.engine.stats import EngineStats
+from kvforge.lora.request import LoRARequest
 from kvforge.outputs import PoolingRequestOutput, RequestOutput
 from kvforge.pooling_params import PoolingParams
 from kvforge.sampling_params import SamplingParams
@@ -42,6 +43,13 @@ class _Add:
     request_id: str
     prompt: PromptType
     params: SamplingParams | PoolingParams
+    ack: asyncio.Future
+    lora: LoRARequest | None = None
+
+
+@dataclass(slots=True)
+class _AddLoRA:
+    lora: LoRARequest
     ack: asyncio.Future
 
 
@@ -161,10 +169,21 @@ class AsyncEngine:
         """Decode batch sizes compiling in the background (the engine answers this from any thread)."""
         return self.engine.num_compiling()
 
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check a LoRA adapter on the engine thread (ValueError naming a bad one)."""
+        if self._loop is None:
+            raise RuntimeError("call start() before adding adapters")
+        if self.error is not None:
+            raise EngineDeadError(str(self.error)) from self.error.__cause__
+        ack = self._loop.create_future()
+        self._commands.put(_AddLoRA(lora, ack))
+        await ack
+
     async def add_request(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams | PoolingParams) -> RequestStream:
-        """Queue a request; returns once the engine has taken it. Raises ValueError for a bad request,
-        EngineOverloadedError when the queue is full and EngineDeadError when the engine is gone."""
+                          params: SamplingParams | PoolingParams, lora: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (with a LoRA adapter, if given); returns once the engine has taken it. Raises ValueError
+        for a bad request, EngineOverloadedError when the queue is full and EngineDeadError when the engine is
+        gone."""
         if self._loop is None:
             raise RuntimeError("call start() before adding requests")
         if self.error is not None:
@@ -176,7 +195,7 @@ class AsyncEngine:
             await asyncio.wrap_future(self.engine.grammars.compile(params.structured_output))
         stream = RequestStream(request_id, self._abort, self._loop.create_future())
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params, stream.ack))
+        self._commands.put(_Add(request_id, prompt, params, stream.ack, lora))
         try:
             await stream.ack
         except asyncio.CancelledError:
@@ -261,6 +280,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
+            elif isinstance(command, _AddLoRA):
+                self._call(self._resolve, command.ack, self._add_lora(command.lora))
             else:
                 self._call(self._resolve, command.ack, self._add(command))
 
@@ -272,8 +293,16 @@ class AsyncEngine:
         if num_queued > self.max_queue:
             return EngineOverloadedError(f"the server is overloaded: {num_queued} sequences would wait for one "
                                          f"of the {num_slots} batch slots (max queue {self.max_queue}); retry later")
+        lora = {} if command.lora is None else {"lora_request": command.lora}
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_request(command.request_id, command.prompt, command.params, **lora)
+        except ValueError as error:
+            return error
+        return None
+
+    def _add_lora(self, lora: LoRARequest) -> BaseException | None:
+        try:
+            self.engine.add_lora(lora)
         except ValueError as error:
             return error
         return None

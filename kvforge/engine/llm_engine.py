@@ -171,7 +171,7 @@ class LLMEngine:
         returns its request id. A bad adapter is a ValueError naming it."""
         self._check_running()
         if lora_request is not None:
-            self.executor.load_lora(lora_request)
+            self.add_lora(lora_request)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -200,6 +200,12 @@ class LLMEngine:
             self.scheduler.add_request(request)
         return request_id
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check a LoRA adapter now (requests that name it later find it ready); a bad adapter, or an
+        engine without enable_lora, is a ValueError naming it."""
+        self._check_running()
+        self.executor.load_lora(lora_request)
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drop requests at once; their KV blocks are free when this returns."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -218,7 +224,7 @@ class LLMEngine:
         Runs between steps in blocks of its own, freed before returning (no prefix-cache reuse)."""
         self._check_running()
         if lora_request is not None:
-            self.executor.load_lora(lora_request)
+            self.add_lora(lora_request)
         _, token_ids = self.tokenize_prompt(token_ids)
         if not 0 < len(token_ids) <= self.max_model_len:
             raise ValueError(f"can score 1 to {self.max_model_len} tokens, got {len(token_ids)}")

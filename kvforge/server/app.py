@@ -11,9 +11,10 @@ from starlette.responses import JSONResponse, Response
 
 from kvforge import __version__
 from kvforge.engine.async_engine import AsyncEngine
-from kvforge.server import chat, completions, embeddings, responses, scoring, tokenize
+from kvforge.server import chat, completions, embeddings, lora_adapters, responses, scoring, tokenize
 from kvforge.server.errors import error_response, install_error_handlers
 from kvforge.server.lifecycle import ShutdownDeadline
+from kvforge.server.lora_adapters import LoRAAdapters
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvforge.server.openapi import install_openapi
@@ -65,7 +66,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvforge", lifespan=lifespan, docs_url=None, redoc_url=None)
     metrics = ServerMetrics(lambda: engine.stats, engine.engine.config.scheduler.max_num_seqs, engine.max_queue)
     state = ServerState(engine, metrics, config.served_model_names, engine.vocab_size,
-                        ShutdownDeadline(config.shutdown_timeout))
+                        ShutdownDeadline(config.shutdown_timeout), LoRAAdapters(config.served_model_names))
     app.state.server = state
     app.state.server_config = config
     app.state.responses = ResponseStore(config.max_stored_responses)
@@ -76,13 +77,17 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(tokenize.router)
     app.include_router(embeddings.router)
     app.include_router(scoring.router)
+    app.include_router(lora_adapters.router)
 
     def model_card(name: str) -> ModelCard:
+        lora = state.lora_for(name)
+        if lora is not None:
+            return ModelCard(id=name, root=lora.path, parent=state.model_names[0], max_model_len=engine.max_model_len)
         return ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in state.model_names])
+        return ModelList(data=[model_card(name) for name in (*state.model_names, *state.adapters.by_name)])
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> ModelCard:

@@ -126,7 +126,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, request_id
         # constrain what follows the reasoning
         params.structured_output = replace(params.structured_output, starts_after=reply.reasoning.end)
     group = RequestGroup(state)
-    await group.start(request_id, [({"prompt_token_ids": token_ids}, params)])
+    await group.start(request_id, [({"prompt_token_ids": token_ids}, params)], lora=state.lora_for(body.model))
     return ChatRun(group, reply, messages)
 
 

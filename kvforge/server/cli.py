@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-stored-responses", type=int, default=1024,
                        help="most responses /v1/responses keeps in memory for retrieval and previous_response_id "
                             "(the oldest is forgotten first; 0 keeps none)")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) to serve by name: a request's model field picks one "
+                            "(turns on --enable-lora)")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from kvforge.engine.engines import create_engine
     from kvforge.server.app import ServerConfig, build_app
     from kvforge.server.lifecycle import uvicorn_server
+    from kvforge.server.lora_adapters import parse_lora_modules
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -68,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
                 "shutdown_timeout": args.shutdown_timeout}
     ServerConfig(served_model_names=("check",), max_stored_responses=args.max_stored_responses,
                  **timeouts)  # bad values fail before the model loads
+    lora_modules = parse_lora_modules(args.lora_modules, tuple(args.served_model_name or ()))
+    if lora_modules:
+        args.enable_lora = True
     if args.data_parallel_size > 1:
         from kvforge.router.data_parallel import run_data_parallel
 
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=max_body_bytes,
                           max_stored_responses=args.max_stored_responses, **timeouts)
     app = build_app(AsyncEngine(engine, max_queue=args.max_queue), config)
+    app.state.server.adapters.load_at_start(engine, lora_modules)
     print(f"kvforge: serving {', '.join(names)} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn_server(app, args.host, args.port, args.uvicorn_log_level, args.access_log).run()
     return 0

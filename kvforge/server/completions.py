@@ -89,7 +89,7 @@ async def create_completion(body: CompletionRequest, http_request: Request) -> R
         requests.append(({"prompt_token_ids": prompt.token_ids}, params))
     request_id = new_request_id("cmpl")
     group = RequestGroup(state)
-    await group.start(request_id, requests)
+    await group.start(request_id, requests, lora=state.lora_for(model))
     view = _ChoiceView(state.engine.tokenizer, body, prompts)
     if body.stream:
         return sse_response(group, _stream(group, view, request_id, model), headers)

@@ -93,6 +93,11 @@ class ServerMetrics:
         self.rejected = Counter("kvforge:request_rejected", "Requests refused at admission: queue_full (503, "
                                 "retry later) or never_fits (400, more sequences than slots + queue).",
                                 ["reason"], registry=self.registry)
+        self.lora_requests = Counter("kvforge:lora_request_success", "Finished sequences (samples) of each LoRA "
+                                     "adapter by finish reason.", ["lora_name", "finished_reason"],
+                                     registry=self.registry)
+        self.lora_generation_tokens = Counter("kvforge:lora_generation_tokens", "Tokens generated with each LoRA "
+                                              "adapter.", ["lora_name"], registry=self.registry)
         for reason in ("queue_full", "never_fits"):  # exposed (as 0) before the first rejection
             self.rejected.labels(reason=reason)
         self.ttft = Histogram("kvforge:time_to_first_token_seconds", "Arrival to first generated token.",
@@ -106,19 +111,21 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def track(self, num_prompt_tokens: int) -> RequestTracker:
+    def track(self, num_prompt_tokens: int, lora_name: str | None = None) -> RequestTracker:
+        """lora_name: the LoRA adapter the request runs with, counted under its name too (None: the base model)."""
         self.prompt_tokens.inc(num_prompt_tokens)
-        return RequestTracker(self)
+        return RequestTracker(self, lora_name)
 
 
 class RequestTracker:
     """Counts a request's new tokens as its outputs arrive; observes its latencies once it finishes. A pooling
     request finishes in its one output, as a success with finish reason "stop" (it generates nothing)."""
 
-    __slots__ = ("metrics", "num_tokens")
+    __slots__ = ("lora_name", "metrics", "num_tokens")
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, lora_name: str | None = None) -> None:
         self.metrics = metrics
+        self.lora_name = lora_name
         self.num_tokens = 0
 
     def update(self, output: RequestOutput | PoolingRequestOutput) -> None:
@@ -127,11 +134,15 @@ class RequestTracker:
             return
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
         self.metrics.generation_tokens.inc(num_tokens - self.num_tokens)
+        if self.lora_name is not None:
+            self.metrics.lora_generation_tokens.labels(lora_name=self.lora_name).inc(num_tokens - self.num_tokens)
         self.num_tokens = num_tokens
         if not output.finished:
             return
         for completion in output.outputs:
             self.metrics.requests.labels(finished_reason=completion.finish_reason).inc()
+            if self.lora_name is not None:
+                self.metrics.lora_requests.labels(lora_name=self.lora_name, finished_reason=completion.finish_reason).inc()
         times = output.metrics
         arrival, end = times["arrival_time"], times["now"]
         self.metrics.e2e.observe(end - arrival)

@@ -300,6 +300,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "kvforge"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's: the base model it runs over
     max_model_len: int | None = None
 
 

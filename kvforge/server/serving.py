@@ -16,11 +16,13 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvforge.engine.async_engine import AsyncEngine, EngineOverloadedError, RequestStream
+from kvforge.lora.request import LoRARequest
 from kvforge.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from kvforge.pooling_params import PoolingParams
 from kvforge.sampling_params import SamplingParams
 from kvforge.server.errors import RETRY_AFTER_SECONDS, APIError, as_api_error, error_body
 from kvforge.server.lifecycle import ShutdownDeadline
+from kvforge.server.lora_adapters import LoRAAdapters
 from kvforge.server.metrics import RequestTracker, ServerMetrics
 from kvforge.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 from kvforge.structured_output.params import StructuredOutputParams
@@ -41,6 +43,7 @@ class ServerState:
     model_names: tuple[str, ...]  # the first one is the name /v1/models lists first
     vocab_size: int
     shutdown_deadline: ShutdownDeadline
+    adapters: LoRAAdapters  # the LoRA adapters served beside the base model, by name
 
     @property
     def max_admitted_sequences(self) -> int:
@@ -48,13 +51,19 @@ class ServerState:
         return self.engine.engine.config.scheduler.max_num_seqs + self.engine.max_queue
 
     def check_model(self, name: str | None) -> str:
-        """The served name a request asked for (None: the default); 404 for any other."""
+        """The served name a request asked for (None: the default), the base model's or a LoRA adapter's; 404 for
+        any other."""
         if name is None:
             return self.model_names[0]
-        if name not in self.model_names:
+        if name not in self.model_names and name not in self.adapters.by_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{list(self.model_names)}", param="model", code="model_not_found")
+                                f"{[*self.model_names, *self.adapters.by_name]}", param="model",
+                           code="model_not_found")
         return name
+
+    def lora_for(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a checked model name runs (None: the base model)."""
+        return self.adapters.by_name.get(name)
 
 
 def new_request_id(prefix: str) -> str:
@@ -151,10 +160,10 @@ class RequestGroup:
         self.trackers: list[RequestTracker] = []
 
     async def start(self, request_id: str, prompts: list[tuple[dict, SamplingParams | PoolingParams]],
-                    input_param: str | None = None) -> None:
+                    input_param: str | None = None, lora: LoRARequest | None = None) -> None:
         """Queue every prompt (a dict with its "prompt_token_ids") at once; if any is refused, abort the others and
         raise its error. With `input_param` (a pooling request's "input", say) a refusal names that field, and
-        which of the inputs it was.
+        which of the inputs it was. lora: the adapter every prompt runs with (None: the base model).
 
         A request with more sequences (prompts x n) than could ever be admitted is a 400: retrying
         cannot help it, unlike the 503 of a full queue."""
@@ -168,7 +177,7 @@ class RequestGroup:
                                 f"{engine.max_queue}); lower n or send fewer prompts per request",
                            param=input_param or "n")
         results = await asyncio.gather(
-            *(engine.add_request(f"{request_id}-{i}", prompt, params) for i, (prompt, params) in enumerate(prompts)),
+            *(engine.add_request(f"{request_id}-{i}", prompt, params, lora) for i, (prompt, params) in enumerate(prompts)),
             return_exceptions=True,
         )
         self.streams = [r for r in results if isinstance(r, RequestStream)]
@@ -184,7 +193,8 @@ class RequestGroup:
                 message = f"{input_param}[{index}]: {error}" if len(prompts) > 1 else str(error)
                 raise APIError(400, message, param=input_param) from error
             raise as_api_error(error) from error
-        self.trackers = [metrics.track(len(prompt["prompt_token_ids"])) for prompt, _ in prompts]
+        lora_name = None if lora is None else lora.name
+        self.trackers = [metrics.track(len(prompt["prompt_token_ids"]), lora_name) for prompt, _ in prompts]
 
     def abort(self) -> None:
         for stream in self.streams:
