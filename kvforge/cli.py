@@ -25,6 +25,8 @@ _BENCHMARKS = {
                     "decode tokens/s with speculation off and with each method, acceptance per position"),
     "router": ("kvforge.benchmarks.router", "replicas behind the router against one replica, on system prompts "
                                             "shared by many requests: throughput, TTFT, prefix-cache hit rate"),
+    "lora": ("kvforge.benchmarks.lora", "streams over LoRA adapters in one engine against the base model and "
+                                        "against each adapter merged into an engine of its own"),
     "startup": ("kvforge.benchmarks.startup", "`kvforge generate` in fresh processes: start-up, time to first "
                                               "token, whole run"),
 }
