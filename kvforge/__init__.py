@@ -6,6 +6,6 @@ from kvforge.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingReq
 from kvforge.pooling_params import PoolingParams
 from kvforge.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "LoRARequest", "Logprob", "PoolingOutput", "PoolingParams", "PoolingRequestOutput",
-           "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "Logprob", "PoolingOutput", "PoolingParams",
+           "PoolingRequestOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

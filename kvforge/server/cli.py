@@ -84,7 +84,11 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(served_model_names=names, api_key=args.api_key, max_body_bytes=max_body_bytes,
                           max_stored_responses=args.max_stored_responses, **timeouts)
     app = build_app(AsyncEngine(engine, max_queue=args.max_queue), config)
-    app.state.server.adapters.load_at_start(engine, lora_modules)
+    try:
+        app.state.server.adapters.load_at_start(engine, lora_modules)
+    except ValueError:
+        engine.shutdown()
+        raise
     print(f"kvforge: serving {', '.join(names)} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn_server(app, args.host, args.port, args.uvicorn_log_level, args.access_log).run()
     return 0

@@ -142,7 +142,8 @@ class RequestTracker:
         for completion in output.outputs:
             self.metrics.requests.labels(finished_reason=completion.finish_reason).inc()
             if self.lora_name is not None:
-                self.metrics.lora_requests.labels(lora_name=self.lora_name, finished_reason=completion.finish_reason).inc()
+                reason = completion.finish_reason
+                self.metrics.lora_requests.labels(lora_name=self.lora_name, finished_reason=reason).inc()
         times = output.metrics
         arrival, end = times["arrival_time"], times["now"]
         self.metrics.e2e.observe(end - arrival)

@@ -87,7 +87,8 @@ def _chat_request(body: ResponsesRequest, items: list[InputItem]) -> ChatComplet
     tools = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
              for tool in body.tools or []]
     return ChatCompletionRequest(
-        model=body.model, messages=_chat_messages(body.instructions, items), max_completion_tokens=body.max_output_tokens,
+        model=body.model, messages=_chat_messages(body.instructions, items),
+        max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, tools=tools or None, tool_choice=tool_choice,
         response_format=_response_format(body.text), parallel_tool_calls=body.parallel_tool_calls)
 

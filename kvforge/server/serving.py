@@ -177,7 +177,8 @@ class RequestGroup:
                                 f"{engine.max_queue}); lower n or send fewer prompts per request",
                            param=input_param or "n")
         results = await asyncio.gather(
-            *(engine.add_request(f"{request_id}-{i}", prompt, params, lora) for i, (prompt, params) in enumerate(prompts)),
+            *(engine.add_request(f"{request_id}-{i}", prompt, params, lora)
+              for i, (prompt, params) in enumerate(prompts)),
             return_exceptions=True,
         )
         self.streams = [r for r in results if isinstance(r, RequestStream)]

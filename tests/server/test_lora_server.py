@@ -107,3 +107,14 @@ def test_unloading_spares_running_requests(lora_server) -> None:
                                 headers=AUTH)
     assert response.status_code == 200
     assert _complete(client, "b") == answers["b"]
+
+
+def test_serve_names_a_bad_lora_module_before_loading(capsys, tiny_model_dir) -> None:
+    from kvforge.cli import main
+
+    assert main(["serve", str(tiny_model_dir), "--lora-modules", "no-path"]) == 2
+    assert "--lora-modules takes name=path, got 'no-path'" in capsys.readouterr().err
+    bad = ["serve", str(tiny_model_dir), "--enforce-eager", "--kv-cache-memory", "16MiB", "--lora-modules",
+           f"x={tiny_model_dir}"]
+    assert main(bad) == 2  # a folder without adapter_config.json: read at start, refused
+    assert "LoRA adapter 'x'" in capsys.readouterr().err
