@@ -77,7 +77,7 @@ class LoRAPool:
 
     def load(self, request: LoRARequest) -> LocalAdapter:
         """The adapter's share on this rank, read on first use (and again once the host registry dropped it)."""
-        known = self.paths.setdefault(request.int_id, request.path)
+        known = self.paths.get(request.int_id, request.path)
         if known != request.path:
             raise ValueError(f"LoRA adapter {request.name!r}: int_id {request.int_id} already names {known!r}")
         if request.int_id in self.host:
@@ -97,6 +97,7 @@ class LoRAPool:
                                  f"{tuple(b.shape)}, but the base layer is [{out_features}, {in_features}]")
             a, b = layer.local(shard, a, b)
             local.setdefault(name, {})[shard] = (a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
+        self.paths[request.int_id] = request.path
         self.host[request.int_id] = local
         while len(self.host) > self.config.num_cpu_loras:
             self.host.popitem(last=False)

@@ -81,6 +81,22 @@ def test_prefix_cache_is_per_adapter(lora_case, lora_llm) -> None:
         expected[0][2], expected[1][2], expected[None][2], expected[0][2]]
 
 
+@pytest.mark.parametrize("lora_case", ["llama"], indirect=True)
+def test_more_adapters_than_slots_take_turns(lora_case) -> None:
+    """One slot (and one adapter kept on the host): each adapter's requests wait until the previous adapter's
+    finish, its weights read again and swapped in; the base model's requests run beside any of them."""
+    base, loras, prompts, expected, _ = lora_case
+    llm = LLM(str(base), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=1,
+              enforce_eager=True)
+    try:
+        keys = [0, 1, None, 2, 0, None, 1, 2]
+        batch = [prompts[i % 4] for i in range(len(keys))]
+        assert _tokens(llm, batch, [None if k is None else loras[k] for k in keys]) == [
+            expected[k][i % 4] for i, k in enumerate(keys)]
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_case", ["qwen3"], indirect=True)
 def test_tensor_parallel_adapters_match_peft(lora_case) -> None:
