@@ -39,8 +39,9 @@ def lora_case(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_llm(lora_case):
+    # NOTE: eager: the compiled step has a test of its own, and this engine compiled in the background otherwise
     llm = LLM(str(lora_case[0]), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=4,
-              max_lora_rank=16)
+              max_lora_rank=16, enforce_eager=True)
     yield llm
     llm.shutdown()
 
