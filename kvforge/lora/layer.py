@@ -1,11 +1,11 @@
 """The LoRA weights of one linear layer: max_loras slots of zero-padded adapters, applied to every row of a step
 by the row's slot (-1: none), in one shrink and one expand (kernels/lora.py).
 
-A merged layer (QKV, gate-up) gives each of its S checkpoint matrices its own max_rank columns of the rank axis;
-B is block-diagonal over them, so one expand serves the whole fused output:
+A merged layer (QKV, gate-up) gives each of its S checkpoint matrices its own max_rank columns of the rank axis, so
+one shrink serves them all; each matrix's B then expands its own columns into its own outputs:
 
-    a [slots, S * max_rank, in]            rows  s * max_rank ...: A of checkpoint matrix s (zero past its rank)
-    b [slots, out, S * max_rank]           rows of matrix s x columns of matrix s: its B; zero elsewhere
+    a     [slots, S * max_rank, in]        rows s * max_rank ...: A of checkpoint matrix s (zero past its rank)
+    b_s   [slots, out_s, max_rank]         B of checkpoint matrix s (zero past its rank), one buffer per matrix
 
 Under tensor parallelism each rank holds its share, cut as the base weight is: a column-parallel layer's B by
 output rows (each merged matrix on its own, as `shard_pieces` says), a row-parallel layer's A by input columns,
@@ -40,7 +40,8 @@ class LoRASlots(nn.Module):
         width = len(self.shard_sizes) * max_rank
         device = token_slots.device
         self.register_buffer("a", torch.zeros(max_loras, width, linear.in_features, dtype=dtype, device=device))
-        self.register_buffer("b", torch.zeros(max_loras, linear.out_features, width, dtype=dtype, device=device))
+        for shard, size in enumerate(self.shard_sizes):
+            self.register_buffer(f"b{shard}", torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device))
         self.register_buffer("token_slots", token_slots, persistent=False)
         self.ops = ops
 
@@ -62,14 +63,22 @@ class LoRASlots(nn.Module):
     def write(self, slot: int, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put an adapter's local (A, B) per checkpoint matrix into slot (matrices it lacks stay zero)."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        for shard in range(len(self.shard_sizes)):
+            self.b_of(shard)[slot].zero_()
         for shard, (a, b) in pairs.items():
             rank, first = a.shape[0], shard * self.max_rank
-            offset, size = self.shard_offsets[shard], self.shard_sizes[shard]
             self.a[slot, first : first + rank].copy_(a)
-            self.b[slot, offset : offset + size, first : first + rank].copy_(b)
+            self.b_of(shard)[slot, :, :rank].copy_(b)
+
+    def b_of(self, shard: int) -> torch.Tensor:
+        return getattr(self, f"b{shard}")
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         slots = self.token_slots[: x.shape[0]]  # [num_tokens]
         h = self.ops.lora_shrink(x, self.a, slots)  # [num_tokens, S * max_rank]
-        return self.ops.lora_expand(h, self.b, slots, y)
+        if len(self.shard_sizes) == 1:
+            return self.ops.lora_expand(h, self.b0, slots, y)
+        rank = self.max_rank
+        return torch.cat([
+            self.ops.lora_expand(h[:, s * rank : (s + 1) * rank], self.b_of(s), slots, y[:, offset : offset + size])
+            for s, (offset, size) in enumerate(zip(self.shard_offsets, self.shard_sizes))], dim=1)
