@@ -94,6 +94,17 @@ def _mla_decode(num_seqs: int) -> None:
                       torch.full((num_seqs,), 500, dtype=torch.int32), 0.1, latent)  # fmt: skip
 
 
+def _lora(num_tokens: int) -> None:
+    from kvforge.kernels.lora import lora_expand_triton, lora_shrink_triton
+
+    slots, rank, hidden, num_out = 4, 3 * 16, 4096, 6144  # a QKV layer's shrink, one of its matrices' expand
+    x = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
+    token_slots = torch.zeros(num_tokens, dtype=torch.int64)
+    h = lora_shrink_triton(x, torch.empty(slots, rank, hidden, dtype=torch.bfloat16), token_slots)
+    lora_expand_triton(h[:, :16], torch.empty(slots, num_out, 16, dtype=torch.bfloat16), token_slots,
+                       torch.empty(num_tokens, num_out, dtype=torch.bfloat16))
+
+
 def cases() -> dict[str, Callable[[], None]]:
     """Every launch configuration the engine uses, by name."""
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -121,4 +132,5 @@ def cases() -> dict[str, Callable[[], None]]:
         found[f"fused moe {tokens} tokens"] = lambda m=tokens: _fused_moe(m)
     for num_seqs in (1, 64):
         found[f"mla decode {num_seqs} seqs"] = lambda n=num_seqs: _mla_decode(n)
+        found[f"lora shrink+expand {num_seqs} tokens"] = lambda n=num_seqs: _lora(n)
     return found
