@@ -100,12 +100,14 @@ def test_more_adapters_than_slots_take_turns(lora_case) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_case", ["qwen3"], indirect=True)
-def test_tensor_parallel_adapters_match_peft(lora_case) -> None:
-    """Two ranks, each with its share of every adapter (B cut by output rows in QKV and gate-up, A by input columns in
-    the output and down projections): one batch of three adapters and the base model, and the logits of each."""
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_parallel_adapters_match_peft(lora_case, tp: int, pp: int) -> None:
+    """Two ranks. Tensor parallel: each holds its share of every adapter (B cut by output rows in QKV and gate-up, A by
+    input columns in the output and down projections); pipeline parallel: each stage its layers' part. One batch of
+    three adapters and the base model, and the logits of each adapter."""
     base, loras, prompts, expected, refs = lora_case
     llm = LLM(str(base), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=3,
-              tensor_parallel_size=2)
+              tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
         keys = [0, 1, 2, None]
         assert _tokens(llm, prompts, [None if k is None else loras[k] for k in keys]) == [
