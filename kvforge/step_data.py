@@ -42,7 +42,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per layer group of the KV cache (one for a model of uniform layers)
     num_prompt_tokens: int
     needs_sample: bool
     banned_token_ids: list[int]  # stop tokens the sampler must not pick before min_tokens

@@ -1,24 +1,44 @@
-"""Block tables per request on top of the block pool, with prefix-cache lookups."""
+"""Block tables per request and layer group on top of the one block pool, with prefix-cache lookups."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from kvforge.engine.block_pool import BlockPool, hash_block
+from kvforge.engine.cache_groups import FullAttentionGroup, make_group
 from kvforge.engine.request import Request
 from kvforge.engine.stats import CacheStats
+from kvforge.layers.kv_cache_spec import LayerGroup
+
+FULL_ATTENTION = (LayerGroup("full_attention", (0,)),)
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """The leading num_blocks blocks of a request found in the prefix cache: block_ids[g] for group g (the null
+    block where a group keeps none, outside a sliding window)."""
+
+    num_blocks: int
+    block_ids: list[list[int]]
 
 
 class KVCacheManager:
-    """Gives each request the blocks its tokens need, reusing cached full blocks of equal prefixes.
+    """Gives each request the blocks its tokens need in every layer group, reusing cached full blocks of equal
+    prefixes, and returns to the pool the blocks a group's layers will not read again (sliding windows).
 
-    Block i of a request holds tokens [i * block_size, (i + 1) * block_size). Once a block is full
-    and computed, it is registered in the prefix cache under a hash chained over its parent block.
+    Block i of a request's table in a group holds tokens [i * block_size, (i + 1) * block_size) for the group's
+    layers. Once a block is full and computed, it is registered in the prefix cache under a hash chained over its
+    parent block (and its group). Every group's table of a request is equally long.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 layer_groups: Sequence[LayerGroup] = FULL_ATTENTION) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.block_tables: dict[str, list[int]] = {}
+        self.groups: list[FullAttentionGroup] = [make_group(g, layers, self.pool, block_size)
+                                                 for g, layers in enumerate(layer_groups)]
         self.block_hashes: dict[str, list[int]] = {}
         self.num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
 
@@ -28,7 +48,16 @@ class KVCacheManager:
 
     @property
     def capacity_tokens(self) -> int:
-        return (self.pool.num_blocks - 1) * self.block_size
+        """The longest request the pool holds alone, in whole blocks (a sliding window holds a window and a block)."""
+        usable = self.pool.num_blocks - 1
+        low, high = 0, usable  # in blocks of tokens: low fits, high + 1 does not
+        while low < high:
+            mid = (low + high + 1) // 2
+            if sum(group.max_blocks_held(mid * self.block_size) for group in self.groups) <= usable:
+                low = mid
+            else:
+                high = mid - 1
+        return low * self.block_size
 
     def stats(self) -> CacheStats:
         pool = self.pool
@@ -40,8 +69,9 @@ class KVCacheManager:
         """Forget the cached blocks no request holds (the running requests' blocks stay theirs)."""
         self.pool.reset_prefix_cache()
 
-    def get_block_table(self, request_id: str) -> list[int]:
-        return self.block_tables[request_id]
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's table in every group."""
+        return [group.table(request_id) for group in self.groups]
 
     def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """Hashes of the request's first num_full_blocks blocks (memoized per request)."""
@@ -55,40 +85,39 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else root, tokens[i * size : (i + 1) * size]))
         return hashes
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """The cached blocks matching the request's leading full blocks.
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        """The longest run of the request's leading full blocks that every group can serve from the cache.
 
         At least one token is always left to compute, so the step can produce logits to sample from."""
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        block_ids = []
-        for block_hash in self._hashes(request, max_blocks):
-            block_id = self.pool.get_cached_block(block_hash)
-            if block_id is None:
-                break
-            block_ids.append(block_id)
+            return PrefixHit(0, [[] for _ in self.groups])
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        num_blocks, previous = len(hashes), -1
+        while num_blocks != previous:  # NOTE: a group's shorter answer may be one another group cannot serve
+            previous = num_blocks
+            for group in self.groups:
+                num_blocks = group.longest_hit(hashes, num_blocks)
         self.pool.num_hit_queries += request.num_prompt_tokens
-        self.pool.num_hit_blocks += len(block_ids)
-        return block_ids
+        self.pool.num_hit_blocks += num_blocks
+        return PrefixHit(num_blocks, [group.hit_block_ids(hashes, num_blocks) for group in self.groups])
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
-        """Make room for num_new_tokens more computed tokens; False (and no change) if blocks run out.
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make room for num_new_tokens more computed tokens in every group; False (and no new blocks) if blocks run
+        out. The blocks the request has moved past in sliding windows are released first, either way.
 
-        cached_block_ids: prefix-cache hits for a request that has no blocks yet (its
-        num_computed_tokens already counts them)."""
-        table = self.block_tables.get(request.request_id, [])
-        num_computed = request.num_computed_tokens
-        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = num_needed - len(table) - len(cached_block_ids)
-        num_evictable_hits = sum(1 for b in cached_block_ids if self.pool.ref_cnt[b] == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+        hit: the prefix-cache hit of a request that has no blocks yet (its num_computed_tokens already counts it)."""
+        request_id, num_computed = request.request_id, request.num_computed_tokens
+        hit_ids = hit.block_ids if hit is not None else [[] for _ in self.groups]
+        for group in self.groups:
+            group.release_passed(request_id, num_computed)
+        num_tokens = num_computed + num_new_tokens
+        num_needed = sum(group.blocks_needed(request_id, num_tokens, ids) for group, ids in zip(self.groups, hit_ids))
+        if num_needed > self.pool.num_free_blocks:
             return False
-        self.pool.touch(cached_block_ids)
-        table = table + list(cached_block_ids) + self.pool.allocate(max(num_new_blocks, 0))
-        self.block_tables[request.request_id] = table
+        for group, ids in zip(self.groups, hit_ids):
+            group.allocate(request_id, num_tokens, ids)
         # NOTE: only blocks full of the request's tokens, never of draft tokens that may be rejected
-        self._register(request, min(num_computed + num_new_tokens, request.num_tokens))
+        self._register(request, min(num_tokens, request.num_tokens))
         return True
 
     def _register(self, request: Request, num_tokens: int) -> None:
@@ -98,8 +127,8 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         first = self.num_registered.get(request.request_id, 0)
         hashes = self._hashes(request, num_full)
-        for block_id, block_hash in zip(self.block_tables[request.request_id][first:num_full], hashes[first:]):
-            self.pool.cache_block(block_id, block_hash)
+        for group in self.groups:
+            group.register(request.request_id, hashes, first, num_full)
         self.num_registered[request.request_id] = max(first, num_full)
 
     def register_accepted(self, request: Request) -> None:
@@ -110,8 +139,8 @@ class KVCacheManager:
         self._register(request, min(request.num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first, so its last blocks are evicted before its first."""
-        table = self.block_tables.pop(request.request_id, [])
-        self.pool.free(reversed(table))
+        """Release a request's blocks in every group."""
+        for group in self.groups:
+            group.free(request.request_id)
         self.block_hashes.pop(request.request_id, None)
         self.num_registered.pop(request.request_id, None)

@@ -67,7 +67,8 @@ class LLMEngine:
             self.hf_config = info.hf_config
             self.vocab_size = info.vocab_size
             num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
-            self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+            self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                                                   info.layer_groups)
             graphs = self.runner.decode_graphs
             speculation = _speculation(config, self.vocab_size, () if graphs is None else graphs.buckets)
             max_loras = config.lora.max_loras if config.lora.enable_lora else None
@@ -234,7 +235,7 @@ class LLMEngine:
         try:
             request_id = request.request_id
             new = NewRequest(request_id, token_ids, len(token_ids), request.sampling_params, lora_request)
-            scheduled = ScheduledRequest(request_id, token_ids, 0, self.kv_cache_manager.get_block_table(request_id),
+            scheduled = ScheduledRequest(request_id, token_ids, 0, self.kv_cache_manager.get_block_tables(request_id),
                                          len(token_ids), False, [])
             if self.in_flight:
                 raise ValueError("cannot score while steps are in flight; call step() until they finish")

@@ -114,13 +114,13 @@ class Scheduler:
         if num_sent is None:
             output.new_requests.append(NewRequest(request_id, list(request.all_token_ids),
                                                   request.num_prompt_tokens, request.sampling_params, request.lora))
-        block_table = self.kv.get_block_table(request_id)
-        self.num_sent_blocks[request_id] = len(block_table)
+        block_tables = self.kv.get_block_tables(request_id)  # NOTE: every group's table is equally long
+        self.num_sent_blocks[request_id] = len(block_tables[0])
         output.scheduled.append(ScheduledRequest(
             request_id=request_id,
             token_ids=request.all_token_ids[start : start + num_new] + drafts.token_ids,
             num_computed_tokens=start,
-            new_block_ids=block_table[num_sent or 0 :],
+            new_block_ids=[table[num_sent or 0 :] for table in block_tables],
             num_prompt_tokens=request.num_prompt_tokens,
             needs_sample=start + num_new == request.num_tokens,
             banned_token_ids=self._banned_tokens(request),
@@ -185,11 +185,11 @@ class Scheduler:
             request = self.waiting[0]
             if not self._adapter_fits(request):  # waits for a running adapter's requests to finish
                 break
-            cached = self.kv.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.kv.block_size
+            hit = self.kv.find_cached_prefix(request)
+            num_cached_tokens = hit.num_blocks * self.kv.block_size
             request.num_computed_tokens = num_cached_tokens
             num_new = self._chunk(request, budget)
-            if not self.kv.allocate_slots(request, num_new, cached):
+            if not self.kv.allocate_slots(request, num_new, hit):
                 request.num_computed_tokens = 0
                 break
             if request.num_preemptions == 0:

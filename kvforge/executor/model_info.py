@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.layers.kv_cache_spec import LayerGroup
 from kvforge.tokenizer import Tokenizer
 
 
@@ -25,3 +26,4 @@ class ModelInfo:
     kv_cache_dtype: torch.dtype  # of the cache's values or codes
     device: torch.device
     attention_backend: str  # the backend the worker runs: "torch" or "triton"
+    layer_groups: tuple[LayerGroup, ...]  # of the KV cache: one block table per request and group

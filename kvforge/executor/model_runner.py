@@ -73,15 +73,17 @@ class ModelRunner:
         seq_lens = (computed + q_lens).astype(np.int32)
         if self.lora is not None:  # each row's adapter slot, in the buffer every LoRA layer reads
             self.lora.prepare_step([self.requests[s.request_id].lora for s in scheduled], q_lens)
-        tables = [self.requests[s.request_id].block_table for s in scheduled]
-        block_tables = np.zeros((len(scheduled), max(len(t) for t in tables)), dtype=np.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = table
         # positions: per token, its index in its sequence
         seq_of_token = np.repeat(np.arange(len(scheduled)), q_lens)
         positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], q_lens) + computed[seq_of_token]
-        block_ids = block_tables[seq_of_token, positions // self.block_size]
-        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        group_tables = []  # per layer group of the KV cache: (block_tables, slot_mapping)
+        for group_id in range(len(self.requests[scheduled[0].request_id].block_tables)):
+            tables = [self.requests[s.request_id].block_tables[group_id] for s in scheduled]
+            block_tables = np.zeros((len(scheduled), max(len(t) for t in tables)), dtype=np.int32)
+            for row, table in enumerate(tables):
+                block_tables[row, : len(table)] = table
+            block_ids = block_tables[seq_of_token, positions // self.block_size]
+            group_tables.append((block_tables, block_ids.astype(np.int64) * self.block_size + positions % self.block_size))
         input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64,
                                 count=int(query_start_loc[-1]))
         sample_requests = [s for s in scheduled if s.needs_sample]
@@ -100,15 +102,17 @@ class ModelRunner:
         if decode_only and len(scheduled) < len(input_ids):
             # NOTE: a step of decodes with drafts is a decode step of one sequence per token row: row p of
             # a sequence sees its first p + 1 tokens, which is causal attention over the step's queries
-            block_tables, seq_lens = block_tables[seq_of_token], (positions + 1).astype(np.int32)
-            query_start_loc = np.arange(len(input_ids) + 1, dtype=np.int32)
+            group_tables = [(block_tables[seq_of_token], slot_mapping) for block_tables, slot_mapping in group_tables]
+            seq_lens, query_start_loc = (positions + 1).astype(np.int32), np.arange(len(input_ids) + 1, dtype=np.int32)
         to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        (block_tables, slot_mapping), *other_groups = group_tables
         metadata = AttentionMetadata(
             slot_mapping=to_device(slot_mapping),
             query_start_loc=to_device(query_start_loc),
             seq_lens=to_device(seq_lens),
             block_tables=to_device(block_tables),
             decode_only=decode_only,
+            other_groups=tuple((to_device(slots), to_device(tables)) for tables, slots in other_groups),
         )
         return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
                       drafts, draft_probs, prompt_rows)

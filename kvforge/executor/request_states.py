@@ -7,7 +7,7 @@ comes back as a NewRequest).
 
     token_ids     prompt + generated, up to the end of the latest scheduled chunk:
                   [p0 p1 ... p(n-1) | o0 o1 ... ]   overwritten from num_computed_tokens onwards each step
-    block_table   append-only: each step extends it with the step's new_block_ids
+    block_tables  per layer group, append-only: each step extends them with the step's new_block_ids
 
 A seeded request's generator outlives a preemption (it is dropped when the request finishes), so its
 samples do not depend on whether it was preempted.
@@ -30,7 +30,7 @@ class RequestState:
 
     token_ids: list[int]
     num_prompt_tokens: int
-    block_table: list[int]
+    block_tables: list[list[int]]  # per layer group of the KV cache
     sampling_params: SamplingParams
     generator: torch.Generator | None
     lora: LoRARequest | None = None
@@ -53,7 +53,10 @@ class RequestState:
         assert start <= len(self.token_ids), "a step starts past the tokens the runner holds"
         del self.token_ids[start:]
         self.token_ids.extend(scheduled.token_ids)
-        self.block_table.extend(scheduled.new_block_ids)
+        if not self.block_tables:
+            self.block_tables = [[] for _ in scheduled.new_block_ids]
+        for table, new_block_ids in zip(self.block_tables, scheduled.new_block_ids, strict=True):
+            table.extend(new_block_ids)
 
 
 class RequestStates:

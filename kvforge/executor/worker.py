@@ -71,7 +71,7 @@ class Worker:
         spec = self.kv_cache_spec
         return ModelInfo(loaded.name, loaded.hf_config, loaded.tokenizer, loaded.dtype, config.vocab_size,
                          self.max_model_len, self.bytes_per_token, spec.code_dtype or spec.value_dtype or loaded.dtype,
-                         self.device, self.attention_backend)
+                         self.device, self.attention_backend, spec.layer_groups())
 
     @property
     def model(self) -> torch.nn.Module:
@@ -81,7 +81,8 @@ class Worker:
     def kv_cache_bytes(self) -> int:
         """Bytes of this rank's allocated KV cache tensors (0 before init_cache)."""
         caches = self.runner.kv_caches if self.runner is not None else []
-        return sum(t.numel() * t.element_size() for layer in caches for t in layer)
+        tensors = {id(t): t for layer in caches for t in layer}  # NOTE: layer groups share slot tensors
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def kv_cache_size(self) -> KVCacheSize:
         """The blocks this rank's cache would have, and why (across ranks the smallest wins: agree_kv_cache_size)."""
@@ -124,11 +125,13 @@ class Worker:
 
     def _compilation(self) -> CompilationConfig | None:
         """How decode steps compile, or None (every step eager) when asked, under tensor or pipeline
-        parallelism (collectives run eagerly), or when the ops do not trace (the CPU without its C++ kernels)."""
+        parallelism (collectives run eagerly), with several layer groups in the KV cache (the compiled step's inputs
+        hold one block table per request), or when the ops do not trace (the CPU without its C++ kernels)."""
         compilation = self.config.compilation
         if compilation.enforce_eager:
             return None
         reason = ("tensor/pipeline parallelism" if get_parallel_state().world_size > 1
+                  else "layer groups in the KV cache" if len(self.kv_cache_spec.layer_groups()) > 1
                   else None if self.ops.traces else "ops that do not trace (no C++ CPU kernels)")
         if reason is not None:
             logger.info("decode steps run eagerly: %s", reason)

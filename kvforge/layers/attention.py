@@ -25,6 +25,15 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block
     # every sequence has one query token (rows are sequences): attention takes the decode kernel
     decode_only: bool = False
+    # with several layer groups in the KV cache (KVCacheSpec.layer_groups): groups 1..'s (slot_mapping, block_tables)
+    other_groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+
+    def of_group(self, group_id: int) -> AttentionMetadata:
+        """The metadata that the layers of a group of the KV cache read (their own block tables and slots)."""
+        if group_id == 0:
+            return self
+        slot_mapping, block_tables = self.other_groups[group_id - 1]
+        return AttentionMetadata(slot_mapping, self.query_start_loc, self.seq_lens, block_tables, self.decode_only)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,15 @@ as codes and adds
 one float32 scale per row of the last dim, in a tensor of the shape without it, after the codes:
 
     multi-head attention, int8     (key codes, value codes, key scales [num_kv_heads], value scales [num_kv_heads])
+
+Layers that keep different things per request (full attention, a sliding window) form layer groups, each with its own
+block table per request in the one pool of blocks (see engine/cache_groups.py). Groups hold equally many layers, so a
+block is the same size in every group: layer slot s of every group shares one cache tensor, and a block id belongs to
+one group at a time. Gemma 3's 5 local to 1 global layers of 12 layers (L: local, G: global):
+
+    layers        L0 L1 L2 L3 L4 G5 L6 L7 L8 L9 L10 G11
+    groups (2)    full [G5 G11]   window [L0 L1] [L2 L3] [L4 L6] [L7 L8] [L9 L10]
+    slot tensors  slot 0: G5 L0 L2 L4 L7 L9    slot 1: G11 L1 L3 L6 L8 L10
 """
 
 from __future__ import annotations
@@ -27,6 +36,17 @@ _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 
 
 @dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Layers that share one block table per request: kind "full_attention" or "sliding_window" (of
+    sliding_window tokens); layers[s]: the layer in slot s (groups of a kind whose layer count is not a multiple of
+    the group size leave the last group's tail slots empty)."""
+
+    kind: str
+    layers: tuple[int, ...]
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     """layer_shapes[layer]: the per-token shape of each cache tensor of that layer; code_dtype: None to
     store values (in value_dtype, or the model dtype), or the dtype of quantized codes (with scales beside them)."""
@@ -35,6 +55,8 @@ class KVCacheSpec:
     code_dtype: torch.dtype | None = None
     value_dtype: torch.dtype | None = None
     quantizable: bool = True  # whether the model's attention reads a quantized cache
+    # per layer: its sliding window in tokens (None: full attention); None: every layer attends to every token
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_shapes or not all(self.layer_shapes):
@@ -42,6 +64,36 @@ class KVCacheSpec:
         for shapes in self.layer_shapes:
             if any(size < 1 for shape in shapes for size in shape):
                 raise ValueError(f"KV cache tensor sizes must be >= 1, got {shapes}")
+        if self.layer_windows is not None:
+            if len(self.layer_windows) != len(self.layer_shapes):
+                raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
+                                 f"{len(self.layer_shapes)} layers")
+            if any(w is not None and w < 1 for w in self.layer_windows):
+                raise ValueError(f"sliding windows must be >= 1 token, got {self.layer_windows}")
+
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The layer groups of the KV cache: one full-attention group of every layer unless layers of different
+        windows (of the same per-token shapes) allow the blocks they no longer read to be freed."""
+        windows = self.layer_windows or (None,) * len(self.layer_shapes)
+        kinds: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(windows):
+            kinds.setdefault(window, []).append(layer)
+        if len(kinds) == 1 or len(set(self.layer_shapes)) > 1:
+            return (LayerGroup("full_attention", tuple(range(len(windows)))),)
+        size = min(len(layers) for layers in kinds.values())
+        # NOTE: full attention first: group 0 is the one that bounds a request's length
+        return tuple(LayerGroup("full_attention" if window is None else "sliding_window", tuple(layers[i : i + size]),
+                                window)
+                     for window, layers in sorted(kinds.items(), key=lambda kind: kind[0] is not None)
+                     for i in range(0, len(layers), size))
+
+    def layer_group_ids(self) -> list[int]:
+        """The group of each layer."""
+        group_of = [0] * len(self.layer_shapes)
+        for group_id, group in enumerate(self.layer_groups()):
+            for layer in group.layers:
+                group_of[layer] = group_id
+        return group_of
 
     @classmethod
     def key_value(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVCacheSpec:
@@ -81,10 +133,16 @@ class KVCacheSpec:
             return [(shape, self.value_dtype or dtype) for shape in shapes]
         return [(shape, self.code_dtype) for shape in shapes] + [(shape[:-1], SCALE_DTYPE) for shape in shapes]
 
+    def _layer_bytes(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> int:
+        return sum(math.prod(shape) * tensor_dtype.itemsize for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Cache bytes of one token across all layers (dtype: the model dtype), scales included."""
-        return sum(math.prod(shape) * tensor_dtype.itemsize
-                   for shapes in self.layer_shapes for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
+        """Cache bytes of one token slot of a block (dtype: the model dtype), scales included: every layer's, or with
+        several layer groups the layers of one group (a block belongs to one group at a time)."""
+        groups = self.layer_groups()
+        if len(groups) == 1:
+            return sum(self._layer_bytes(shapes, dtype) for shapes in self.layer_shapes)
+        return len(groups[0].layers) * self._layer_bytes(self.layer_shapes[0], dtype)
 
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
@@ -97,6 +155,16 @@ class KVCacheSpec:
                 return zeroed_tensor(shape, tensor_dtype)
             return torch.zeros(shape, dtype=tensor_dtype, device=device)
 
-        return [tuple(zeros((num_blocks, block_size, *shape), tensor_dtype)
-                      for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
-                for shapes in self.layer_shapes]
+        groups = self.layer_groups()
+        if len(groups) == 1:
+            return [tuple(zeros((num_blocks, block_size, *shape), tensor_dtype)
+                          for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
+                    for shapes in self.layer_shapes]
+        slots = [tuple(zeros((num_blocks, block_size, *shape), tensor_dtype)
+                       for shape, tensor_dtype in self._layer_tensors(self.layer_shapes[0], dtype))
+                 for _ in groups[0].layers]
+        caches: list[tuple[torch.Tensor, ...]] = [()] * len(self.layer_shapes)
+        for group in groups:
+            for slot, layer in enumerate(group.layers):
+                caches[layer] = slots[slot]
+        return caches

@@ -36,12 +36,12 @@ def test_prefix_hit_reuses_blocks_and_leaves_a_token_to_compute():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     first = _request("a", list(range(10)))
     assert kv.allocate_slots(first, 10)
-    table_a = kv.get_block_table("a")
+    table_a = kv.get_block_tables("a")[0]
     second = _request("b", list(range(8)) + [99, 98])  # shares two full blocks
     hits = kv.find_cached_prefix(second)
-    assert hits == table_a[:2]
+    assert hits.block_ids == [table_a[:2]]
     exact = _request("c", list(range(8)))  # fully cached: the last block is recomputed
-    assert kv.find_cached_prefix(exact) == table_a[:1]
+    assert kv.find_cached_prefix(exact).block_ids == [table_a[:1]]
     assert kv.pool.num_hit_blocks == 3
 
 
@@ -51,9 +51,9 @@ def test_shared_blocks_survive_one_owner_and_all_free_at_the_end():
     assert kv.allocate_slots(a, 9)
     b = _request("b", list(range(9)))
     hits = kv.find_cached_prefix(b)
-    b.num_computed_tokens = len(hits) * 4
+    b.num_computed_tokens = hits.num_blocks * 4
     assert kv.allocate_slots(b, 9 - b.num_computed_tokens, hits)
-    assert kv.get_block_table("b")[:2] == kv.get_block_table("a")[:2]
+    assert kv.get_block_tables("b")[0][:2] == kv.get_block_tables("a")[0][:2]
     kv.free(a)
     assert kv.num_free_blocks == 9 - 3  # b holds 2 shared blocks and 1 of its own
     kv.free(b)
@@ -70,14 +70,14 @@ def test_free_blocks_evicted_least_recently_freed_first():
     # One more block is needed: it must come from "old" (freed first), tail block first.
     filler = _request("filler", [9, 9])
     assert kv.allocate_slots(filler, 2)
-    assert kv.find_cached_prefix(_request("x", [5, 6, 7, 8, 0])) != []
+    assert kv.find_cached_prefix(_request("x", [5, 6, 7, 8, 0])).num_blocks == 2
     assert kv.find_cached_prefix(_request("y", [1, 2, 3, 4, 0])) == kv.find_cached_prefix(
         _request("z", [1, 2, 0]))
-    assert len(kv.find_cached_prefix(_request("w", [1, 2, 3, 4, 0]))) == 1  # block [3, 4] evicted
+    assert kv.find_cached_prefix(_request("w", [1, 2, 3, 4, 0])).num_blocks == 1  # block [3, 4] evicted
 
 
 def test_allocation_fails_cleanly_when_blocks_run_out():
     kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     big = _request("big", list(range(12)))
     assert not kv.allocate_slots(big, 12)
-    assert kv.num_free_blocks == 2 and "big" not in kv.block_tables
+    assert kv.num_free_blocks == 2 and "big" not in kv.groups[0].block_tables

@@ -136,14 +136,14 @@ def test_a_request_travels_whole_once_then_only_its_new_tokens_and_blocks():
     _add(scheduler, "a", 6, max_tokens=8)
     first = scheduler.schedule()
     assert [(n.request_id, n.token_ids) for n in first.new_requests] == [("a", [0, 1, 2, 3, 4, 5])]
-    assert first.scheduled[0].new_block_ids == [1, 2]
+    assert first.scheduled[0].new_block_ids == [[1, 2]]
     sent = []
     scheduler.update_from_output(first, _sampled(first, 7))
     for _ in range(3):
         output = scheduler.schedule()
         sent.append((len(output.new_requests), output.scheduled[0].token_ids, output.scheduled[0].new_block_ids))
         scheduler.update_from_output(output, _sampled(output, 7))
-    assert sent == [(0, [7], []), (0, [7], []), (0, [7], [3])]  # computing the 9th token opens a third block
+    assert sent == [(0, [7], [[]]), (0, [7], [[]]), (0, [7], [[3]])]  # computing the 9th token opens a third block
     _add(scheduler, "b", 4, max_tokens=8, base=50)  # takes the last free block
     scheduler.update_from_output(step := scheduler.schedule(), _sampled(step, 7))
     step = scheduler.schedule()  # b's 5th token needs a block: b, the newest, is preempted
@@ -153,4 +153,4 @@ def test_a_request_travels_whole_once_then_only_its_new_tokens_and_blocks():
         scheduler.update_from_output(resumed, _sampled(resumed, 7))
     assert [(n.request_id, n.token_ids) for n in resumed.new_requests] == [("b", [50, 51, 52, 53, 7])]
     resent = [s.new_block_ids for s in resumed.scheduled if s.request_id == "b"]
-    assert resent == [scheduler.kv.get_block_table("b")] and len(resent[0]) == 2  # its whole new table
+    assert resent == [scheduler.kv.get_block_tables("b")] and len(resent[0][0]) == 2  # its whole new table

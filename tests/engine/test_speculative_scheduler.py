@@ -93,11 +93,11 @@ def test_prefix_cache_hashes_cover_accepted_tokens_only():
     _step(scheduler, {"a": [9]})  # drafts 100..103 at positions 4..7 all rejected
     # a prompt that repeats a's tokens and the rejected drafts finds only a's first block cached
     b = Request("b", [5, 6, 8, 7, 100, 101, 102, 103, 1], SamplingParams())
-    assert len(scheduler.kv.find_cached_prefix(b)) == 1
+    assert scheduler.kv.find_cached_prefix(b).num_blocks == 1
     c = Request("c", [5, 6, 8, 7, 9, 1, 1, 1, 1], SamplingParams())
     _step(scheduler, {"a": [100, 101, 102, 103, 3]})  # all 4 drafts accepted: block 1 = 9, 100, 101, 102
     d = Request("d", [5, 6, 8, 7, 9, 100, 101, 102, 1], SamplingParams())
-    assert len(scheduler.kv.find_cached_prefix(c)) == 1 and len(scheduler.kv.find_cached_prefix(d)) == 2
+    assert scheduler.kv.find_cached_prefix(c).num_blocks == 1 and scheduler.kv.find_cached_prefix(d).num_blocks == 2
 
 
 def test_rows_past_max_rows_go_without_drafts_and_nothing_leaks():

@@ -29,7 +29,7 @@ def _runner() -> ModelRunner:
 
 def _scheduled(request_id: str, token_ids: list[int], num_computed: int, block_table: list[int],
                prompt_len: int) -> ScheduledRequest:
-    return ScheduledRequest(request_id, token_ids, num_computed, block_table, prompt_len,
+    return ScheduledRequest(request_id, token_ids, num_computed, [block_table], prompt_len,
                             needs_sample=num_computed + len(token_ids) >= prompt_len, banned_token_ids=[])
 
 
@@ -113,4 +113,4 @@ def test_later_steps_carry_only_new_tokens_and_blocks():
                               new_requests=[NewRequest("a", [10, 11, 12, 13, 50], 4, SamplingParams())],
                               preempted_request_ids=["a"])
     runner.requests.update(resumed)
-    assert runner.requests["a"].block_table == [2, 5] and runner.requests["a"].output_token_ids == [50]
+    assert runner.requests["a"].block_tables == [[2, 5]] and runner.requests["a"].output_token_ids == [50]

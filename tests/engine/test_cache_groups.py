@@ -1,0 +1,140 @@
+"""The KV cache manager of layer groups stepped by hand: sliding-window blocks go back to the pool exactly when the
+request has moved past them, prefix hits only where a window's blocks are still cached, nothing leaks."""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.config import SchedulerConfig
+from kvforge.engine.block_pool import NULL_BLOCK_ID
+from kvforge.engine.kv_cache_manager import KVCacheManager
+from kvforge.engine.request import Request
+from kvforge.engine.scheduler import Scheduler
+from kvforge.layers.kv_cache_spec import KVCacheSpec, LayerGroup
+from kvforge.sampling_params import SamplingParams
+from kvforge.step_data import ModelRunnerOutput
+
+FULL_AND_WINDOW = (LayerGroup("full_attention", (1,)), LayerGroup("sliding_window", (0,), sliding_window=6))
+
+
+def _scheduler(num_blocks=64, block_size=4, budget=64, groups=FULL_AND_WINDOW, prefix=True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, prefix, groups)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16), kv)
+
+
+def _step(scheduler: Scheduler, token: int = 7) -> dict[str, int]:
+    output = scheduler.schedule()
+    sampled = {s.request_id: [token] for s in output.scheduled if s.needs_sample}
+    scheduler.update_from_output(output, ModelRunnerOutput(sampled))
+    return {s.request_id: len(s.token_ids) for s in output.scheduled}
+
+
+def _add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: int) -> Request:
+    request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    scheduler.add_request(request)
+    return request
+
+
+def test_window_blocks_return_to_the_pool_once_the_next_query_no_longer_reads_them():
+    scheduler = _scheduler(num_blocks=64, block_size=4, budget=5)  # a 13-token prompt in chunks of 5
+    request = _add(scheduler, "a", list(range(13)), max_tokens=12)
+    full, window = scheduler.kv.groups
+    while not request.status.finished:
+        first = request.num_computed_tokens
+        output = scheduler.schedule()
+        last = first + len(output.scheduled[0].token_ids) - 1
+        # the step's queries are positions first..last; a window of 6 reads keys from first - 5 on
+        held = [i for i, b in enumerate(window.table("a")) if b != NULL_BLOCK_ID]
+        assert held == list(range(max(0, first - 5) // 4, last // 4 + 1)), (first, last)
+        assert full.table("a") == [b for b in full.table("a") if b != NULL_BLOCK_ID]
+        assert len(full.table("a")) == last // 4 + 1
+        assert scheduler.kv.num_free_blocks == 63 - len(full.table("a")) - len(held)
+        scheduler.update_from_output(output, ModelRunnerOutput({"a": [7]} if output.scheduled[0].needs_sample else {}))
+    assert request.num_output_tokens == 12 and scheduler.kv.num_free_blocks == 63
+
+
+def test_released_blocks_match_the_window_exactly():
+    kv = KVCacheManager(64, 4, False, FULL_AND_WINDOW)
+    request = Request("a", list(range(30)), SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(request, 13)  # tokens 0..12 in blocks 0..3
+    window = kv.groups[1]
+    assert NULL_BLOCK_ID not in window.table("a") and kv.num_free_blocks == 63 - 8
+    for num_computed, num_released in [(13, 2), (14, 2), (15, 2), (16, 2), (17, 3), (21, 4), (25, 5)]:
+        request.num_computed_tokens = num_computed
+        assert kv.allocate_slots(request, 1)
+        # the next query at num_computed reads from num_computed - 5: blocks ending at or before it are free
+        assert window.table("a")[:num_released] == [NULL_BLOCK_ID] * num_released, num_computed
+        assert NULL_BLOCK_ID not in window.table("a")[num_released:]
+        assert kv.num_free_blocks == 63 - len(kv.groups[0].table("a")) - (len(window.table("a")) - num_released)
+    kv.free(request)
+    assert kv.num_free_blocks == 63
+
+
+def test_prefix_hit_needs_the_window_blocks_and_not_the_ones_before():
+    scheduler = _scheduler(num_blocks=64, block_size=4)
+    prompt = list(range(100, 121))  # 21 tokens: 5 full blocks
+    a = _add(scheduler, "a", prompt, max_tokens=1)
+    _step(scheduler)
+    assert a.status.finished and scheduler.kv.num_free_blocks == 63
+    # a's window blocks went back to the pool still cached: a request with the same prompt hits them all
+    b = _add(scheduler, "b", prompt + [1, 2, 3], max_tokens=1)
+    hit = scheduler.kv.find_cached_prefix(b)
+    assert hit.num_blocks == 5
+    # the window group shares only the blocks the query at position 20 reads (keys 15..20: blocks 3, 4)
+    assert hit.block_ids[1][:3] == [NULL_BLOCK_ID] * 3 and NULL_BLOCK_ID not in hit.block_ids[1][3:]
+    assert NULL_BLOCK_ID not in hit.block_ids[0]
+    _step(scheduler)
+    assert b.num_cached_tokens == 20 and b.status.finished and scheduler.kv.num_free_blocks == 63
+
+
+def test_a_hit_needs_its_window_cached_so_a_longer_prefix_may_hit_where_a_shorter_does_not():
+    kv = KVCacheManager(16, 4, True, FULL_AND_WINDOW)  # 15 usable blocks
+    prompt = list(range(21))
+    a = Request("a", prompt, SamplingParams(max_tokens=1))
+    for num_computed, num_new in [(0, 8), (8, 8), (16, 5)]:  # chunked prefill
+        a.num_computed_tokens = num_computed
+        assert kv.allocate_slots(a, num_new)
+    window_blocks = kv.groups[1].table("a")
+    assert window_blocks[:2] == [NULL_BLOCK_ID] * 2  # the query at 16 reads keys from 11: blocks 0, 1 released
+    assert kv.num_free_blocks == 15 - 6 - 4
+    filler = Request("f", [99] * 5, SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(filler, 5)  # takes the 3 unused blocks, then a's released window block 0
+    # 8 tokens: the query at 8 reads keys 3..8, in window block 0 (evicted): no hit, nor for 4 tokens
+    assert kv.find_cached_prefix(Request("b", prompt[:8] + [0], SamplingParams())).num_blocks == 0
+    # 12 tokens: the query at 12 reads keys 7..12, blocks 1 and 2 (cached): a hit of 3 blocks
+    hit = kv.find_cached_prefix(Request("c", prompt[:12] + [0], SamplingParams()))
+    assert hit.num_blocks == 3 and hit.block_ids[0] == kv.groups[0].table("a")[:3]
+    assert hit.block_ids[1][0] == NULL_BLOCK_ID and hit.block_ids[1][2] == window_blocks[2]
+    assert hit.block_ids[1][1] not in (NULL_BLOCK_ID, *window_blocks, *kv.groups[1].table("f"))  # released, cached
+    kv.free(a)
+    kv.free(filler)
+    assert kv.num_free_blocks == 15
+
+
+def test_preemption_and_many_requests_leak_no_blocks():
+    scheduler = _scheduler(num_blocks=14, block_size=4, budget=32)
+    requests = [_add(scheduler, f"r{i}", [i * 50 + t for t in range(9)], max_tokens=12) for i in range(5)]
+    for _ in range(200):
+        if not scheduler.num_unfinished:
+            break
+        _step(scheduler)
+    assert all(r.status.finished and r.num_output_tokens == 12 for r in requests)
+    assert scheduler.num_preemptions > 0 and scheduler.kv.num_free_blocks == 13
+
+
+def test_capacity_counts_a_window_and_a_block_per_sliding_group():
+    kv = KVCacheManager(41, 4, False, FULL_AND_WINDOW)  # 40 usable: the window holds 3, the full group 37
+    assert kv.capacity_tokens == 37 * 4
+    assert KVCacheManager(41, 4, False).capacity_tokens == 40 * 4
+
+
+def test_gemma3_layers_form_groups_of_equal_size():
+    windows = tuple(None if (layer + 1) % 6 == 0 else 16 for layer in range(12))
+    spec = KVCacheSpec((((2, 8), (2, 8)),) * 12, layer_windows=windows)
+    groups = spec.layer_groups()
+    assert groups[0] == LayerGroup("full_attention", (5, 11))
+    assert [g.layers for g in groups[1:]] == [(0, 1), (2, 3), (4, 6), (7, 8), (9, 10)]
+    assert all(g.kind == "sliding_window" and g.sliding_window == 16 for g in groups[1:])
+    caches = spec.allocate(3, 4, torch.float32, torch.device("cpu"))
+    assert caches[5] is caches[0] and caches[11] is caches[1] and caches[0] is not caches[1]
+    assert spec.bytes_per_token(torch.float32) == 2 * 2 * 2 * 8 * 4  # 2 slots of K and V
