@@ -38,19 +38,35 @@ def save_tokenizer(folder: Path) -> int:
     return len(fast)
 
 
+# Gemma's tiny shapes: windows shorter than the prompts (ending mid-block), caps that bend the scores and logits,
+# and (Gemma 3) local layers whose rope differs from the global ones'
+_GEMMA = {
+    "gemma2": dict(num_hidden_layers=4, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=3.0, final_logit_softcapping=4.0, tie_word_embeddings=True),
+    "gemma3": dict(num_hidden_layers=8, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                   tie_word_embeddings=True, rope_parameters={
+                       "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}),
+}
+
+
 def build_model(arch: str, **overrides):
-    """A tiny random transformers model of the given family ('llama', 'mistral', 'qwen2', 'qwen3')."""
+    """A tiny random transformers model of the given family ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma2',
+    'gemma3')."""
     import transformers
 
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    common.update(_GEMMA.get(arch, {}))
     common.update(overrides)
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     torch.manual_seed(0)
     model = model_class(config_class(**common)).eval()
@@ -58,6 +74,10 @@ def build_model(arch: str, **overrides):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if arch.startswith("gemma"):  # Gemma's norms start at w = 0 (a scale of 1 + w): make w matter
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.normal_(param, std=0.3)
     return model
 
 

@@ -10,11 +10,34 @@ hundred thousand blocks already puts block * stride past 2**31.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from kvforge.kernels.triton_compat import constexpr, jit, tl
 
 LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x * scale) == exp2(x * scale * LOG2E)
+LOG2E_IN_KERNEL = constexpr(LOG2E)
 # NOTE: a finite floor instead of -inf keeps exp2(m_old - m_new) finite when a row saw no key yet.
 NEG_BIG = constexpr(-1.0e38)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """A layer's attention options as the kernels take them (see paged_attention.py): sliding_window (0: none),
+    softcap (0: none), sinks [num_heads] (None: none)."""
+
+    sliding_window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    @property
+    def softcap_log2(self) -> float:
+        return self.softcap * LOG2E
+
+    def sinks_or(self, placeholder: torch.Tensor) -> torch.Tensor:
+        """The sinks, or a tensor that stands in for their pointer (never read)."""
+        return placeholder if self.sinks is None else self.sinks
 
 
 @jit
@@ -69,20 +92,38 @@ def online_softmax_step(
     l_i,
     acc,
     qk_scale,
+    softcap_log2,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold one key tile into FlashAttention-2's running (max, sum, accumulator).
 
     q: [M, D] in the dtype of the dots; k, v: [N, D]; visible: [M, N] or [1, N] bool;
-    m_i, l_i: [M] fp32 (log2 domain); acc: [M, D] fp32. Returns the updated (m_i, l_i, acc)."""
+    m_i, l_i: [M] fp32 (log2 domain); acc: [M, D] fp32. Returns the updated (m_i, l_i, acc).
+    SOFTCAP: scores s become c * tanh(s / c), with softcap_log2 = c * LOG2E (scores are in the log2 domain)."""
     # NOTE: k and v take q's dtype: fp32 when the kernel upcasts q (the interpreter's tl.dot is wrong on
     # bf16 operands), and the model dtype for tiles that a quantized cache gave back dequantized in fp32.
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:  # NOTE: tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates to +-1 without overflow
+        scores = softcap_log2 * (1.0 - 2.0 / (tl.exp2(scores / softcap_log2 * (2.0 * LOG2E_IN_KERNEL)) + 1.0))
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@jit
+def fold_sinks(sinks_ptr, head, head_mask, m_i, l_i, acc, HAS_SINKS: tl.constexpr):
+    """The output rows acc / l_i, with each head's sink logit (sinks_ptr[head], natural log domain) added to the
+    softmax's denominator when HAS_SINKS: [M, D] fp32."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=head_mask, other=0.0).to(tl.float32) * LOG2E_IN_KERNEL
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

@@ -10,13 +10,24 @@ program per (sequence, KV head) leaves most of the GPU idle, so the key range is
 With one split the decode kernel normalises and writes the output itself. The GROUP query heads of a
 KV head share one program and one load of each key tile; they are padded to at least 16 rows, the
 smallest tl.dot.
+
+With a sliding window W the splits cut the keys the query sees, seq_len - W .. seq_len - 1, and the blocks
+before them (which the cache may already have given back) are never read; the sinks join the softmax's
+denominator where the output is normalised (the decode kernel with one split, else the reduce kernel).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvforge.kernels.attention_tiles import NEG_BIG, load_kv_tiles, online_softmax_step
+from kvforge.kernels.attention_tiles import (
+    LOG2E_IN_KERNEL,
+    NEG_BIG,
+    AttentionOptions,
+    fold_sinks,
+    load_kv_tiles,
+    online_softmax_step,
+)
 from kvforge.kernels.triton_compat import jit, next_power_of_2, tl
 from kvforge.kernels.tuning import DecodeTiles
 
@@ -25,11 +36,12 @@ from kvforge.kernels.tuning import DecodeTiles
 def _decode_kernel(
     out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
     query_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, sinks_ptr, qk_scale, softcap_log2, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -38,8 +50,11 @@ def _decode_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) - token != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    key_start = split * keys_per_split
+    first_key = 0
+    if sliding_window > 0:
+        first_key = tl.maximum(seq_len - sliding_window, 0)
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    key_start = first_key + split * keys_per_split
     key_end = tl.minimum(key_start + keys_per_split, seq_len)
 
     rows = tl.arange(0, BLOCK_G)
@@ -63,10 +78,11 @@ def _decode_kernel(
                              kv_head, keys, key_mask, dims, dim_mask, stride_cb, stride_cs, stride_ch,
                              stride_sb, stride_ss, PAGE_SIZE, QUANTIZED)  # fmt: skip
         visible = key_mask[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_log2, DOT_PRECISION,
+                                            SOFTCAP)  # fmt: skip
 
     if NUM_SPLITS == 1:
-        acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        acc = fold_sinks(sinks_ptr, head, rows < GROUP, m_i, l_i, acc, HAS_SINKS)
         out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
@@ -79,8 +95,9 @@ def _decode_kernel(
 
 @jit
 def _reduce_kernel(
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, stride_ot, stride_oh,
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, sinks_ptr, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -92,8 +109,14 @@ def _reduce_kernel(
     dims = tl.arange(0, HEAD_DIM_P)
     part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + splits
     m = tl.load(partial_max_ptr + part, mask=split_mask, other=float("-inf"))
-    weight = tl.exp2(m - tl.max(m, 0))  # 0 for padding and empty splits
+    top = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_IN_KERNEL
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(m - top)  # 0 for padding and empty splits
     total = tl.sum(weight * tl.load(partial_sum_ptr + part, mask=split_mask, other=0.0), 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
     acc_mask = split_mask[:, None] & (dims < HEAD_DIM)[None, :]
     acc = tl.load(partial_acc_ptr + part[:, None] * HEAD_DIM_P + dims[None, :], mask=acc_mask, other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / total
@@ -112,6 +135,7 @@ def launch_decode(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     qk_scale: float,
+    options: AttentionOptions,
     tiles: DecodeTiles,
     num_splits: int,
     upcast: bool,
@@ -133,18 +157,21 @@ def launch_decode(
         key_scale, value_scale = key_cache, value_cache
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, partial_acc, partial_max, partial_sum,
-        query, key_cache, value_cache, key_scale, value_scale, block_tables, query_start_loc, seq_lens, qk_scale,
+        query, key_cache, value_cache, key_scale, value_scale, block_tables, query_start_loc, seq_lens,
+        options.sinks_or(query), qk_scale, options.softcap_log2, options.sliding_window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_scale.stride(0), key_scale.stride(1),
         block_tables.stride(0),
         GROUP=group, BLOCK_G=max(next_power_of_2(group), 16), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         PAGE_SIZE=key_cache.shape[1], BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
         UPCAST=upcast, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, QUANTIZED=quantized,
+        SOFTCAP=options.softcap > 0, HAS_SINKS=options.sinks is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, partial_acc, partial_max, partial_sum, query_start_loc, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
-            SPLITS_P=next_power_of_2(num_splits), num_warps=tiles.reduce_num_warps,
+            out, partial_acc, partial_max, partial_sum, query_start_loc, options.sinks_or(query), out.stride(0),
+            out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=num_splits,
+            SPLITS_P=next_power_of_2(num_splits), HAS_SINKS=options.sinks is not None,
+            num_warps=tiles.reduce_num_warps,
         )  # fmt: skip

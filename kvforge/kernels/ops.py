@@ -126,10 +126,12 @@ def _paged_attention_op(
     scale: float,
     key_scale: Tensor | None = None,
     value_scale: Tensor | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    return paged_attention_triton(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, key_scale, value_scale
-    )
+    return paged_attention_triton(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                                  key_scale, value_scale, sliding_window, softcap, sinks)
 
 
 @_paged_attention_op.register_fake
@@ -143,6 +145,9 @@ def _(
     scale: float,
     key_scale: Tensor | None = None,
     value_scale: Tensor | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     return query.new_empty(query.shape)
 
@@ -235,9 +240,11 @@ class OpTable:
 
 def _paged_decode_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                       query_start_loc: Tensor, seq_lens: Tensor, scale: float, key_scale: Tensor | None = None,
-                      value_scale: Tensor | None = None) -> Tensor:  # fmt: skip
+                      value_scale: Tensor | None = None, sliding_window: int = 0, softcap: float = 0.0,
+                      sinks: Tensor | None = None) -> Tensor:  # fmt: skip
     """paged_attention's arguments -> the C++ decode kernel (one row per sequence: no query_start_loc)."""
-    return paged_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, key_scale, value_scale)
+    return paged_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, key_scale, value_scale,
+                            sliding_window, softcap, sinks)
 
 
 TORCH_OPS = OpTable(

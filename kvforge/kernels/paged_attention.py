@@ -7,6 +7,12 @@ context holds seq_lens[s] tokens, the last q_len of which are the queries themse
     keys    0 1 2 3 4 5 6 7 8 9         seq_len = 10, q_len = 3, context_len = 7
     queries               q q q         query i sits at position context_len + i
                                         and sees keys 0 .. context_len + i
+
+Three per-layer options, off by default:
+    sliding_window W > 0   the query at position p sees keys p - W + 1 .. p only (W = 4: query 9 sees 6 7 8 9)
+    softcap c > 0          scores become c * tanh(score / c) before the softmax (Gemma 2)
+    sinks [num_heads]      a learned logit per head that joins the softmax's denominator and no value (GPT-OSS):
+                           out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import math
 
 import torch
 
-from kvforge.kernels.attention_tiles import LOG2E
+from kvforge.kernels.attention_tiles import LOG2E, AttentionOptions
 from kvforge.kernels.decode_attention import launch_decode
 from kvforge.kernels.kv_quant import CODE_DTYPES, check_triton_code_dtype, dequantize_kv
 from kvforge.kernels.prefill_attention import launch_prefill
@@ -62,9 +68,10 @@ def gather_kv(
 
 
 def _attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query: [S, Q, H, D]; key/value: [S, L, Hkv, D]; mask: [S, Q, L] bool (True = attend).
+    """query: [S, Q, H, D]; key/value: [S, L, Hkv, D]; mask: [S, Q, L] bool (True = attend); sinks: [H].
 
     Returns [S, Q, H, D]. Softmax in fp32."""
     num_seqs, q_len, num_heads, head_dim = query.shape
@@ -75,8 +82,14 @@ def _attend(
     v = value.float().transpose(1, 2)  # [S, Hkv, L, D]
     scores = torch.matmul(q.flatten(2, 3), k) * scale  # [S, Hkv, G*Q, L]
     scores = scores.view(num_seqs, num_kv_heads, group, q_len, -1)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).flatten(2, 3)
+    if sinks is not None:  # one more logit per head, whose value is zero
+        sink = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(num_seqs, -1, -1, q_len, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    probs = (probs[..., :-1] if sinks is not None else probs).flatten(2, 3)
     out = torch.matmul(probs, v).view(num_seqs, num_kv_heads, group, q_len, head_dim)
     return out.permute(0, 3, 1, 2, 4).reshape(num_seqs, q_len, num_heads, head_dim).to(query.dtype)
 
@@ -91,12 +104,15 @@ def paged_attention_ref(
     scale: float,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_seqs, max_blocks] int32; query_start_loc: [num_seqs + 1] int32;
     seq_lens: [num_seqs] int32. Returns [num_tokens, num_heads, head_dim].
     key_scale/value_scale: [num_blocks, block_size, num_kv_heads] float32 when the caches hold int8 or fp8
-    codes (see kv_quant.py), None otherwise.
+    codes (see kv_quant.py), None otherwise. sliding_window, softcap, sinks: see the module docstring.
 
     One-token queries (decodes) are attended together as one padded batch; longer queries
     (prefill chunks) one sequence at a time."""
@@ -112,8 +128,11 @@ def paged_attention_ref(
         max_len = max(lens[s] for s in decode_seqs)
         k = gather_kv(key_cache, block_tables[idx], max_len, key_scale)
         v = gather_kv(value_cache, block_tables[idx], max_len, value_scale)
-        mask = torch.arange(max_len, device=query.device)[None, None, :] < dec_lens[:, None, None]
-        out[rows] = _attend(query[rows].unsqueeze(1), k, v, mask, scale).squeeze(1)
+        positions = torch.arange(max_len, device=query.device)[None, None, :]
+        mask = positions < dec_lens[:, None, None]
+        if sliding_window > 0:
+            mask &= positions > dec_lens[:, None, None] - 1 - sliding_window
+        out[rows] = _attend(query[rows].unsqueeze(1), k, v, mask, scale, softcap, sinks).squeeze(1)
     for s, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
@@ -122,8 +141,11 @@ def paged_attention_ref(
         v = gather_kv(value_cache, block_tables[s : s + 1], seq_len, value_scale)
         q = query[starts[s] : starts[s + 1]].unsqueeze(0)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = (torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]).unsqueeze(0)
-        out[starts[s] : starts[s + 1]] = _attend(q, k, v, mask, scale).squeeze(0)
+        positions = torch.arange(seq_len, device=query.device)[None, :]
+        mask = positions <= q_pos[:, None]
+        if sliding_window > 0:
+            mask &= positions > q_pos[:, None] - sliding_window
+        out[starts[s] : starts[s + 1]] = _attend(q, k, v, mask.unsqueeze(0), scale, softcap, sinks).squeeze(0)
     return out
 
 
@@ -172,6 +194,19 @@ def _check_attention_inputs(
         raise ValueError(f"scale must be a positive finite float, got {scale}")
 
 
+def attention_options(query: torch.Tensor, sliding_window: int, softcap: float, sinks: torch.Tensor | None
+                      ) -> AttentionOptions:
+    """The checked options: a window of >= 0 tokens, a softcap >= 0, float32 sinks [num_heads] on the query's device."""
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: none), got {softcap}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, shape=(query.shape[1],), dtypes=(torch.float32,))
+        check_same_device(query=query, sinks=sinks)
+    return AttentionOptions(sliding_window, softcap, sinks)
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -182,6 +217,9 @@ def paged_attention_triton(
     scale: float,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
@@ -195,6 +233,7 @@ def paged_attention_triton(
     require_triton()
     _check_attention_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                             key_scale, value_scale)
+    options = attention_options(query, sliding_window, softcap, sinks)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     check_matches("out", out, shape=query.shape, dtype=query.dtype, device=query.device, contiguous=True)
@@ -208,7 +247,7 @@ def paged_attention_triton(
     tuning = kernel_tuning(platform)
     upcast = INTERPRETED and query.dtype == torch.bfloat16
     args = (out, query, key_cache, value_cache, key_scale, value_scale, block_tables, query_start_loc, seq_lens,
-            scale * LOG2E)
+            scale * LOG2E, options)
     if num_tokens > num_seqs:
         padded_head_dim = next_power_of_2(query.shape[2])
         launch_prefill(*args, tiles=tuning.prefill_tiles(padded_head_dim), upcast=upcast)

@@ -10,13 +10,16 @@ GROUP query heads that share one KV head, so each key and value tile is loaded o
 
 Sequence s owns the tiles starting at query_start_loc[s] // BLOCK_Q + s, so the grid needs no host
 sync: num_tokens // BLOCK_Q + num_seqs tiles cover every sequence, and spare programs exit at once.
+
+With a sliding window W a tile starts at the first key its first query sees (its first position - W + 1):
+the blocks before it, which the cache may already have given back, are never read.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvforge.kernels.attention_tiles import NEG_BIG, load_kv_tiles, online_softmax_step
+from kvforge.kernels.attention_tiles import NEG_BIG, AttentionOptions, fold_sinks, load_kv_tiles, online_softmax_step
 from kvforge.kernels.triton_compat import jit, next_power_of_2, tl
 from kvforge.kernels.tuning import PrefillTiles
 
@@ -38,11 +41,12 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 @jit
 def _prefill_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, qk_scale, num_seqs,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, sinks_ptr, qk_scale, softcap_log2, sliding_window, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,7 +63,8 @@ def _prefill_kernel(
     head = kv_head * GROUP + rows % GROUP_P
     dims = tl.arange(0, HEAD_DIM_P)
     dim_mask = dims < HEAD_DIM
-    io_mask = ((q_idx < q_len) & (rows % GROUP_P < GROUP))[:, None] & dim_mask[None, :]
+    head_mask = rows % GROUP_P < GROUP
+    io_mask = ((q_idx < q_len) & head_mask)[:, None] & dim_mask[None, :]
     tokens = (q_start + q_idx).to(tl.int64)
     q = tl.load(query_ptr + tokens[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=io_mask, other=0.0)  # fmt: skip
@@ -71,17 +76,23 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     kv_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)  # the last query of the tile sees kv_end keys
+    kv_start = 0
+    if sliding_window > 0:
+        kv_start = tl.maximum(context_len + first_q - sliding_window + 1, 0)  # the first key the tile's first query sees
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < kv_end
         k, v = load_kv_tiles(key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, block_table_ptr,
                              kv_head, keys, key_mask, dims, dim_mask, stride_cb, stride_cs, stride_ch,
                              stride_sb, stride_ss, PAGE_SIZE, QUANTIZED)  # fmt: skip
         visible = (keys[None, :] <= q_pos[:, None]) & key_mask[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        if sliding_window > 0:
+            visible = visible & (keys[None, :] > q_pos[:, None] - sliding_window)
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap_log2, DOT_PRECISION,
+                                            SOFTCAP)  # fmt: skip
 
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    acc = fold_sinks(sinks_ptr, head, head_mask, m_i, l_i, acc, HAS_SINKS)
     out_ptrs = out_ptr + tokens[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -97,6 +108,7 @@ def launch_prefill(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     qk_scale: float,
+    options: AttentionOptions,
     tiles: PrefillTiles,
     upcast: bool,
 ) -> None:
@@ -114,11 +126,13 @@ def launch_prefill(
         key_scale, value_scale = key_cache, value_cache
     _prefill_kernel[grid](
         out, query, key_cache, value_cache, key_scale, value_scale, block_tables, query_start_loc, seq_lens,
-        qk_scale, num_seqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        options.sinks_or(query), qk_scale, options.softcap_log2, options.sliding_window, num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_scale.stride(0), key_scale.stride(1),
         block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=max(next_power_of_2(head_dim), 16),
         PAGE_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_q * group_p, BLOCK_N=tiles.block_n,
         UPCAST=upcast, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, QUANTIZED=quantized,
+        SOFTCAP=options.softcap > 0, HAS_SINKS=options.sinks is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

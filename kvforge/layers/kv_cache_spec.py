@@ -168,3 +168,18 @@ class KVCacheSpec:
             for slot, layer in enumerate(group.layers):
                 caches[layer] = slots[slot]
         return caches
+
+
+def layer_windows(hf_config: dict, default_pattern: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global), from layer_types or the sliding_window_pattern of config.json."""
+    num_layers, window = hf_config["num_hidden_layers"], hf_config.get("sliding_window")
+    types = hf_config.get("layer_types")
+    if types is None:
+        pattern = hf_config.get("sliding_window_pattern", default_pattern)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name sliding_attention or full_attention for each of the {num_layers} "
+                         f"layers, got {types}")
+    if window is None and "sliding_attention" in types:
+        raise ValueError("config.json names sliding_attention layers but no sliding_window")
+    return tuple(window if kind == "sliding_attention" else None for kind in types)

@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.embed_tokens is not None:
-            x, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+            x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
         else:
             x, residual = intermediate  # from the previous pipeline stage
         for layer, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
@@ -225,6 +225,10 @@ class LlamaForCausalLM(nn.Module):
             return x, residual
         x, _ = self.norm(x, residual)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: [num_tokens, hidden]."""
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits over the whole vocabulary, [num_tokens, vocab], on the rank that samples (the

@@ -6,6 +6,7 @@ from torch import nn
 
 from kvforge.models.bert import BertForSequenceClassification, BertModel
 from kvforge.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from kvforge.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvforge.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -26,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,

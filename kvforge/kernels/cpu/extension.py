@@ -22,10 +22,11 @@ implementation below, so torch.compile traces them as opaque nodes:
         at load time: quantization/gguf_blocks.py)
     dense_gemv(x [M, K], weight [N, K]) -> [M, N] fp32 (AVX2 builds)             (dense_gemv.py)
     onednn_linear(x [M, K], weight [N, K], bias) -> [M, N] fp32  (oneDNN's matmul; torch builds with mkldnn)
-    paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale)
-        -> [S, H, D]                                                             (paged_attention.py)
+    paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+        sliding_window, softcap, sinks) -> [S, H, D]                             (paged_attention.py)
     paged_prefill(query [T, H, D], key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
-        v_scale) -> [T, H, D], the rows of sequences with more than one query token   (paged_attention.py)
+        v_scale, sliding_window, softcap, sinks) -> [T, H, D], the rows of sequences with more than one query token
+                                                                                 (paged_attention.py)
     cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (../cache_write.py)
     rms_norm(x [T, H], weight, eps) -> [T, H]; fused_add_rms_norm(x, residual, weight, eps) -> (out, residual);
         silu_and_mul(x [T, 2d]) -> [T, d]; rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
@@ -157,7 +158,8 @@ C_SHIMS = {
     "int64_t bits, int64_t out_features, double factor, AtenTensorHandle* out)",
     "paged_decode": "AOTITorchError aoti_torch_cpu_paged_decode(AtenTensorHandle query, AtenTensorHandle key_cache, "
     "AtenTensorHandle value_cache, AtenTensorHandle block_tables, AtenTensorHandle seq_lens, double scale, "
-    "AtenTensorHandle* key_scale, AtenTensorHandle* value_scale, AtenTensorHandle* out)",
+    "AtenTensorHandle* key_scale, AtenTensorHandle* value_scale, int64_t sliding_window, double softcap, "
+    "AtenTensorHandle* sinks, AtenTensorHandle* out)",
     "cache_write": "AOTITorchError aoti_torch_cpu_cache_write(AtenTensorHandle rows, AtenTensorHandle cache, "
     "AtenTensorHandle slot_mapping, AtenTensorHandle* no_result)",
 }
@@ -228,12 +230,13 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("kvforge_cpu::paged_decode")
-    def _(query, key_cache, value_cache, block_tables, seq_lens, scale, key_scale=None, value_scale=None):
+    def _(query, key_cache, value_cache, block_tables, seq_lens, scale, key_scale=None, value_scale=None,
+          sliding_window=0, softcap=0.0, sinks=None):
         return torch.empty_like(query)
 
     @torch.library.register_fake("kvforge_cpu::paged_prefill")
     def _(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, key_scale=None,
-          value_scale=None):
+          value_scale=None, sliding_window=0, softcap=0.0, sinks=None):
         return torch.empty_like(query)
 
     @torch.library.register_fake("kvforge_cpu::cache_write")

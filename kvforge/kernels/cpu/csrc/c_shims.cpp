@@ -35,12 +35,14 @@ AOTITorchError aoti_torch_cpu_quant_gemm_panels(AtenTensorHandle x, AtenTensorHa
 AOTITorchError aoti_torch_cpu_paged_decode(AtenTensorHandle query, AtenTensorHandle key_cache,
                                            AtenTensorHandle value_cache, AtenTensorHandle block_tables,
                                            AtenTensorHandle seq_lens, double scale, AtenTensorHandle* key_scale,
-                                           AtenTensorHandle* value_scale, AtenTensorHandle* out) {
+                                           AtenTensorHandle* value_scale, int64_t sliding_window, double softcap,
+                                           AtenTensorHandle* sinks, AtenTensorHandle* out) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *out = new_tensor_handle(paged_decode(tensor(query), tensor(key_cache), tensor(value_cache),
                                           tensor(block_tables), tensor(seq_lens), scale,
                                           pointer_to_optional<at::Tensor>(key_scale),
-                                          pointer_to_optional<at::Tensor>(value_scale)));
+                                          pointer_to_optional<at::Tensor>(value_scale), sliding_window, softcap,
+                                          pointer_to_optional<at::Tensor>(sinks)));
   });
 }
 

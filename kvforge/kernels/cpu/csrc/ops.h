@@ -16,5 +16,6 @@ at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int6
 // paged_decode.cpp
 at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                           c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> value_scale);
+                           c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> value_scale,
+                           int64_t sliding_window, double softcap, c10::optional<at::Tensor> sinks);
 void cache_write(at::Tensor rows, at::Tensor cache, at::Tensor slot_mapping);

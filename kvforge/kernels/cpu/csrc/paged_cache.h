@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -75,6 +76,36 @@ inline void prefetch_rows(const void* first, int64_t rows, int64_t stride_bytes,
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
+// A layer's attention options (kernels/paged_attention.py): the query at position p sees keys first_key(p) .. p
+// (a sliding window of `window` keys; 0: every earlier key), scores s become softcap * tanh(s / softcap) (0: kept),
+// and each query head's sink logit (null: none) joins the softmax's denominator.
+struct Options {
+  int64_t window;
+  float softcap;
+  const float* sinks;
+
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+  float cap(float s) const { return softcap > 0.f ? softcap * std::tanh(s / softcap) : s; }
+  // The factor of a row's accumulator that gives its output, for a row of running max m and sum l of exp(s - m):
+  //   1 / l, or with a sink z: exp(m - M) / (l exp(m - M) + exp(z - M)), M = max(m, z)
+  float norm(int64_t head, float m, float l) const {
+    if (sinks == nullptr) return 1.f / l;
+    const float top = std::max(m, sinks[head]), carry = std::exp(m - top);
+    return carry / (l * carry + std::exp(sinks[head] - top));
+  }
+};
+
+// The checked Options of an op's arguments (sinks: [num_heads] float32, contiguous).
+inline Options make_options(const at::Tensor& query, int64_t window, double softcap,
+                            const c10::optional<at::Tensor>& sinks, const char* name) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, name, ": sliding_window and softcap are >= 0 (0: none)");
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == query.size(1),
+                name, ": sinks are [num_heads] contiguous float32");
+  return Options{window, static_cast<float>(softcap), sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
+}
+
 // The cache and the geometry every work item reads.
 template <typename C>
 struct Paged {
@@ -111,18 +142,20 @@ inline const float* tile_rows(const Paged<C>& c, const C* cache, int64_t slot, i
 // tiles of up to kLanes tokens within a block, through the sequence's block table; the next block's rows are
 // prefetched while this one's are used. Token t0 + i is rows[i * stride, + Dp) as floats: the cache itself when it
 // holds floats and D == Dp, else `tile` [kLanes, Dp], into which the rows were widened (columns D.. stay as the
-// caller zeroed them). A part starts on a block boundary, so token t0 + i has slot slot0 + i.
+// caller zeroed them). A tile never crosses a block, so token t0 + i has slot slot0 + i (t_begin may fall mid-block,
+// where a sliding window starts).
 template <typename C, class Visit>
 inline void walk_tiles(const Paged<C>& c, const C* cache, const int32_t* table, int64_t kv_head, int64_t Dp,
                        int64_t t_begin, int64_t t_end, float* tile, Visit visit) {
   const int64_t bs = c.block_size, stride = c.token_stride(), D = c.head_dim;
-  for (int64_t b0 = t_begin; b0 < t_end; b0 += bs) {
-    const int64_t slot0 = static_cast<int64_t>(table[b0 / bs]) * bs, b1 = std::min(b0 + bs, t_end);
+  for (int64_t b0 = t_begin, b1; b0 < t_end; b0 = b1) {
+    const int64_t block = b0 / bs, slot0 = static_cast<int64_t>(table[block]) * bs;
+    b1 = std::min((block + 1) * bs, t_end);
     if (b1 < t_end)
-      prefetch_rows(cache + static_cast<int64_t>(table[b0 / bs + 1]) * bs * stride + kv_head * D,
+      prefetch_rows(cache + static_cast<int64_t>(table[block + 1]) * bs * stride + kv_head * D,
                     std::min(bs, t_end - b1), stride * static_cast<int64_t>(sizeof(C)), D * sizeof(C));
     for (int64_t t0 = b0; t0 < b1; t0 += kLanes) {
-      const int64_t n = std::min(kLanes, b1 - t0), slot = slot0 + t0 - b0;
+      const int64_t n = std::min(kLanes, b1 - t0), slot = slot0 + t0 - block * bs;
       int64_t tile_stride;
       const float* rows = tile_rows(c, cache, slot, kv_head, n, Dp, tile, tile_stride);
       if (n == kLanes)  // a full tile: its loops have a fixed trip count, unrolled with their vectors in registers

@@ -68,13 +68,17 @@ inline vec16 lane_sums(const vec16* p) {
   return fold<1>(c[0], c[1]);
 }
 
+// With a sliding window the context starts at the first key the query sees (first_key), mid-block where it falls;
+// a soft cap bends each score, and the sinks join the denominator where the output is normalised (Options).
+//
 // Tokens [t_begin, t_end) of one (sequence, kv head): q [group, Dp] (already scaled, zero past head_dim) against
 // them. Writes the part's max m[g] and sum l[g] of exp(score - m), and acc [group, Dp] = sum_t exp(score - m) v_t.
 // Keys: a block of heads' partial products with a tile's 16 tokens fold into their 16 scores at once (lane_sums).
 // Values: a block of heads' accumulators stays in registers through a tile's tokens.
 template <typename C>
-void attend_part(const Paged<C>& c, const float* q, int64_t group, int64_t seq, int64_t kv_head, int64_t t_begin,
-                 int64_t t_end, float* m, float* l, float* acc, std::vector<float>& scores, float* tile) {
+void attend_part(const Paged<C>& c, const Options& o, const float* q, int64_t group, int64_t seq, int64_t kv_head,
+                 int64_t t_begin, int64_t t_end, float* m, float* l, float* acc, std::vector<float>& scores,
+                 float* tile) {
   const int64_t len = t_end - t_begin, kvh = c.num_kv_heads;
   const int64_t Dp = (c.head_dim + kLanes - 1) / kLanes * kLanes, chunks = Dp / kLanes;
   const int32_t* table = c.block_tables + seq * c.max_blocks;
@@ -113,6 +117,8 @@ void attend_part(const Paged<C>& c, const float* q, int64_t group, int64_t seq, 
   });
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * len;
+    if (o.softcap > 0.f)
+      for (int64_t t = 0; t < len; ++t) s[t] = o.cap(s[t]);
     float max_score = -INFINITY, sum = 0.f;
 #pragma omp simd reduction(max : max_score)
     for (int64_t t = 0; t < len; ++t) max_score = s[t] > max_score ? s[t] : max_score;
@@ -171,11 +177,14 @@ int64_t part_tokens(int64_t pairs, int64_t max_len, int64_t block_size) {
 // T: query and output dtype; C: cache element dtype (T itself, or codes with key_scale/value_scale non-null:
 // [num_blocks * block_size, num_kv_heads] floats).
 template <typename T, typename C>
-void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq_lens, int64_t num_seqs,
-                   int64_t num_heads, float scale) {
+void decode_kernel(T* out, const T* query, const Paged<C>& c, const Options& opt, const int32_t* seq_lens,
+                   int64_t num_seqs, int64_t num_heads, float scale) {
   const int64_t kvh = c.num_kv_heads, D = c.head_dim, group = num_heads / kvh;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;  // q, acc and widened rows: zero past D
-  const int64_t max_len = num_seqs ? *std::max_element(seq_lens, seq_lens + num_seqs) : 0;
+  // the keys each query sees: [first_key, len), len - first_key of them
+  auto first_key = [&](int64_t seq) { return opt.first_key(seq_lens[seq] - 1); };
+  int64_t max_len = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) max_len = std::max<int64_t>(max_len, seq_lens[seq] - first_key(seq));
   const int64_t part = part_tokens(num_seqs * kvh, max_len, c.block_size);
   const int64_t max_parts = part ? (max_len + part - 1) / part : 1;
   // per (sequence, kv head, part): m and l [group], acc [group, Dp]; the merge reads them when a sequence has parts
@@ -189,7 +198,8 @@ void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq
     std::vector<float> q(group * Dp), acc(group * Dp), tile(kLanes * Dp), scores, m(group), l(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t pair = item / max_parts, p = item % max_parts, seq = pair / kvh, kv_head = pair % kvh;
-      const int64_t len = seq_lens[seq], parts = part ? (len + part - 1) / part : 1;
+      const int64_t len = seq_lens[seq], first = len > 0 ? first_key(seq) : 0;
+      const int64_t parts = part ? (len - first + part - 1) / part : 1;
       T* o = out + (seq * num_heads + kv_head * group) * D;
       if (len <= 0) {  // a padding row of a decode bucket: nothing to attend to
         if (p == 0) std::fill(o, o + group * D, static_cast<T>(0));
@@ -199,15 +209,18 @@ void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < D; ++d)
           q[g * Dp + d] = static_cast<float>(query[(seq * num_heads + kv_head * group + g) * D + d]) * scale;
-      const int64_t t_begin = part ? p * part : 0, t_end = part ? std::min(len, t_begin + part) : len;
+      const int64_t t_begin = first + p * part, t_end = part ? std::min(len, t_begin + part) : len;
       const bool whole = parts == 1;
       float* acc_out = whole ? acc.data() : part_acc.data() + item * group * Dp;
       float* m_out = whole ? m.data() : part_m.data() + item * group;
       float* l_out = whole ? l.data() : part_l.data() + item * group;
-      attend_part(c, q.data(), group, seq, kv_head, t_begin, t_end, m_out, l_out, acc_out, scores, tile.data());
+      attend_part(c, opt, q.data(), group, seq, kv_head, t_begin, t_end, m_out, l_out, acc_out, scores,
+                  tile.data());
       if (!whole) continue;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<T>(acc[g * Dp + d] / l[g]);
+      for (int64_t g = 0; g < group; ++g) {
+        const float norm = opt.norm(kv_head * group + g, m[g], l[g]);
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<T>(acc[g * Dp + d] * norm);
+      }
     }
   });
   if (max_parts == 1) return;
@@ -218,13 +231,14 @@ void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq
   std::vector<float> sum(D);
   for (int64_t pair = 0; pair < num_seqs * kvh; ++pair) {
     const int64_t seq = pair / kvh, kv_head = pair % kvh, len = seq_lens[seq];
-    const int64_t parts = (len + part - 1) / part;
+    const int64_t parts = len > 0 ? (len - first_key(seq) + part - 1) / part : 0;
     if (parts <= 1) continue;  // written by its item
     T* o = out + (seq * num_heads + kv_head * group) * D;
     for (int64_t g = 0; g < group; ++g) {
-      float top = -INFINITY;
+      const int64_t head = kv_head * group + g;
+      float top = opt.sinks ? opt.sinks[head] : -INFINITY;
       for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_m[(pair * max_parts + p) * group + g]);
-      float denom = 0.f;
+      float denom = opt.sinks ? std::exp(opt.sinks[head] - top) : 0.f;
       std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t at = (pair * max_parts + p) * group + g;
@@ -244,20 +258,23 @@ void decode_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* seq
 // All contiguous, on the CPU. key_scale, value_scale: None for caches in the query dtype, or
 // [num_blocks, block_size, num_kv_heads] float32 for int8 / float8_e4m3fn codes. Returns [num_seqs, num_heads,
 // head_dim] in the query dtype.
+// sliding_window, softcap, sinks ([num_heads] float32): see Options (0, 0, None: plain causal attention).
 at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                           c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> value_scale) {
+                           c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> value_scale,
+                           int64_t sliding_window, double softcap, c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode takes contiguous tensors");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_decode: block_tables and seq_lens are int32");
+  const Options options = make_options(query, sliding_window, softcap, sinks, "paged_decode");
   auto out = at::empty_like(query);
   dispatch_paged(query, key_cache, value_cache, block_tables, key_scale, value_scale, "paged_decode",
                  [&](auto t, const auto& cache) {
     using T = decltype(t);
-    decode_kernel(out.data_ptr<T>(), query.data_ptr<T>(), cache, seq_lens.data_ptr<int32_t>(), query.size(0),
-                  query.size(1), static_cast<float>(scale));
+    decode_kernel(out.data_ptr<T>(), query.data_ptr<T>(), cache, options, seq_lens.data_ptr<int32_t>(),
+                  query.size(0), query.size(1), static_cast<float>(scale));
   });
   return out;
 }
@@ -294,7 +311,8 @@ void cache_write(at::Tensor rows, at::Tensor cache, at::Tensor slot_mapping) {
 
 TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
   m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, Tensor? key_scale=None, Tensor? value_scale=None) -> Tensor");
+        "float scale, Tensor? key_scale=None, Tensor? value_scale=None, int sliding_window=0, float softcap=0.0, "
+        "Tensor? sinks=None) -> Tensor");
   m.def("cache_write(Tensor rows, Tensor(a!) cache, Tensor slot_mapping) -> ()");
 }
 

@@ -14,7 +14,9 @@
 //                                      l = c l + sum_j p_j      acc = c acc + sum_j p_j v_j
 //
 // acc += P V keeps a block of rows x column chunks in registers while the tile's value rows stream past (the decode
-// kernel's blocking). Items differ in cost (a tile late in a long prompt sees more keys): they are handed out
+// kernel's blocking). With a sliding window (Options) an item starts at the key tile of the first key its first
+// token sees, and the keys before each sequence's first seen one are never staged (their blocks may be gone); a soft
+// cap bends the scores, and the sinks join the denominator at the end. Items differ in cost (a tile late in a long prompt sees more keys): they are handed out
 // costliest first to whichever thread is free.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -44,6 +46,7 @@ constexpr float kMaxSlack = 8.f;
 
 struct Item {
   int64_t seq, kv_head, first_token, tokens, keys;  // keys: how many the item's last token sees (its cost)
+  int64_t first_key;  // the first key its first token sees
 };
 
 // Where the items read their keys and values: per (sequence, kv head), keys in transposed tiles [tiles, Dp, 16]
@@ -55,6 +58,7 @@ struct Staged {
   int64_t Dp;
   bool values_in_place;
   std::vector<int64_t> first_tile;  // per (sequence, kv head): its first tile in the buffers; -1 without queries
+  std::vector<int64_t> first_key;  // per sequence: the first key any of its queries sees (earlier ones stay zero)
   std::vector<float> keys, values;
 
   const float* key_tile(int64_t seq, int64_t kv_head, int64_t tile) const {
@@ -82,7 +86,7 @@ void stage_tile(Staged<C>& st, int64_t seq, int64_t kv_head, int64_t tile, int64
   float* v = st.values_in_place ? nullptr : st.values.data() + at * kLanes * Dp;
   std::fill(kt, kt + Dp * kLanes, 0.f);
   if (v != nullptr) std::fill(v, v + kLanes * Dp, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = std::max<int64_t>(0, st.first_key[seq] - t0); j < n; ++j) {
     const int64_t t = t0 + j, slot = static_cast<int64_t>(c.block_tables[seq * c.max_blocks + t / bs]) * bs + t % bs;
     const int64_t at_row = slot * c.token_stride() + kv_head * D;
     widen_row(c.key_cache + at_row, row, D);
@@ -109,8 +113,8 @@ inline void tile_scores(const float* q, const float* kt, int64_t Dp, int64_t r0,
 }
 
 template <typename T, typename C>
-void attend_item(const Staged<C>& st, const Item& item, const T* query, T* out, int64_t num_heads, int64_t pos0,
-                 float scale, float* q, float* acc, float* m, float* l, float* s) {
+void attend_item(const Staged<C>& st, const Options& opt, const Item& item, const T* query, T* out, int64_t num_heads,
+                 int64_t pos0, float scale, float* q, float* acc, float* m, float* l, float* s) {
   const Paged<C>& c = st.c;
   const int64_t group = num_heads / c.num_kv_heads, D = c.head_dim, Dp = st.Dp, chunks = Dp / kLanes;
   const int64_t R = item.tokens * group;
@@ -122,7 +126,7 @@ void attend_item(const Staged<C>& st, const Item& item, const T* query, T* out, 
   std::fill(acc, acc + R * Dp, 0.f);
   std::fill(m, m + R, -INFINITY);
   std::fill(l, l + R, 0.f);
-  for (int64_t t0 = 0; t0 < item.keys; t0 += kLanes) {
+  for (int64_t t0 = item.first_key / kLanes * kLanes; t0 < item.keys; t0 += kLanes) {
     const int64_t n = std::min(kLanes, item.keys - t0);
     const float* kt = st.key_tile(item.seq, item.kv_head, t0 / kLanes);
     for (int64_t r0 = 0; r0 < R; r0 += 4)
@@ -130,13 +134,16 @@ void attend_item(const Staged<C>& st, const Item& item, const T* query, T* out, 
     // The softmax update; s becomes the weights p_j (0 for keys a row may not see).
     for (int64_t r = 0; r < R; ++r) {
       float* sr = s + r * kLanes;
-      const int64_t seen = std::min(n, pos0 + item.first_token + r / group - t0 + 1);
-      if (seen <= 0) {  // the tile is past this row's position
+      const int64_t pos = pos0 + item.first_token + r / group;
+      const int64_t seen = std::min(n, pos - t0 + 1), from = std::max<int64_t>(0, opt.first_key(pos) - t0);
+      if (seen <= from) {  // the tile is past this row's position, or before its window
         std::fill(sr, sr + kLanes, 0.f);
         continue;
       }
+      if (opt.softcap > 0.f)
+        for (int64_t j = from; j < seen; ++j) sr[j] = opt.cap(sr[j]);
       float top = -INFINITY;
-      for (int64_t j = 0; j < seen; ++j) top = std::max(top, sr[j]);
+      for (int64_t j = from; j < seen; ++j) top = std::max(top, sr[j]);
       if (top > m[r] + kMaxSlack) {  // a new running max: the row's sums so far shrink by exp(m - top)
         const float carry = kvforge_cpu::exp_clamped(m[r] - top);  // ~0 while m is -inf
         l[r] *= carry;
@@ -147,7 +154,7 @@ void attend_item(const Staged<C>& st, const Item& item, const T* query, T* out, 
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < kLanes; ++j) {
-        const float p = j < seen ? kvforge_cpu::exp_clamped(sr[j] - base) : 0.f;
+        const float p = j >= from && j < seen ? kvforge_cpu::exp_clamped(sr[j] - base) : 0.f;
         sum += p;
         sr[j] = p;
       }
@@ -177,19 +184,22 @@ void attend_item(const Staged<C>& st, const Item& item, const T* query, T* out, 
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    T* dst = out + ((item.first_token + r / group) * num_heads + item.kv_head * group + r % group) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * Dp + d] / l[r]);
+    const int64_t head = item.kv_head * group + r % group;
+    T* dst = out + ((item.first_token + r / group) * num_heads + head) * D;
+    const float norm = opt.norm(head, m[r], l[r]);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * Dp + d] * norm);
   }
 }
 
 template <typename T, typename C>
-void prefill_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* query_start_loc,
+void prefill_kernel(T* out, const T* query, const Paged<C>& c, const Options& opt, const int32_t* query_start_loc,
                     const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads, float scale) {
   const int64_t kvh = c.num_kv_heads, group = num_heads / kvh;
   const int64_t Dp = (c.head_dim + kLanes - 1) / kLanes * kLanes;
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group), rows = tile_tokens * group;
-  Staged<C> st{c, Dp, std::is_same_v<C, float> && c.head_dim == Dp && c.block_size % kLanes == 0,
-               std::vector<int64_t>(num_seqs * kvh, -1), {}, {}};
+  // NOTE: values are read in place only without a window, where no row before a query's window may hold NaN
+  Staged<C> st{c, Dp, std::is_same_v<C, float> && c.head_dim == Dp && c.block_size % kLanes == 0 && opt.window == 0,
+               std::vector<int64_t>(num_seqs * kvh, -1), std::vector<int64_t>(num_seqs, 0), {}, {}};
   std::vector<Item> items;
   std::vector<std::array<int64_t, 3>> tiles;  // (sequence, kv head, tile) to stage
   std::vector<int64_t> pos0(num_seqs);
@@ -199,13 +209,14 @@ void prefill_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* qu
     pos0[seq] = len - q_len - first;  // token index t of the flat query is at position pos0 + t
     if (q_len <= 1) continue;
     const int64_t seq_tiles = (len + kLanes - 1) / kLanes;
+    st.first_key[seq] = opt.first_key(len - q_len);
     for (int64_t h = 0; h < kvh; ++h) {
       st.first_tile[seq * kvh + h] = staged;
       staged += seq_tiles;
-      for (int64_t tile = 0; tile < seq_tiles; ++tile) tiles.push_back({seq, h, tile});
+      for (int64_t tile = st.first_key[seq] / kLanes; tile < seq_tiles; ++tile) tiles.push_back({seq, h, tile});
       for (int64_t t = 0; t < q_len; t += tile_tokens) {
         const int64_t tokens = std::min(tile_tokens, q_len - t);
-        items.push_back({seq, h, first + t, tokens, len - q_len + t + tokens});
+        items.push_back({seq, h, first + t, tokens, len - q_len + t + tokens, opt.first_key(len - q_len + t)});
       }
     }
   }
@@ -221,8 +232,8 @@ void prefill_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* qu
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> q(rows * Dp), acc(rows * Dp), m(rows), l(rows), s(rows * kLanes);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++)
-      attend_item(st, items[i], query, out, num_heads, pos0[items[i].seq], scale, q.data(), acc.data(), m.data(),
-                  l.data(), s.data());
+      attend_item(st, opt, items[i], query, out, num_heads, pos0[items[i].seq], scale, q.data(), acc.data(),
+                  m.data(), l.data(), s.data());
   });
 }
 
@@ -235,7 +246,8 @@ void prefill_kernel(T* out, const T* query, const Paged<C>& c, const int32_t* qu
 at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                             at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,
                             double scale, c10::optional<at::Tensor> key_scale,
-                            c10::optional<at::Tensor> value_scale) {
+                            c10::optional<at::Tensor> value_scale, int64_t sliding_window, double softcap,
+                            c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   block_tables.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
               "paged_prefill takes contiguous tensors");
@@ -253,11 +265,12 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor valu
                 "paged_prefill: sequence ", s, " has ", q_len, " query tokens and ", lens[s],
                 " of context, which its queries and block table do not hold");
   }
+  const Options options = make_options(query, sliding_window, softcap, sinks, "paged_prefill");
   auto out = at::empty_like(query);
   dispatch_paged(query, key_cache, value_cache, block_tables, key_scale, value_scale, "paged_prefill",
                  [&](auto t, const auto& cache) {
     using T = decltype(t);
-    prefill_kernel(out.data_ptr<T>(), query.data_ptr<T>(), cache, starts, lens, num_seqs, query.size(1),
+    prefill_kernel(out.data_ptr<T>(), query.data_ptr<T>(), cache, options, starts, lens, num_seqs, query.size(1),
                    static_cast<float>(scale));
   });
   return out;
@@ -265,8 +278,8 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor valu
 
 TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
   m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor? key_scale=None, Tensor? value_scale=None) "
-        "-> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor? key_scale=None, Tensor? value_scale=None, "
+        "int sliding_window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }

@@ -1,0 +1,75 @@
+"""Tiny random Gemma 2 and Gemma 3 models: kvforge against transformers (float32), with prompts longer than the
+sliding window, chunked prefill that splits windows, prefix-cache hits, preemption and 16 requests at once, the local
+layers' KV cache groups keeping only their windows' blocks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvforge import LLM, SamplingParams
+from tests.tiny_models import assert_logits_match, save_model
+
+NUM_NEW = 10
+PROMPT_LENS = [3, 9, 30, 17, 41, 12, 26, 8, 35, 20, 5, 33, 14, 22, 40, 11]  # 16 requests, most past the window
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    model = save_model(folder, request.param)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    prompts[14] = prompts[4][:28] + prompts[14][28:]  # a shared prefix for the prefix cache
+    expected = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
+                             do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(prompt):].tolist())
+    return folder, model, prompts, expected
+
+
+def _generate(llm: LLM, prompts: list[list[int]]):
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def test_logits_match_past_the_window(tiny):
+    folder, model, prompts, _ = tiny
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4)
+    assert_logits_match(llm, model, [prompts[4], prompts[2]])
+    groups = llm.engine.kv_cache_manager.groups
+    assert groups[0].__class__.__name__ == "FullAttentionGroup" and len(groups) > 1
+    assert all(group.window == model.config.sliding_window for group in groups[1:])
+
+
+def test_greedy_chunked_preempted_and_prefix_cached(tiny):
+    """16 requests in a cache too small for them all, prefills in chunks of 7 (which split windows), block size 4:
+    the tokens transformers gives, preemptions on the way, and every block back in the pool at the end."""
+    folder, _, prompts, expected = tiny
+    llm = LLM(str(folder), kv_cache_memory="48KiB", kv_cache_dtype="float32", block_size=4,
+              max_num_batched_tokens=7, max_num_seqs=16)
+    outputs = _generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.stats().num_preemptions > 0
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
+    # again: the prompts' blocks are cached where their windows are still there
+    again = _generate(llm, prompts[4:5] + prompts[14:15])
+    assert [o.outputs[0].token_ids for o in again] == [expected[4], expected[14]]
+    assert again[0].num_cached_tokens > 0
+
+
+def test_greedy_with_ngram_speculation(tiny):
+    """Repetitive prompts, so n-gram drafts are proposed and verified across window boundaries."""
+    folder, model, prompts, _ = tiny
+    repeated = [(p[:5] * 8)[: 20 + 3 * i] for i, p in enumerate(prompts[:4])]
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in repeated]
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4,
+              speculative_method="ngram", num_speculative_tokens=3)
+    outputs = _generate(llm, repeated)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.stats().spec_decode.num_verified_requests > 0
