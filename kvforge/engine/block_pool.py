@@ -73,9 +73,13 @@ class BlockPool:
                 self.free_queue[block_id] = None
 
     def cache_block(self, block_id: int, block_hash: int) -> None:
-        """Register a full block under its hash (the first block with a given hash wins)."""
+        """Register a full block under its hash; the latest block with a given hash wins.
+
+        NOTE: an older block of the same hash may still be cached but free (a request whose hit another layer group
+        could not serve computed the block again): indexed, it would take the hash with it when it is evicted, while
+        the newer copy stays in use."""
         if self.enable_caching and self.block_hash[block_id] is None:
-            self.cached_blocks.setdefault(block_hash, block_id)
+            self.cached_blocks[block_hash] = block_id
             self.block_hash[block_id] = block_hash
 
     def _evict(self, block_id: int) -> None:

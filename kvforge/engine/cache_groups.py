@@ -6,7 +6,9 @@ group the same questions, so a new kind of layer is one more class here:
 
     max_blocks_held(num_tokens)                  the most blocks a request of num_tokens tokens holds at once
     blocks_needed(request_id, num_tokens, hit)   how many pool blocks the group must take to hold num_tokens tokens
-    allocate(request_id, num_tokens, hit)        take them (after the manager checked every group fits)
+    take_hit(request_id, hit)                    take a new request's prefix-cache blocks (every group's, before any
+                                                 group allocates: a fresh block may evict a cached one)
+    allocate(request_id, num_tokens)             take the new blocks (after the manager checked every group fits)
     release_passed(request_id, num_computed)     give back what the request will never read again
     longest_hit(hashes, num_blocks)              the longest prefix (in blocks, <= num_blocks) it can serve
     hit_block_ids(hashes, num_blocks)            the blocks of such a hit (the null block where it keeps none)
@@ -50,10 +52,12 @@ class FullAttentionGroup:
         num_evictable_hits = sum(1 for b in hit if b != NULL_BLOCK_ID and self.pool.ref_cnt[b] == 0)
         return max(0, -(-num_tokens // self.block_size) - num_held) + num_evictable_hits
 
-    def allocate(self, request_id: str, num_tokens: int, hit: list[int]) -> None:
-        table = self.block_tables.setdefault(request_id, [])
+    def take_hit(self, request_id: str, hit: list[int]) -> None:
         self.pool.touch(b for b in hit if b != NULL_BLOCK_ID)
-        table.extend(hit)
+        self.block_tables.setdefault(request_id, []).extend(hit)
+
+    def allocate(self, request_id: str, num_tokens: int) -> None:
+        table = self.block_tables.setdefault(request_id, [])
         table.extend(self.pool.allocate(max(0, -(-num_tokens // self.block_size) - len(table))))
 
     def max_blocks_held(self, num_tokens: int) -> int:

@@ -115,7 +115,9 @@ class KVCacheManager:
         if num_needed > self.pool.num_free_blocks:
             return False
         for group, ids in zip(self.groups, hit_ids):
-            group.allocate(request_id, num_tokens, ids)
+            group.take_hit(request_id, ids)
+        for group in self.groups:
+            group.allocate(request_id, num_tokens)
         # NOTE: only blocks full of the request's tokens, never of draft tokens that may be rejected
         self._register(request, min(num_tokens, request.num_tokens))
         return True

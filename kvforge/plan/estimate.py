@@ -134,7 +134,7 @@ def estimate_split(
     if problem is not None:
         return SplitEstimate(tp, pp, problem)
     stages = build_stages(shape, tp, pp, precision, options.max_num_batched_tokens, options.max_num_seqs,
-                          packs=device.host and precision.weight_bytes == 4)
+                          packs=device.host and precision.weight_bytes == 4, context_len=options.context_len)
     usable = device.memory_bytes * options.gpu_memory_utilization
     budgets = [options.kv_cache_memory or _default_kv_budget(usable - stage.fixed_bytes, device) for stage in stages]
     kv_tokens = max(0, min(int(budget // stage.kv_bytes_per_token) for budget, stage in zip(budgets, stages)))

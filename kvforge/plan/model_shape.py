@@ -42,6 +42,7 @@ class LayerShape:
     kv_heads_values: int  # KV cache values per token that split with the KV heads (keys and values)
     kv_head_rows: int  # rows of head_dim among them (one scale each in an 8-bit cache)
     kv_latent_values: int  # KV cache values per token held whole by every rank (MLA latent)
+    sliding_window: int | None = None  # the layer's window (it keeps the blocks of its last tokens only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,8 +173,10 @@ def build_model_shape(name: str, hf_config: dict) -> ModelShape:
         else:
             global_buffers += size
     spec = model.kv_cache_spec
+    windows = spec.layer_windows or (None,) * cfg.num_layers
     layers = tuple(
-        LayerShape(**groups[i], buffer_bytes=layer_buffers[i], **_kv_values(spec.layer_shapes[i]))
+        LayerShape(**groups[i], buffer_bytes=layer_buffers[i], **_kv_values(spec.layer_shapes[i]),
+                   sliding_window=windows[i])
         for i in range(cfg.num_layers)
     )
     return ModelShape(

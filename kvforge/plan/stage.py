@@ -9,12 +9,17 @@ How a TP x PP split cuts the model (as the engine's parallel layers do):
                k/v projections and KV cache: 1 / tp of the KV heads, or 1 head per rank once ranks
                outnumber the KV heads (replicated); MLA's latent cache and down-projections, norms,
                routers and rotary tables: whole on every rank
+
+A sliding-window layer keeps a sequence's last blocks only (the KV cache manager's sliding window groups): its KV
+bytes per token are counted over a sequence of the plan's context length, ceil((W - 1) / block_size) + 1 blocks of
+it at most.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvforge.config import CacheConfig
 from kvforge.plan.model_shape import LayerShape, ModelShape
 from kvforge.plan.precision import Precision
 
@@ -64,15 +69,27 @@ def layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
 
 def build_stages(
     shape: ModelShape, tp: int, pp: int, precision: Precision, max_num_batched_tokens: int, max_num_seqs: int,
-    packs: bool = False,
+    packs: bool = False, context_len: int = 4096,
 ) -> list[Stage]:
     """Every pipeline stage of a TP x PP split, as its tensor-parallel rank 0 sees it. packs: the float layers and
-    head also hold a copy packed for oneDNN (a CPU engine's float32 weights, kernels/cpu/dense_gemv.py)."""
-    return [_stage(shape, tp, pp, s, precision, max_num_batched_tokens, max_num_seqs, packs) for s in range(pp)]
+    head also hold a copy packed for oneDNN (a CPU engine's float32 weights, kernels/cpu/dense_gemv.py);
+    context_len: the sequence length over which sliding-window layers' KV bytes per token are counted."""
+    return [_stage(shape, tp, pp, s, precision, max_num_batched_tokens, max_num_seqs, packs, context_len)
+            for s in range(pp)]
+
+
+def kept_fraction(layer: LayerShape, context_len: int) -> float:
+    """The share of a context_len-token sequence's tokens whose keys and values the layer keeps."""
+    if layer.sliding_window is None:
+        return 1.0
+    block_size = CacheConfig().block_size
+    kept = (-(-(layer.sliding_window - 1) // block_size) + 1) * block_size
+    return min(1.0, kept / context_len)
 
 
 def _stage(
-    shape: ModelShape, tp: int, pp: int, index: int, p: Precision, num_tokens: int, num_seqs: int, packs: bool
+    shape: ModelShape, tp: int, pp: int, index: int, p: Precision, num_tokens: int, num_seqs: int, packs: bool,
+    context_len: int,
 ) -> Stage:
     start, end = layer_range(shape.num_layers, pp, index)
     layers = shape.layers[start:end]
@@ -94,7 +111,8 @@ def _stage(
         buffer_bytes=float(sum(layer.buffer_bytes for layer in layers) + shape.global_buffer_bytes),
         packed_bytes=packed,
         activation_bytes=_activation_bytes(shape, tp, is_last, p, num_tokens, num_seqs),
-        kv_bytes_per_token=sum(_layer_kv_bytes(layer, kv_fraction, p) for layer in layers),
+        kv_bytes_per_token=sum(_layer_kv_bytes(layer, kv_fraction, p) * kept_fraction(layer, context_len)
+                               for layer in layers),
         active_params=sum(_layer_active_params(shape, layer, tp, kv_fraction) for layer in layers),
         lm_head_params=vocab_rows if is_last else 0.0,
         decode_attn_flops=len(layers) * shape.decode_attn_flops / tp,

@@ -56,10 +56,10 @@ def test_greedy_chunked_preempted_and_prefix_cached(tiny):
     assert llm.engine.stats().num_preemptions > 0
     cache = llm.engine.cache_stats()
     assert cache.num_free_blocks == cache.num_usable_blocks
-    # again: the prompts' blocks are cached where their windows are still there
-    again = _generate(llm, prompts[4:5] + prompts[14:15])
-    assert [o.outputs[0].token_ids for o in again] == [expected[4], expected[14]]
-    assert again[0].num_cached_tokens > 0
+    # a prompt once more, alone: its blocks are cached where its windows are still there
+    again = [_generate(llm, prompts[4:5])[0] for _ in range(2)]
+    assert [o.outputs[0].token_ids for o in again] == [expected[4]] * 2
+    assert again[1].num_cached_tokens > 0
 
 
 def test_greedy_with_ngram_speculation(tiny):
@@ -69,7 +69,8 @@ def test_greedy_with_ngram_speculation(tiny):
     expected = [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
                                pad_token_id=0)[0, len(p):].tolist() for p in repeated]
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4,
-              speculative_method="ngram", num_speculative_tokens=3)
+              speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False,
+              speculative_max_rows=4096)
     outputs = _generate(llm, repeated)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.engine.stats().spec_decode.num_verified_requests > 0
