@@ -23,12 +23,13 @@ def tiny(request, tmp_path_factory):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
     prompts[14] = prompts[4][:28] + prompts[14][28:]  # a shared prefix for the prefix cache
-    expected = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                             do_sample=False, pad_token_id=0)
-        expected.append(out[0, len(prompt):].tolist())
-    return folder, model, prompts, expected
+    return folder, model, prompts
+
+
+def _expected(model, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens."""
+    return [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
 def _generate(llm: LLM, prompts: list[list[int]]):
@@ -37,7 +38,7 @@ def _generate(llm: LLM, prompts: list[list[int]]):
 
 
 def test_logits_match_past_the_window(tiny):
-    folder, model, prompts, _ = tiny
+    folder, model, prompts = tiny
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4)
     assert_logits_match(llm, model, [prompts[4], prompts[2]])
     groups = llm.engine.kv_cache_manager.groups
@@ -45,10 +46,25 @@ def test_logits_match_past_the_window(tiny):
     assert all(group.window == model.config.sliding_window for group in groups[1:])
 
 
-def test_greedy_chunked_preempted_and_prefix_cached(tiny):
+def test_greedy_in_chunks_with_preemption(tiny):
+    """Two requests in a cache too small for both, prefills in chunks of 7 (which split windows), block size 4."""
+    folder, model, prompts = tiny
+    chosen = [prompts[4], prompts[2]]
+    llm = LLM(str(folder), kv_cache_memory="48KiB", kv_cache_dtype="float32", block_size=4,
+              max_num_batched_tokens=7)
+    outputs = _generate(llm, chosen)
+    assert [o.outputs[0].token_ids for o in outputs] == _expected(model, chosen)
+    assert llm.engine.stats().num_preemptions > 0
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
+
+
+@pytest.mark.slow
+def test_sixteen_requests_chunked_preempted_and_prefix_cached(tiny):
     """16 requests in a cache too small for them all, prefills in chunks of 7 (which split windows), block size 4:
     the tokens transformers gives, preemptions on the way, and every block back in the pool at the end."""
-    folder, _, prompts, expected = tiny
+    folder, model, prompts = tiny
+    expected = _expected(model, prompts)
     llm = LLM(str(folder), kv_cache_memory="48KiB", kv_cache_dtype="float32", block_size=4,
               max_num_batched_tokens=7, max_num_seqs=16)
     outputs = _generate(llm, prompts)
@@ -62,12 +78,12 @@ def test_greedy_chunked_preempted_and_prefix_cached(tiny):
     assert again[1].num_cached_tokens > 0
 
 
+@pytest.mark.slow
 def test_greedy_with_ngram_speculation(tiny):
     """Repetitive prompts, so n-gram drafts are proposed and verified across window boundaries."""
-    folder, model, prompts, _ = tiny
+    folder, model, prompts = tiny
     repeated = [(p[:5] * 8)[: 20 + 3 * i] for i, p in enumerate(prompts[:4])]
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
-                               pad_token_id=0)[0, len(p):].tolist() for p in repeated]
+    expected = _expected(model, repeated)
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4,
               speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False,
               speculative_max_rows=4096)
