@@ -76,14 +76,7 @@ class ModelRunner:
         # positions: per token, its index in its sequence
         seq_of_token = np.repeat(np.arange(len(scheduled)), q_lens)
         positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], q_lens) + computed[seq_of_token]
-        group_tables = []  # per layer group of the KV cache: (block_tables, slot_mapping)
-        for group_id in range(len(self.requests[scheduled[0].request_id].block_tables)):
-            tables = [self.requests[s.request_id].block_tables[group_id] for s in scheduled]
-            block_tables = np.zeros((len(scheduled), max(len(t) for t in tables)), dtype=np.int32)
-            for row, table in enumerate(tables):
-                block_tables[row, : len(table)] = table
-            block_ids = block_tables[seq_of_token, positions // self.block_size]
-            group_tables.append((block_tables, block_ids.astype(np.int64) * self.block_size + positions % self.block_size))
+        group_tables = self._group_tables(scheduled, seq_of_token, positions)
         input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64,
                                 count=int(query_start_loc[-1]))
         sample_requests = [s for s in scheduled if s.needs_sample]
@@ -116,6 +109,20 @@ class ModelRunner:
         )
         return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
                       drafts, draft_probs, prompt_rows)
+
+    def _group_tables(self, scheduled: list[ScheduledRequest], seq_of_token: np.ndarray, positions: np.ndarray
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer group of the KV cache: (block_tables [num_seqs, max_blocks] int32, slot_mapping [num_tokens]
+        int64)."""
+        group_tables = []
+        for group_id in range(len(self.requests[scheduled[0].request_id].block_tables)):
+            tables = [self.requests[s.request_id].block_tables[group_id] for s in scheduled]
+            block_tables = np.zeros((len(scheduled), max(len(t) for t in tables)), dtype=np.int32)
+            for row, table in enumerate(tables):
+                block_tables[row, : len(table)] = table
+            block_ids = block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
+            group_tables.append((block_tables, block_ids * self.block_size + positions % self.block_size))
+        return group_tables
 
     def _allowed_token_bitmask(self, requests: list[ScheduledRequest],
                                grammar_bitmask: GrammarBitmask | None) -> torch.Tensor | None:

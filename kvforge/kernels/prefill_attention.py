@@ -78,7 +78,8 @@ def _prefill_kernel(
     kv_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)  # the last query of the tile sees kv_end keys
     kv_start = 0
     if sliding_window > 0:
-        kv_start = tl.maximum(context_len + first_q - sliding_window + 1, 0)  # the first key the tile's first query sees
+        # the first key the tile's first query sees
+        kv_start = tl.maximum(context_len + first_q - sliding_window + 1, 0)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(kv_start, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)

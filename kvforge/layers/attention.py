@@ -95,7 +95,8 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.softcap = softcap
-        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False) if use_sinks else None
+        self.sinks = (nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
+                      if use_sinks else None)
         self.cache_group = cache_group
         self.ops = current_ops()
 

@@ -134,7 +134,8 @@ class KVCacheSpec:
         return [(shape, self.code_dtype) for shape in shapes] + [(shape[:-1], SCALE_DTYPE) for shape in shapes]
 
     def _layer_bytes(self, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> int:
-        return sum(math.prod(shape) * tensor_dtype.itemsize for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
+        return sum(math.prod(shape) * tensor_dtype.itemsize
+                   for shape, tensor_dtype in self._layer_tensors(shapes, dtype))
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Cache bytes of one token slot of a block (dtype: the model dtype), scales included: every layer's, or with

@@ -72,10 +72,12 @@ def test_sixteen_requests_chunked_preempted_and_prefix_cached(tiny):
     assert llm.engine.stats().num_preemptions > 0
     cache = llm.engine.cache_stats()
     assert cache.num_free_blocks == cache.num_usable_blocks
-    # a prompt once more, alone: its blocks are cached where its windows are still there
-    again = [_generate(llm, prompts[4:5])[0] for _ in range(2)]
-    assert [o.outputs[0].token_ids for o in again] == [expected[4]] * 2
-    assert again[1].num_cached_tokens > 0
+    # in a cache with room to keep them: a prompt that shares 28 tokens with an earlier one reuses its blocks, those
+    # of the sliding windows included (released as the earlier request moved on, still cached)
+    roomy = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4)
+    first, second = (_generate(roomy, [prompts[i]])[0] for i in (4, 14))
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [expected[4], expected[14]]
+    assert second.num_cached_tokens == 28
 
 
 @pytest.mark.slow
@@ -90,3 +92,12 @@ def test_greedy_with_ngram_speculation(tiny):
     outputs = _generate(llm, repeated)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.engine.stats().spec_decode.num_verified_requests > 0
+
+
+@pytest.mark.slow
+def test_greedy_with_tensor_parallelism(tiny):
+    """Two ranks, each with one of the two KV heads and half the query heads, every layer group on both."""
+    folder, model, prompts = tiny
+    chosen = [prompts[4], prompts[2]]
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in _generate(llm, chosen)] == _expected(model, chosen)

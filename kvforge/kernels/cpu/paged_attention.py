@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.kernels.attention_tiles import AttentionOptions
+from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.kernels.paged_attention import gather_kv, paged_attention_ref
 
 
