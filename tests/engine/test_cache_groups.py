@@ -138,3 +138,24 @@ def test_gemma3_layers_form_groups_of_equal_size():
     caches = spec.allocate(3, 4, torch.float32, torch.device("cpu"))
     assert caches[5] is caches[0] and caches[11] is caches[1] and caches[0] is not caches[1]
     assert spec.bytes_per_token(torch.float32) == 2 * 2 * 2 * 8 * 4  # 2 slots of K and V
+
+
+def test_a_hit_in_one_group_is_never_handed_to_another_groups_new_blocks():
+    """The window blocks a request released early sit at the front of the free queue; a later request whose prefix
+    hit needs them takes them in its window group before the full-attention group takes fresh blocks."""
+    kv = KVCacheManager(15, 4, True, FULL_AND_WINDOW)  # 14 usable blocks
+    prompt = list(range(21))
+    a = Request("a", prompt, SamplingParams(max_tokens=1))
+    for num_computed, num_new in [(0, 8), (8, 8), (16, 5)]:  # the last chunk releases window blocks 0 and 1
+        a.num_computed_tokens = num_computed
+        assert kv.allocate_slots(a, num_new)
+    kv.free(a)
+    b = Request("b", prompt[:8] + [99] * 12, SamplingParams(max_tokens=1))
+    hit = kv.find_cached_prefix(b)
+    assert hit.num_blocks == 2 and NULL_BLOCK_ID not in hit.block_ids[1]  # a's released window blocks 0, 1
+    b.num_computed_tokens = 8
+    assert kv.allocate_slots(b, 12, hit)
+    full, window = (group.table("b") for group in kv.groups)
+    assert full[:2] == hit.block_ids[0] and window[:2] == hit.block_ids[1]
+    assert not set(full) & set(window)  # no block in both groups
+    assert all(kv.pool.ref_cnt[block] == 1 for block in full + window)
