@@ -4,7 +4,8 @@ A group is a set of layers that keep the same thing per token; they share one bl
 the table holds tokens [i * block_size, (i + 1) * block_size) for every layer of the group). The manager asks every
 group the same questions, so a new kind of layer is one more class here:
 
-    max_blocks_held(num_tokens)                  the most blocks a request of num_tokens tokens holds at once
+    max_blocks_held(num_tokens, step_tokens)     the most blocks a request of num_tokens tokens holds at once, when
+                                                 a step computes up to step_tokens of its tokens
     blocks_needed(request_id, num_tokens, hit)   how many pool blocks the group must take to hold num_tokens tokens
     take_hit(request_id, hit)                    take a new request's prefix-cache blocks (every group's, before any
                                                  group allocates: a fresh block may evict a cached one)
@@ -60,8 +61,8 @@ class FullAttentionGroup:
         table = self.block_tables.setdefault(request_id, [])
         table.extend(self.pool.allocate(max(0, -(-num_tokens // self.block_size) - len(table))))
 
-    def max_blocks_held(self, num_tokens: int) -> int:
-        """The most blocks a request of num_tokens tokens holds at once (decoding token by token)."""
+    def max_blocks_held(self, num_tokens: int, step_tokens: int = 1) -> int:
+        """The most blocks a request of num_tokens tokens holds at once (step_tokens: the most a step computes)."""
         return -(-num_tokens // self.block_size)
 
     def release_passed(self, request_id: str, num_computed: int) -> None:
@@ -101,8 +102,9 @@ class SlidingWindowGroup(FullAttentionGroup):
         """The first block the next query (at position num_computed) reads."""
         return max(0, num_computed - self.window + 1) // self.block_size
 
-    def max_blocks_held(self, num_tokens: int) -> int:
-        return min(-(-num_tokens // self.block_size), -(-(self.window - 1) // self.block_size) + 1)
+    def max_blocks_held(self, num_tokens: int, step_tokens: int = 1) -> int:
+        """The window before a step's first token and the step's tokens: ceil((W - 1 + step) / block_size) + 1."""
+        return min(-(-num_tokens // self.block_size), -(-(self.window - 1 + step_tokens - 1) // self.block_size) + 1)
 
     def release_passed(self, request_id: str, num_computed: int) -> None:
         table = self.block_tables.get(request_id)

@@ -33,8 +33,11 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 layer_groups: Sequence[LayerGroup] = FULL_ATTENTION) -> None:
+                 layer_groups: Sequence[LayerGroup] = FULL_ATTENTION, max_step_tokens: int = 1) -> None:
+        """max_step_tokens: the most tokens of one request a step computes (the scheduler's token budget), which a
+        sliding window holds beside its window; it bounds capacity_tokens."""
         self.block_size = block_size
+        self.max_step_tokens = max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.groups: list[FullAttentionGroup] = [make_group(g, layers, self.pool, block_size)
@@ -48,12 +51,13 @@ class KVCacheManager:
 
     @property
     def capacity_tokens(self) -> int:
-        """The longest request the pool holds alone, in whole blocks (a sliding window holds a window and a block)."""
+        """The longest request the pool holds alone, in whole blocks (a sliding window holds its window and a step)."""
         usable = self.pool.num_blocks - 1
         low, high = 0, usable  # in blocks of tokens: low fits, high + 1 does not
         while low < high:
             mid = (low + high + 1) // 2
-            if sum(group.max_blocks_held(mid * self.block_size) for group in self.groups) <= usable:
+            held = sum(group.max_blocks_held(mid * self.block_size, self.max_step_tokens) for group in self.groups)
+            if held <= usable:
                 low = mid
             else:
                 high = mid - 1

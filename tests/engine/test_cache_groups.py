@@ -122,10 +122,12 @@ def test_preemption_and_many_requests_leak_no_blocks():
     assert scheduler.num_preemptions > 0 and scheduler.kv.num_free_blocks == 13
 
 
-def test_capacity_counts_a_window_and_a_block_per_sliding_group():
+def test_capacity_counts_a_window_and_a_step_per_sliding_group():
     kv = KVCacheManager(41, 4, False, FULL_AND_WINDOW)  # 40 usable: the window holds 3, the full group 37
     assert kv.capacity_tokens == 37 * 4
     assert KVCacheManager(41, 4, False).capacity_tokens == 40 * 4
+    # steps of up to 9 tokens: a window holds 5 positions before a step and the step's 9: 5 blocks
+    assert KVCacheManager(41, 4, False, FULL_AND_WINDOW, max_step_tokens=9).capacity_tokens == 35 * 4
 
 
 def test_gemma3_layers_form_groups_of_equal_size():
