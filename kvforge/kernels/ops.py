@@ -39,6 +39,7 @@ from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_triton
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton
 from kvforge.kernels.lora import lora_expand_cpu, lora_expand_triton, lora_shrink_cpu, lora_shrink_triton
 from kvforge.kernels.mla_decode import mla_decode_ref, mla_decode_triton
+from kvforge.kernels.mxfp4_moe import mxfp4_moe_cpu, mxfp4_moe_triton
 from kvforge.kernels.paged_attention import paged_attention_triton
 from kvforge.kernels.quant_gemm import quant_gemm_ref, quant_gemm_triton
 from kvforge.kernels.rms_norm import (
@@ -182,6 +183,23 @@ def _(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: T
     return hidden.new_empty(hidden.shape)
 
 
+@torch.library.custom_op("kvforge::mxfp4_moe", mutates_args=())
+def _mxfp4_moe_op(
+    hidden: Tensor, w13_blocks: Tensor, w13_scales: Tensor, w13_bias: Tensor, w2_blocks: Tensor, w2_scales: Tensor,
+    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float,
+) -> Tensor:  # fmt: skip
+    return mxfp4_moe_triton(hidden, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias, topk_weights,
+                            topk_ids, alpha, limit)  # fmt: skip
+
+
+@_mxfp4_moe_op.register_fake
+def _(
+    hidden: Tensor, w13_blocks: Tensor, w13_scales: Tensor, w13_bias: Tensor, w2_blocks: Tensor, w2_scales: Tensor,
+    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float,
+) -> Tensor:  # fmt: skip
+    return hidden.new_empty(hidden.shape)
+
+
 @torch.library.custom_op("kvforge::mla_decode", mutates_args=())
 def _mla_decode_op(
     query: Tensor, latent_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float, latent_dim: int
@@ -233,6 +251,7 @@ class OpTable:
     quant_gemm: Callable[..., Tensor]
     int8_gemm: Callable[..., Tensor]
     fused_moe: Callable[..., Tensor]
+    mxfp4_moe: Callable[..., Tensor]
     mla_decode: Callable[..., Tensor]
     lora_shrink: Callable[..., Tensor]
     lora_expand: Callable[..., Tensor]
@@ -260,6 +279,7 @@ TORCH_OPS = OpTable(
     quant_gemm=quant_gemm_ref,
     int8_gemm=int8_gemm_ref,
     fused_moe=fused_moe_cpu,
+    mxfp4_moe=mxfp4_moe_cpu,
     mla_decode=mla_decode_ref,
     lora_shrink=lora_shrink_cpu,
     lora_expand=lora_expand_cpu,
@@ -277,6 +297,7 @@ TRITON_OPS = OpTable(
     quant_gemm=torch.ops.kvforge.quant_gemm,
     int8_gemm=torch.ops.kvforge.int8_gemm,
     fused_moe=torch.ops.kvforge.fused_moe,
+    mxfp4_moe=torch.ops.kvforge.mxfp4_moe,
     mla_decode=torch.ops.kvforge.mla_decode,
     lora_shrink=torch.ops.kvforge.lora_shrink,
     lora_expand=torch.ops.kvforge.lora_expand,
