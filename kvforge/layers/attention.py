@@ -82,11 +82,12 @@ class Attention(nn.Module):
     (kv_cache None, a pooling step's WholeSequenceMetadata) attends within each sequence of the step.
 
     Per layer: sliding_window (0: every earlier token), softcap of the scores (0: none), scale (head_dim ** -0.5 by
-    default) and cache_group, the layer group of the KV cache whose block tables the layer reads. (The kernels also
-    take attention sinks, a learned logit per head; no model here has them yet.)"""
+    default), sinks (GPT-OSS: a learned logit per head in the softmax's denominator, `sinks` [num_heads] float32,
+    loaded as a parameter) and cache_group, the layer group of the KV cache whose block tables the layer reads."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, sliding_window: int = 0,
-                 softcap: float = 0.0, scale: float | None = None, cache_group: int = 0) -> None:
+                 softcap: float = 0.0, scale: float | None = None, use_sinks: bool = False,
+                 cache_group: int = 0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -94,6 +95,8 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.softcap = softcap
+        self.sinks = (nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
+                      if use_sinks else None)
         self.cache_group = cache_group
         self.ops = current_ops()
 
@@ -116,7 +119,7 @@ class Attention(nn.Module):
         attend = self.ops.paged_decode if metadata.decode_only else self.ops.paged_attention
         return attend(
             query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
-            self.scale, key_scale, value_scale, self.sliding_window, self.softcap,
+            self.scale, key_scale, value_scale, self.sliding_window, self.softcap, self.sinks,
         )
 
     def _whole_sequences(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
