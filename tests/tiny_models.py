@@ -48,17 +48,23 @@ _GEMMA = {
                        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}),
 }
+# GPT-OSS's tiny shapes: a window of 8 (ending mid-block), YaRN that changes the low frequencies within the prompts,
+# five experts (two a token) of MXFP4-sized rows (multiples of 32)
+_GPT_OSS = dict(num_hidden_layers=4, head_dim=16, sliding_window=8, num_local_experts=5, num_experts_per_tok=2,
+                intermediate_size=64, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                       "original_max_position_embeddings": 64})
 
 
 def build_model(arch: str, **overrides):
     """A tiny random transformers model of the given family ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma2',
-    'gemma3')."""
+    'gemma3', 'gpt_oss')."""
     import transformers
 
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    common.update(_GEMMA.get(arch, {}))
+    common.update(_GEMMA.get(arch, _GPT_OSS if arch == "gpt_oss" else {}))
     common.update(overrides)
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -67,6 +73,7 @@ def build_model(arch: str, **overrides):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     torch.manual_seed(0)
     model = model_class(config_class(**common)).eval()
@@ -78,6 +85,14 @@ def build_model(arch: str, **overrides):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 torch.nn.init.normal_(param, std=0.3)
+    if arch == "gpt_oss":  # biases, sinks and clamps that matter: gate/up products past the SwiGLU limit of 7
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                torch.nn.init.normal_(param, std=0.5)
+            elif name.endswith("experts.gate_up_proj"):
+                torch.nn.init.normal_(param, std=0.6)
+            elif name.endswith("experts.down_proj"):
+                torch.nn.init.normal_(param, std=0.05)
     return model
 
 

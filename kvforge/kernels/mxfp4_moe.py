@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kvforge.kernels.moe_align import moe_align
 from kvforge.kernels.mxfp4 import BLOCK_SIZE, check_mxfp4, dequantize_mxfp4
-from kvforge.kernels.triton_compat import INTERPRETED, cdiv, jit, require_triton, tl
+from kvforge.kernels.triton_compat import cdiv, jit, require_triton, tl
 from kvforge.kernels.tuning import gemm_tiles
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 

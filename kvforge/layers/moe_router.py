@@ -35,6 +35,7 @@ class RoutingConfig:
     group_score: str = "max"
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    logit_bias: bool = False  # GPT-OSS: the gate is a linear layer with a bias
 
     def __post_init__(self) -> None:
         if self.scoring not in _SCORINGS:
@@ -88,7 +89,7 @@ def select_experts(
 
 
 class Router(nn.Module):
-    """The gate of an MoE layer: logits = x W^T in fp32 (W: [num_experts, hidden], kept in fp32 as the
+    """The gate of an MoE layer: logits = x W^T (+ b) in fp32 (W: [num_experts, hidden], kept in fp32 as the
     checkpoints' routers are), then select_experts."""
 
     def __init__(self, hidden_size: int, cfg: RoutingConfig) -> None:
@@ -101,8 +102,10 @@ class Router(nn.Module):
             if cfg.correction_bias
             else None
         )
+        self.bias = (nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
+                     if cfg.logit_bias else None)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (topk_weights, topk_ids), both [num_tokens, top_k]."""
-        logits = F.linear(x.float(), self.weight)
+        logits = F.linear(x.float(), self.weight, self.bias)
         return select_experts(logits, self.cfg, self.e_score_correction_bias)

@@ -8,8 +8,8 @@
                       Gemma 2: local and global alternate (layer 0 local), scores soft-capped, logits soft-capped
                       Gemma 3: five local to one global, per-head q/k RMSNorm, local layers' own rope theta
 
-Local and global layers form separate groups of the KV cache (KVCacheSpec.layer_windows): a local layer keeps only
-its window's blocks.
+Local and global layers form separate groups of the KV cache (models/windowed.py): a local layer keeps only its
+window's blocks.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.layers.attention import Attention, AttentionMetadata
-from kvforge.layers.kv_cache_spec import KVCacheSpec, layer_windows
+from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.rotary import RotaryEmbedding
 from kvforge.models.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM
+from kvforge.models.windowed import WindowedLayersMixin
 
 
 class GemmaMLP(nn.Module):
@@ -64,7 +64,7 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma2ForCausalLM(LlamaForCausalLM):
+class Gemma2ForCausalLM(WindowedLayersMixin, LlamaForCausalLM):
     """Gemma 2: local and global layers alternate; attention scores and final logits are soft-capped."""
 
     window_pattern = 2  # one global layer in this many (when config.json has no layer_types)
@@ -72,13 +72,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def __init__(self, hf_config: dict) -> None:
         if hf_config.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"unsupported hidden_activation {hf_config['hidden_activation']!r} for Gemma")
-        self.windows = layer_windows(hf_config, self.window_pattern)
+        self.init_windows(hf_config)
         self.final_softcap = hf_config.get("final_logit_softcapping") or 0.0
         super().__init__({"tie_word_embeddings": True, **hf_config})
-
-    @property
-    def stage_windows(self) -> tuple[int | None, ...]:
-        return self.windows[self.start_layer : self.end_layer]
 
     def local_rotary(self, hf_config: dict) -> RotaryEmbedding:
         """The rotary embedding of the sliding-window layers (Gemma 2: the global layers' own)."""
@@ -90,23 +86,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if layer_idx == self.start_layer:
             # NOTE: one local rotary module shared by the local layers, like self.rotary by the global ones
             self.local = self.local_rotary(hf_config)
-            # the layer group of each of this stage's layers (every layer keeps the same per-token shape)
-            self.group_ids = KVCacheSpec((((1,),),) * len(self.stage_windows),
-                                         layer_windows=self.stage_windows).layer_group_ids()
         attn = LlamaAttention(cfg, self.rotary if window is None else self.local)
-        attn.attn = Attention(
-            attn.attn.num_heads, attn.attn.num_kv_heads, cfg.head_dim, sliding_window=window or 0,
+        attn.attn = self.windowed_attention(
+            layer_idx, attn.attn.num_heads, attn.attn.num_kv_heads,
             softcap=hf_config.get("attn_logit_softcapping") or 0.0,
-            scale=hf_config.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5,
-            cache_group=self.group_ids[layer_idx - self.start_layer])
+            scale=hf_config.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5)
         return GemmaDecoderLayer(cfg, attn)
-
-    @property
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """Llama's keys and values per layer, local layers in groups of their own (see KVCacheSpec.layer_groups)."""
-        num_kv_heads = self.stage_layers[0].self_attn.attn.num_kv_heads
-        per_head = (num_kv_heads, self.config.head_dim)
-        return KVCacheSpec(((per_head, per_head),) * len(self.stage_layers), layer_windows=self.stage_windows)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -7,6 +7,7 @@ from torch import nn
 from kvforge.models.bert import BertForSequenceClassification, BertModel
 from kvforge.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvforge.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from kvforge.models.gpt_oss import GptOssForCausalLM
 from kvforge.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -29,6 +30,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,

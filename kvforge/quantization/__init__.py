@@ -43,7 +43,10 @@ def quantizable_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> dict[st
 
 
 def quantize_model(model: nn.Module, config: QuantConfig, from_float: bool) -> None:
-    """Give every quantizable Linear its method, before the checkpoint is loaded."""
+    """Give every quantizable Linear its method, before the checkpoint is loaded. (An MXFP4 checkpoint quantizes
+    only MoE experts, which its model family keeps in MXFP4 itself: its linear layers stay float.)"""
+    if config.method == "mxfp4":
+        return
     method = linear_method(config, from_float)
     for layer in quantizable_linears(model, config.modules_to_not_convert).values():
         layer.set_quant_method(method)

@@ -16,7 +16,7 @@ ONLINE_METHODS = {
     "w8a8": ("w8a8", 8, -1, True),
     "fp8": ("fp8", 8, -1, True),
 }
-CHECKPOINT_METHODS = ("gptq", "awq", "w8a8", "fp8")
+CHECKPOINT_METHODS = ("gptq", "awq", "w8a8", "fp8", "mxfp4")
 FP8_ACTIVATION_SCHEMES = ("dynamic", "static")
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores zero points minus one; v2 stores them as they are
 
@@ -24,7 +24,8 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores zero points minus one; v2 stores
 @dataclass(frozen=True, slots=True)
 class QuantConfig:
     """method: "gptq" / "awq" (checkpoint formats), "rtn" (float checkpoint, quantized at load time),
-    "w8a8" (int8 weights and per-token int8 activations) or "fp8" (e4m3 weights, per-channel scales).
+    "w8a8" (int8 weights and per-token int8 activations), "fp8" (e4m3 weights, per-channel scales) or "mxfp4"
+    (GPT-OSS: MoE experts in MXFP4, read by the model from their tensor names; every linear layer stays float).
     group_size -1 means one group per row."""
 
     method: str
@@ -41,7 +42,7 @@ class QuantConfig:
             raise ValueError(
                 f"quantization method must be one of {(*CHECKPOINT_METHODS, 'rtn')}, got {self.method!r}"
             )
-        allowed_bits = (4,) if self.method == "awq" else (8,) if self.method in ("w8a8", "fp8") else (4, 8)
+        allowed_bits = (4,) if self.method in ("awq", "mxfp4") else (8,) if self.method in ("w8a8", "fp8") else (4, 8)
         if self.bits not in allowed_bits:
             raise ValueError(f"{self.method} supports bits in {allowed_bits}, got {self.bits}")
         if self.group_size != -1 and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
@@ -61,6 +62,8 @@ class QuantConfig:
             )
         if method == "fp8":
             return cls._fp8_from_hf(config)
+        if method == "mxfp4":
+            return cls("mxfp4", 4, 32, modules_to_not_convert=tuple(config.get("modules_to_not_convert") or ()))
         if method == "awq":
             version = str(config.get("version", "gemm")).lower()
             if version != "gemm":
@@ -118,6 +121,8 @@ class QuantConfig:
             }
         if self.method == "fp8":
             return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        if self.method == "mxfp4":
+            return {"quant_method": "mxfp4"}
         if self.method == "w8a8":
             return {
                 "quant_method": "w8a8",

@@ -1,0 +1,103 @@
+"""A tiny random GPT-OSS: kvforge against transformers (float32), with prompts longer than the sliding window, chunked
+prefill that splits windows, prefix-cache hits and 16 requests at once; and the same model with its experts in MXFP4
+(quantized here by the format's definition, kept in MXFP4 by kvforge) against transformers running the weights that
+transformers' own MXFP4 dequantizer makes of the checkpoint's blocks and scales."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvforge import LLM, SamplingParams
+from kvforge.kernels.mxfp4 import quantize_mxfp4
+from tests.tiny_models import assert_logits_match, save_model
+
+NUM_NEW = 10
+PROMPT_LENS = [3, 9, 30, 17, 41, 12, 26, 8, 35, 20, 5, 33, 14, 22, 40, 11]  # 16 requests, most past the window
+
+
+def _greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    return [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]  # fmt: skip
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpt_oss")
+    model = save_model(folder, "gpt_oss")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    prompts[14] = prompts[4][:28] + prompts[14][28:]  # a shared prefix for the prefix cache
+    return folder, model, prompts, _greedy(model, prompts)
+
+
+def test_logits_match_past_the_window(tiny):
+    folder, model, prompts, _ = tiny
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4)
+    assert_logits_match(llm, model, [prompts[4], prompts[2]])
+    groups = llm.engine.kv_cache_manager.groups
+    assert len(groups) == 2 and groups[1].window == model.config.sliding_window
+
+
+def test_greedy_chunked_and_prefix_cached_16_requests(tiny):
+    """16 requests at once, prefills in chunks of 7 (which split windows), block size 4: the tokens transformers
+    gives, every block back in the pool at the end, then a prefix-cache hit with the same tokens."""
+    folder, _, prompts, expected = tiny
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4,
+              max_num_batched_tokens=7, max_num_seqs=16)  # fmt: skip
+    outputs = _generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
+    again = _generate(llm, prompts[4:5] + prompts[14:15])
+    assert [o.outputs[0].token_ids for o in again] == [expected[4], expected[14]]
+    assert again[0].num_cached_tokens > 0
+
+
+def _save_mxfp4(folder, src, model):
+    """src's checkpoint with every expert weight in MXFP4 (blocks and scales, as GPT-OSS checkpoints store them);
+    returns the transformers model whose experts are transformers' dequantization of those blocks and scales."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    shutil.copytree(src, folder, dirs_exist_ok=True)
+    (folder / "model.safetensors").unlink()
+    reference = copy.deepcopy(model)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # [experts, out, in / 32, 16]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            dequantized = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            reference.get_parameter(name).data.copy_(dequantized)
+        else:
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router",
+                                                                                          "embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return reference
+
+
+def test_mxfp4_experts_match_their_dequantized_weights(tiny, tmp_path):
+    """The experts stay MXFP4 codes and scales in kvforge (no float copy); logits and greedy tokens as transformers
+    running the dequantized weights."""
+    folder, model, prompts, _ = tiny
+    reference = _save_mxfp4(tmp_path, folder, model)
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4)
+    experts = llm.engine.runner.model.layers[0].mlp.experts
+    assert experts.w13_blocks.dtype == torch.uint8 and not hasattr(experts, "w13")
+    assert_logits_match(llm, reference, [prompts[4]])
+    outputs = _generate(llm, prompts[:4])
+    assert [o.outputs[0].token_ids for o in outputs] == _greedy(reference, prompts[:4])
