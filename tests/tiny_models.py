@@ -48,12 +48,12 @@ _GEMMA = {
                        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}),
 }
-# GPT-OSS's tiny shapes: a window of 8 (ending mid-block), YaRN that changes the low frequencies within the prompts,
+# GPT-OSS's tiny shapes: a window of 8 (ending mid-block), YaRN (its low frequencies slowed, cos and sin scaled),
 # five experts (two a token) of MXFP4-sized rows (multiples of 32)
 _GPT_OSS = dict(num_hidden_layers=4, head_dim=16, sliding_window=8, num_local_experts=5, num_experts_per_tok=2,
                 intermediate_size=64, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                                                       "original_max_position_embeddings": 64})
+                                                       "original_max_position_embeddings": 128})
 
 
 def build_model(arch: str, **overrides):

@@ -37,8 +37,10 @@ def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 2 or blocks.shape[-1] != BLOCK_SIZE // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"MXFP4 blocks must be [..., rows, K / 32, 16] and scales [..., rows, K / 32], got "
-                         f"{tuple(blocks.shape)} and {tuple(scales.shape)}")
+        raise ValueError(
+            f"MXFP4 blocks must be [..., rows, K / 32, 16] and scales [..., rows, K / 32], got "
+            f"{tuple(blocks.shape)} and {tuple(scales.shape)}"
+        )
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

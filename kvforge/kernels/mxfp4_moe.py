@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kvforge.kernels.moe_align import moe_align
 from kvforge.kernels.mxfp4 import BLOCK_SIZE, check_mxfp4, dequantize_mxfp4
-from kvforge.kernels.triton_compat import cdiv, jit, require_triton, tl
+from kvforge.kernels.triton_compat import INTERPRETED, cdiv, jit, require_triton, tl
 from kvforge.kernels.tuning import gemm_tiles
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
@@ -113,11 +113,12 @@ def _mxfp4_grouped_gemm_kernel(
     out_ptr, a_ptr, blocks_ptr, scales_ptr, bias_ptr, pair_weights_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
     num_pairs, n_size, k_size, stride_am, stride_om,
     PAIRS_PER_A_ROW: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """Grid (row blocks, column blocks). For the BLOCK_M sorted pairs of one block, all of one expert e:
     out[pair, cols] = (a[pair // PAIRS_PER_A_ROW] @ W[e, cols, :]^T + bias[e, cols]) (* pair_weights[pair]),
-    W decoded from blocks [E, N, K / 2] bytes and scales [E, N, K / 32] (contiguous), in fp32."""
+    W decoded from blocks [E, N, K / 2] bytes and scales [E, N, K / 32] (contiguous) into a's dtype (every MXFP4
+    value is exact in bf16 and fp16 but for scales past their range), or fp32 with DOT_FP32; fp32 accumulation."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ids_ptr + block)
     if expert < 0:
@@ -133,7 +134,7 @@ def _mxfp4_grouped_gemm_kernel(
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < k_size
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         b_mask = k_mask[:, None] & col_mask[None, :]
         byte = tl.load(blocks_ptr + rows_of_expert * (k_size // 2) + ks[:, None] // 2, mask=b_mask, other=0)
         code = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 0x0F  # [BLOCK_K, BLOCK_N]: low nibble first
@@ -143,7 +144,10 @@ def _mxfp4_grouped_gemm_kernel(
         magnitude = tl.where(exponent == 0, mantissa * 0.5, normal)
         scale = tl.load(scales_ptr + rows_of_expert * (k_size // 32) + ks[:, None] // 32, mask=b_mask, other=0)
         b = tl.where(code >= 8, -magnitude, magnitude) * tl.exp2(scale.to(tl.float32) - 127.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.to(a.dtype), acc)
     acc += tl.load(bias_ptr + expert.to(tl.int64) * n_size + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if APPLY_WEIGHT:
         acc = acc * tl.load(pair_weights_ptr + pair_ids, mask=row_mask, other=0.0)[:, None]
@@ -160,11 +164,14 @@ def _check_inputs(hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: to
     check_mxfp4(w2_blocks, w2_scales)
     num_experts, two_inter = w13_blocks.shape[:2]
     if w13_blocks.shape[2] * BLOCK_SIZE != hidden_size or two_inter % 2:
-        raise ValueError(f"w13_blocks must be [experts, 2 * inter, hidden / 32, 16] with hidden {hidden_size}, got "
-                         f"{tuple(w13_blocks.shape)}")
+        raise ValueError(
+            f"w13_blocks must be [experts, 2 * inter, hidden / 32, 16] with hidden {hidden_size}, got "
+            f"{tuple(w13_blocks.shape)}"
+        )
     if tuple(w2_blocks.shape[:3]) != (num_experts, hidden_size, two_inter // 2 // BLOCK_SIZE):
-        raise ValueError(f"w2_blocks must be [{num_experts}, {hidden_size}, inter / 32, 16], got "
-                         f"{tuple(w2_blocks.shape)}")
+        raise ValueError(
+            f"w2_blocks must be [{num_experts}, {hidden_size}, inter / 32, 16], got {tuple(w2_blocks.shape)}"
+        )
     check_tensor("w13_bias", w13_bias, shape=(num_experts, two_inter), dtypes=FLOAT_DTYPES)
     check_tensor("w2_bias", w2_bias, shape=(num_experts, hidden_size), dtypes=FLOAT_DTYPES)
     check_tensor("topk_ids", topk_ids, shape=(num_tokens, None), dtypes=INDEX_DTYPES)
@@ -198,18 +205,18 @@ def mxfp4_moe_triton(
             out, a, blocks, scales, bias, out if pair_weights is None else pair_weights, sorted_pair_ids,
             block_expert_ids, num_pairs, n_size, a.shape[1], a.stride(0), out.stride(0),
             PAIRS_PER_A_ROW=pairs_per_a_row, APPLY_WEIGHT=pair_weights is not None,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=max(tiles.block_k, 32),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            DOT_FP32=a.dtype == torch.float32 or (INTERPRETED and a.dtype == torch.bfloat16),  # interpreter: bf16 dots
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
 
     # NOTE: zeroed: rows of pairs routed to no local expert are never written, then still activated
     gate_up = torch.zeros((num_pairs, two_inter), dtype=torch.float32, device=hidden.device)
     grouped_gemm(gate_up, hidden, w13_blocks, w13_scales, w13_bias, None, top_k)
-    act = swiglu_oai(gate_up, alpha, limit).contiguous()  # [num_pairs, inter] fp32
+    act = swiglu_oai(gate_up, alpha, limit).to(hidden.dtype)  # [num_pairs, inter], rounded as the GEMM reads it
     down = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     grouped_gemm(down, act, w2_blocks, w2_scales, w2_bias, topk_weights.reshape(-1).float(), 1)
     return down.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
 
 
-__all__ = ["biased_moe", "mxfp4_experts", "mxfp4_moe_cpu", "mxfp4_moe_ref", "mxfp4_moe_triton",
-           "swiglu_oai"]
+__all__ = ["biased_moe", "mxfp4_experts", "mxfp4_moe_cpu", "mxfp4_moe_ref", "mxfp4_moe_triton", "swiglu_oai"]

@@ -96,8 +96,19 @@ class GptOssExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden] -> this rank's share of the experts' weighted sum, [num_tokens, hidden]."""
         if self.mxfp4:
-            return self.ops.mxfp4_moe(x, self.w13_blocks, self.w13_scales, self.w13_bias, self.w2_blocks,
-                                      self.w2_scales, self.w2_bias, topk_weights, topk_ids, self.alpha, self.limit)
+            return self.ops.mxfp4_moe(
+                x,
+                self.w13_blocks,
+                self.w13_scales,
+                self.w13_bias,
+                self.w2_blocks,
+                self.w2_scales,
+                self.w2_bias,
+                topk_weights,
+                topk_ids,
+                self.alpha,
+                self.limit,
+            )
         return biased_moe(x, lambda ids: (self.w13[ids], self.w2[ids]), self.num_experts, self.w13_bias, self.w2_bias,
                           topk_weights, topk_ids, self.alpha, self.limit)  # fmt: skip
 
@@ -124,8 +135,9 @@ class GptOssForCausalLM(WindowedLayersMixin, LlamaForCausalLM):
         experts = GptOssExperts(num_experts, cfg.hidden_size, cfg.intermediate_size,
                                 hf_config.get("swiglu_alpha", 1.702), hf_config.get("swiglu_limit", 7.0),
                                 is_mxfp4(hf_config))  # fmt: skip
-        return LlamaDecoderLayer(cfg, self.rotary, self_attn=attn, mlp=SparseMoeBlock(Router(cfg.hidden_size, routing),
-                                                                                      experts))
+        return LlamaDecoderLayer(
+            cfg, self.rotary, self_attn=attn, mlp=SparseMoeBlock(Router(cfg.hidden_size, routing), experts)
+        )
 
     def load_tensor(self, name: str, tensor: torch.Tensor, params: set[str]) -> str:
         name = name.replace(".mlp.router.", ".mlp.gate.")

@@ -84,8 +84,10 @@ def _save_mxfp4(folder, src, model):
             tensors[name] = tensor.contiguous()
     save_file(tensors, folder / "model.safetensors")
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router",
-                                                                                          "embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["self_attn", "router", "embed_tokens", "lm_head"],
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return reference
 
