@@ -84,6 +84,18 @@ def _fused_moe(num_tokens: int) -> None:
                      torch.ones(num_tokens, top_k), topk_ids)  # fmt: skip
 
 
+def _mxfp4_moe(num_tokens: int) -> None:
+    from kvforge.kernels.mxfp4_moe import mxfp4_moe_triton
+
+    experts, hidden, inter, top_k = 32, 2880, 2880, 4  # a GPT-OSS-20B layer
+    topk_ids = torch.arange(num_tokens * top_k).remainder(experts).view(num_tokens, top_k)
+    codes = lambda rows, k: (torch.empty(experts, rows, k // 32, 16, dtype=torch.uint8),  # noqa: E731
+                             torch.empty(experts, rows, k // 32, dtype=torch.uint8))  # fmt: skip
+    mxfp4_moe_triton(torch.empty(num_tokens, hidden, dtype=torch.bfloat16), *codes(2 * inter, hidden),
+                     torch.zeros(experts, 2 * inter), *codes(hidden, inter), torch.zeros(experts, hidden),
+                     torch.ones(num_tokens, top_k), topk_ids, 1.702, 7.0)  # fmt: skip
+
+
 def _mla_decode(num_seqs: int) -> None:
     from kvforge.kernels.mla_decode import mla_decode_triton
 
@@ -130,6 +142,7 @@ def cases() -> dict[str, Callable[[], None]]:
     for tokens in (1, 256):
         found[f"w8a8 gemm M={tokens}"] = lambda m=tokens: _int8_gemm(m)
         found[f"fused moe {tokens} tokens"] = lambda m=tokens: _fused_moe(m)
+        found[f"mxfp4 moe {tokens} tokens"] = lambda m=tokens: _mxfp4_moe(m)
     for num_seqs in (1, 64):
         found[f"mla decode {num_seqs} seqs"] = lambda n=num_seqs: _mla_decode(n)
         found[f"lora shrink+expand {num_seqs} tokens"] = lambda n=num_seqs: _lora(n)
