@@ -36,11 +36,12 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 
 class GptOssExperts(nn.Module):
-    """The routed experts of one layer, this rank's share of the intermediate dim (inter = I / tp):
-    w13 [experts, 2 * inter, hidden] (gate, up rows interleaved) and w2 [experts, hidden, inter], in float or as MXFP4
-    blocks and scales (w13_blocks [experts, 2 * inter, hidden / 32, 16], w13_scales [experts, 2 * inter, hidden / 32],
-    w2_blocks [experts, hidden, inter / 32, 16], w2_scales); biases w13_bias [experts, 2 * inter] and w2_bias
-    [experts, hidden] in fp32 (w2_bias only on rank 0: the ranks' outputs are summed)."""
+    """The routed experts of one layer, this rank's share of the intermediate dim (inter = I / tp), named as in the
+    checkpoints: gate_up_proj [experts, 2 * inter, hidden] (gate and up rows interleaved; the checkpoint's transposed)
+    and down_proj [experts, hidden, inter] in float, or as MXFP4 gate_up_proj_blocks [experts, 2 * inter, hidden / 32,
+    16], gate_up_proj_scales [experts, 2 * inter, hidden / 32], down_proj_blocks [experts, hidden, inter / 32, 16] and
+    down_proj_scales; biases gate_up_proj_bias [experts, 2 * inter] and down_proj_bias [experts, hidden] in fp32
+    (down_proj_bias only on rank 0: the ranks' outputs are summed)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float,
                  mxfp4: bool) -> None:  # fmt: skip
@@ -55,15 +56,15 @@ class GptOssExperts(nn.Module):
         self.num_experts, self.inter, self.alpha, self.limit, self.mxfp4 = num_experts, inter, alpha, limit, mxfp4
         self.ops = current_ops()
         if mxfp4:
-            self.w13_blocks = _param(num_experts, 2 * inter, hidden_size // BLOCK_SIZE, 16, dtype=torch.uint8)
-            self.w13_scales = _param(num_experts, 2 * inter, hidden_size // BLOCK_SIZE, dtype=torch.uint8)
-            self.w2_blocks = _param(num_experts, hidden_size, inter // BLOCK_SIZE, 16, dtype=torch.uint8)
-            self.w2_scales = _param(num_experts, hidden_size, inter // BLOCK_SIZE, dtype=torch.uint8)
+            self.gate_up_proj_blocks = _param(num_experts, 2 * inter, hidden_size // BLOCK_SIZE, 16, dtype=torch.uint8)
+            self.gate_up_proj_scales = _param(num_experts, 2 * inter, hidden_size // BLOCK_SIZE, dtype=torch.uint8)
+            self.down_proj_blocks = _param(num_experts, hidden_size, inter // BLOCK_SIZE, 16, dtype=torch.uint8)
+            self.down_proj_scales = _param(num_experts, hidden_size, inter // BLOCK_SIZE, dtype=torch.uint8)
         else:
-            self.w13 = _param(num_experts, 2 * inter, hidden_size)
-            self.w2 = _param(num_experts, hidden_size, inter)
-        self.w13_bias = _param(num_experts, 2 * inter, dtype=torch.float32)
-        self.w2_bias = _param(num_experts, hidden_size, dtype=torch.float32)
+            self.gate_up_proj = _param(num_experts, 2 * inter, hidden_size)
+            self.down_proj = _param(num_experts, hidden_size, inter)
+        self.gate_up_proj_bias = _param(num_experts, 2 * inter, dtype=torch.float32)
+        self.down_proj_bias = _param(num_experts, hidden_size, dtype=torch.float32)
 
     def load(self, name: str, tensor: torch.Tensor) -> str:
         """A checkpoint tensor of the experts (name: gate_up_proj, down_proj, their _bias, _blocks or _scales), cut to
@@ -71,46 +72,46 @@ class GptOssExperts(nn.Module):
         rows = slice(2 * self.inter * self.tp_rank, 2 * self.inter * (self.tp_rank + 1))  # gate/up row pairs
         cols = slice(self.inter * self.tp_rank, self.inter * (self.tp_rank + 1))
         groups = slice(cols.start // BLOCK_SIZE, cols.stop // BLOCK_SIZE)
-        pieces = {
-            "gate_up_proj": ("w13", lambda t: t.transpose(1, 2)[:, rows]),
-            "down_proj": ("w2", lambda t: t.transpose(1, 2)[:, :, cols]),
-            "gate_up_proj_bias": ("w13_bias", lambda t: t[:, rows]),
-            "down_proj_bias": ("w2_bias", lambda t: t if self.tp_rank == 0 else torch.zeros_like(t)),
-            "gate_up_proj_blocks": ("w13_blocks", lambda t: t[:, rows]),
-            "gate_up_proj_scales": ("w13_scales", lambda t: t[:, rows]),
-            "down_proj_blocks": ("w2_blocks", lambda t: t[:, :, groups]),
-            "down_proj_scales": ("w2_scales", lambda t: t[:, :, groups]),
+        pieces = {  # this rank's piece of each checkpoint tensor, in the parameter's layout
+            "gate_up_proj": lambda t: t.transpose(1, 2)[:, rows],
+            "down_proj": lambda t: t.transpose(1, 2)[:, :, cols],
+            "gate_up_proj_bias": lambda t: t[:, rows],
+            "down_proj_bias": lambda t: t if self.tp_rank == 0 else torch.zeros_like(t),
+            "gate_up_proj_blocks": lambda t: t[:, rows],
+            "gate_up_proj_scales": lambda t: t[:, rows],
+            "down_proj_blocks": lambda t: t[:, :, groups],
+            "down_proj_scales": lambda t: t[:, :, groups],
         }
-        param_name, piece = pieces.get(name, (name, None))
-        param = getattr(self, param_name, None)
-        if piece is None or not isinstance(param, nn.Parameter):
+        param = getattr(self, name, None) if name in pieces else None
+        if not isinstance(param, nn.Parameter):
             kind = "MXFP4" if self.mxfp4 else "float"
             raise ValueError(f"checkpoint tensor experts.{name!r} has no place in GPT-OSS's {kind} experts")
-        tensor = piece(tensor)
+        tensor = pieces[name](tensor)
         if param.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor experts.{name} has shape {tuple(tensor.shape)} here, expected "
                              f"{tuple(param.shape)}")  # fmt: skip
         param.data.copy_(tensor)
-        return param_name
+        return name
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden] -> this rank's share of the experts' weighted sum, [num_tokens, hidden]."""
         if self.mxfp4:
             return self.ops.mxfp4_moe(
                 x,
-                self.w13_blocks,
-                self.w13_scales,
-                self.w13_bias,
-                self.w2_blocks,
-                self.w2_scales,
-                self.w2_bias,
+                self.gate_up_proj_blocks,
+                self.gate_up_proj_scales,
+                self.gate_up_proj_bias,
+                self.down_proj_blocks,
+                self.down_proj_scales,
+                self.down_proj_bias,
                 topk_weights,
                 topk_ids,
                 self.alpha,
                 self.limit,
             )
-        return biased_moe(x, lambda ids: (self.w13[ids], self.w2[ids]), self.num_experts, self.w13_bias, self.w2_bias,
-                          topk_weights, topk_ids, self.alpha, self.limit)  # fmt: skip
+        weights_of = lambda ids: (self.gate_up_proj[ids], self.down_proj[ids])  # noqa: E731
+        return biased_moe(x, weights_of, self.num_experts, self.gate_up_proj_bias, self.down_proj_bias, topk_weights,
+                          topk_ids, self.alpha, self.limit)  # fmt: skip
 
 
 def is_mxfp4(hf_config: dict) -> bool:
@@ -118,6 +119,9 @@ def is_mxfp4(hf_config: dict) -> bool:
 
 
 class GptOssForCausalLM(WindowedLayersMixin, LlamaForCausalLM):
+    """GPT-OSS (the module docstring): Llama's stack, every layer's attention biased, windowed or full, with sinks,
+    and every MLP GPT-OSS's experts behind a biased router."""
+
     qkv_bias = True
 
     def __init__(self, hf_config: dict) -> None:

@@ -99,7 +99,24 @@ def test_mxfp4_experts_match_their_dequantized_weights(tiny, tmp_path):
     reference = _save_mxfp4(tmp_path, folder, model)
     llm = LLM(str(tmp_path), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4)
     experts = llm.engine.runner.model.layers[0].mlp.experts
-    assert experts.w13_blocks.dtype == torch.uint8 and not hasattr(experts, "w13")
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
     assert_logits_match(llm, reference, [prompts[4]])
     outputs = _generate(llm, prompts[:4])
     assert [o.outputs[0].token_ids for o in outputs] == _greedy(reference, prompts[:4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", ["float", "mxfp4"])
+def test_tensor_parallel_2(tiny, tmp_path, experts):
+    """Two ranks: each holds half the heads (and their sinks) and half of every expert's intermediate dim (one MXFP4
+    block of 32 a row here); the same tokens and logits as transformers."""
+    folder, model, prompts, expected = tiny
+    if experts == "mxfp4":
+        model, folder = _save_mxfp4(tmp_path, folder, model), tmp_path
+        expected = _greedy(model, prompts[:4])
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in _generate(llm, prompts[:4])] == expected[:4]
+        assert_logits_match(llm, model, [prompts[4]])
+    finally:
+        llm.shutdown()
