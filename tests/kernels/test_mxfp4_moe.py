@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvforge.kernels.mxfp4 import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
-from kvforge.kernels.mxfp4_moe import mxfp4_moe_cpu, mxfp4_moe_ref, mxfp4_moe_triton
+from kvforge.kernels.mxfp4_moe import _gathered, mxfp4_experts, mxfp4_moe_cpu, mxfp4_moe_ref, mxfp4_moe_triton
 
 ALPHA, LIMIT = 1.702, 7.0
 
@@ -71,6 +71,11 @@ def test_mxfp4_moe_cpu_and_triton_match_reference(num_tokens, hidden, inter, num
     assert expected.abs().max() > 1.0
     torch.testing.assert_close(mxfp4_moe_cpu(*problem, ALPHA, LIMIT), expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(mxfp4_moe_triton(*problem, ALPHA, LIMIT), expected, rtol=0, atol=1e-4)
+    # the CPU path's branch for a compiled step: each pair's expert weights gathered and dequantized
+    hidden_states, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias, weights, ids = problem
+    weights_of = mxfp4_experts(w13_blocks, w13_scales, w2_blocks, w2_scales)
+    gathered = _gathered(hidden_states, weights_of, w13_bias, w2_bias, weights, ids, ALPHA, LIMIT)
+    torch.testing.assert_close(gathered, expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -55,7 +55,7 @@ def test_greedy_chunked_and_prefix_cached_16_requests(tiny):
     gives, every block back in the pool at the end, then a prefix-cache hit with the same tokens."""
     folder, _, prompts, expected = tiny
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4,
-              max_num_batched_tokens=7, max_num_seqs=16)  # fmt: skip
+              max_num_batched_tokens=7, max_num_seqs=16, enforce_eager=True)  # fmt: skip
     outputs = _generate(llm, prompts)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     cache = llm.engine.cache_stats()
