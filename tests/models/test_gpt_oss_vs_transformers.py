@@ -1,5 +1,6 @@
 """A tiny random GPT-OSS: kvforge against transformers (float32), with prompts longer than the sliding window, chunked
-prefill that splits windows, prefix-cache hits and 16 requests at once; and the same model with its experts in MXFP4
+prefill that splits windows, prefix-cache hits, 16 requests at once and tensor parallelism 2 (those two slow); and the
+same model with its experts in MXFP4
 (quantized here by the format's definition, kept in MXFP4 by kvforge) against transformers running the weights that
 transformers' own MXFP4 dequantizer makes of the checkpoint's blocks and scales."""
 
@@ -39,30 +40,44 @@ def tiny(tmp_path_factory):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
     prompts[14] = prompts[4][:28] + prompts[14][28:]  # a shared prefix for the prefix cache
-    return folder, model, prompts, _greedy(model, prompts)
+    return folder, model, prompts
 
 
 def test_logits_match_past_the_window(tiny):
-    folder, model, prompts, _ = tiny
+    folder, model, prompts = tiny
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4)
     assert_logits_match(llm, model, [prompts[4], prompts[2]])
     groups = llm.engine.kv_cache_manager.groups
     assert len(groups) == 2 and groups[1].window == model.config.sliding_window
 
 
-def test_greedy_chunked_and_prefix_cached_16_requests(tiny):
-    """16 requests at once, prefills in chunks of 7 (which split windows), block size 4: the tokens transformers
-    gives, every block back in the pool at the end, then a prefix-cache hit with the same tokens."""
-    folder, _, prompts, expected = tiny
+def _check_chunked_and_prefix_cached(folder, model, prompts: list[list[int]]) -> None:
+    """prompts at once, prefills in chunks of 7 (which split windows), block size 4: the tokens transformers gives,
+    every block back in the pool at the end, then the first two again: the second shares its first 28 tokens with
+    the first, a prefix-cache hit, and the same tokens."""
+    expected = _greedy(model, prompts)
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4,
               max_num_batched_tokens=7, max_num_seqs=16, enforce_eager=True)  # fmt: skip
     outputs = _generate(llm, prompts)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     cache = llm.engine.cache_stats()
     assert cache.num_free_blocks == cache.num_usable_blocks
-    again = _generate(llm, prompts[4:5] + prompts[14:15])
-    assert [o.outputs[0].token_ids for o in again] == [expected[4], expected[14]]
-    assert again[0].num_cached_tokens > 0
+    again = _generate(llm, prompts[:2])
+    assert [o.outputs[0].token_ids for o in again] == expected[:2]
+    assert again[1].num_cached_tokens > 0
+
+
+def test_greedy_chunked_and_prefix_cached(tiny):
+    folder, model, prompts = tiny
+    _check_chunked_and_prefix_cached(folder, model, [prompts[4], prompts[14], prompts[2]])
+
+
+@pytest.mark.slow
+def test_greedy_16_requests(tiny):
+    folder, model, prompts = tiny
+    _check_chunked_and_prefix_cached(
+        folder, model, [prompts[4], prompts[14]] + prompts[:4] + prompts[5:14] + prompts[15:]
+    )
 
 
 def _save_mxfp4(folder, src, model):
@@ -95,14 +110,14 @@ def _save_mxfp4(folder, src, model):
 def test_mxfp4_experts_match_their_dequantized_weights(tiny, tmp_path):
     """The experts stay MXFP4 codes and scales in kvforge (no float copy); logits and greedy tokens as transformers
     running the dequantized weights."""
-    folder, model, prompts, _ = tiny
+    folder, model, prompts = tiny
     reference = _save_mxfp4(tmp_path, folder, model)
-    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4)
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, enforce_eager=True)
     experts = llm.engine.runner.model.layers[0].mlp.experts
     assert experts.gate_up_proj_blocks.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
     assert_logits_match(llm, reference, [prompts[4]])
-    outputs = _generate(llm, prompts[:4])
-    assert [o.outputs[0].token_ids for o in outputs] == _greedy(reference, prompts[:4])
+    outputs = _generate(llm, prompts[2:4])
+    assert [o.outputs[0].token_ids for o in outputs] == _greedy(reference, prompts[2:4])
 
 
 @pytest.mark.slow
@@ -110,10 +125,10 @@ def test_mxfp4_experts_match_their_dequantized_weights(tiny, tmp_path):
 def test_tensor_parallel_2(tiny, tmp_path, experts):
     """Two ranks: each holds half the heads (and their sinks) and half of every expert's intermediate dim (one MXFP4
     block of 32 a row here); the same tokens and logits as transformers."""
-    folder, model, prompts, expected = tiny
+    folder, model, prompts = tiny
     if experts == "mxfp4":
         model, folder = _save_mxfp4(tmp_path, folder, model), tmp_path
-        expected = _greedy(model, prompts[:4])
+    expected = _greedy(model, prompts[:4])
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, tensor_parallel_size=2)
     try:
         assert [o.outputs[0].token_ids for o in _generate(llm, prompts[:4])] == expected[:4]
