@@ -27,6 +27,7 @@ import torch
 
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kvforge.kernels.cache_write import reshape_and_cache_cpu, reshape_and_cache_ref, reshape_and_cache_triton
+from kvforge.kernels.causal_conv1d import causal_conv1d_ref, causal_conv1d_triton
 from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.kernels.cpu.layer_ops import (
     fused_add_rms_norm_cpu,
@@ -36,6 +37,12 @@ from kvforge.kernels.cpu.layer_ops import (
 )
 from kvforge.kernels.cpu.paged_attention import paged_attention_cpu, paged_decode_cpu
 from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_triton
+from kvforge.kernels.gated_delta_rule import (
+    gated_delta_decode_ref,
+    gated_delta_decode_triton,
+    gated_delta_prefill_ref,
+    gated_delta_prefill_triton,
+)
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton
 from kvforge.kernels.lora import lora_expand_cpu, lora_expand_triton, lora_shrink_cpu, lora_shrink_triton
 from kvforge.kernels.mla_decode import mla_decode_ref, mla_decode_triton
@@ -232,6 +239,52 @@ def _lora_expand_op(h: Tensor, b: Tensor, slots: Tensor, y: Tensor) -> Tensor:
 @_lora_expand_op.register_fake
 def _(h: Tensor, b: Tensor, slots: Tensor, y: Tensor) -> Tensor:
     return y.new_empty(y.shape)
+@torch.library.custom_op("kvforge::gated_delta_prefill", mutates_args=("state",))
+def _gated_delta_prefill_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, query_start_loc: Tensor,
+    slot_ids: Tensor, has_initial_state: Tensor,
+) -> Tensor:  # fmt: skip
+    return gated_delta_prefill_triton(q, k, v, g, beta, state, query_start_loc, slot_ids, has_initial_state)
+
+
+@_gated_delta_prefill_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, query_start_loc: Tensor,
+    slot_ids: Tensor, has_initial_state: Tensor,
+) -> Tensor:  # fmt: skip
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("kvforge::gated_delta_decode", mutates_args=("state",))
+def _gated_delta_decode_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slot_ids: Tensor,
+    has_initial_state: Tensor,
+) -> Tensor:  # fmt: skip
+    return gated_delta_decode_triton(q, k, v, g, beta, state, slot_ids, has_initial_state)
+
+
+@_gated_delta_decode_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slot_ids: Tensor,
+    has_initial_state: Tensor,
+) -> Tensor:  # fmt: skip
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("kvforge::causal_conv1d", mutates_args=("conv_state",))
+def _causal_conv1d_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, query_start_loc: Tensor, slot_ids: Tensor,
+    has_initial_state: Tensor, silu: bool,
+) -> Tensor:  # fmt: skip
+    return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, slot_ids, has_initial_state, silu)
+
+
+@_causal_conv1d_op.register_fake
+def _(
+    x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, query_start_loc: Tensor, slot_ids: Tensor,
+    has_initial_state: Tensor, silu: bool,
+) -> Tensor:  # fmt: skip
+    return x.new_empty(x.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +308,9 @@ class OpTable:
     mla_decode: Callable[..., Tensor]
     lora_shrink: Callable[..., Tensor]
     lora_expand: Callable[..., Tensor]
+    gated_delta_prefill: Callable[..., Tensor]  # mutates its state argument
+    gated_delta_decode: Callable[..., Tensor]  # mutates its state argument
+    causal_conv1d: Callable[..., Tensor]  # mutates its conv_state argument
 
 
 def _paged_decode_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
@@ -283,6 +339,9 @@ TORCH_OPS = OpTable(
     mla_decode=mla_decode_ref,
     lora_shrink=lora_shrink_cpu,
     lora_expand=lora_expand_cpu,
+    gated_delta_prefill=gated_delta_prefill_ref,
+    gated_delta_decode=gated_delta_decode_ref,
+    causal_conv1d=causal_conv1d_ref,
 )
 TRITON_OPS = OpTable(
     backend="triton",
@@ -301,6 +360,9 @@ TRITON_OPS = OpTable(
     mla_decode=torch.ops.kvforge.mla_decode,
     lora_shrink=torch.ops.kvforge.lora_shrink,
     lora_expand=torch.ops.kvforge.lora_expand,
+    gated_delta_prefill=torch.ops.kvforge.gated_delta_prefill,
+    gated_delta_decode=torch.ops.kvforge.gated_delta_decode,
+    causal_conv1d=torch.ops.kvforge.causal_conv1d,
 )
 
 

@@ -81,6 +81,23 @@ def _op_samples(device: torch.device) -> list[tuple[object, tuple]]:
         (kvforge.reshape_and_cache, (key, key.clone(), cache, cache.clone(), slots)),
         (kvforge.paged_attention, (*batch.args(), 0.2)),
         (kvforge.paged_attention, (qkv[:, : 4 * 32].view(3, 4, 32), *batch.args()[1:], 0.2)),
+        *_linear_attention_samples(device),
+    ]
+
+
+def _linear_attention_samples(device: torch.device) -> list[tuple[object, tuple]]:
+    """Two sequences (2 tokens and 1) of 2 heads on state slots 1 and 0; the second continues from its state."""
+    q, k, v = (torch.randn(3, 2, 16, device=device) for _ in range(3))
+    g, beta = -torch.rand(3, 2, device=device), torch.rand(3, 2, device=device)
+    state, conv_state = torch.randn(2, 2, 16, 16, device=device), torch.randn(2, 8, 3, device=device)
+    starts = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
+    slots, initial = torch.tensor([1, 0], dtype=torch.int32, device=device), torch.tensor([False, True], device=device)
+    kvforge = torch.ops.kvforge
+    return [
+        (kvforge.gated_delta_prefill, (q, k, v, g, beta, state, starts, slots, initial)),
+        (kvforge.gated_delta_decode, (q[:2], k[:2], v[:2], g[:2], beta[:2], state, slots, initial)),
+        (kvforge.causal_conv1d, (torch.randn(3, 8, device=device), torch.randn(8, 4, device=device), None,
+                                 conv_state, starts, slots, initial, True)),
     ]
 
 
