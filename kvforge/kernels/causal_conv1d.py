@@ -4,9 +4,9 @@ Channel c of token t is sum_w weight[c, w] * x[t - (width - 1) + w] (plus bias[c
 inputs of the token's own sequence; the inputs before a sequence's first token come from its slot's conv state (the
 last width - 1 inputs it saw, oldest first) where has_initial_state, zeros otherwise:
 
-    conv_state[slot]    x of this step
-    [ s0 s1 s2 ]        [ x0 x1 x2 x3 x4 ]        out[x3] = w0 x1 + w1 x2 + w2 x3 ... (width 4: w0 x0 + w1 x1 + w2 x2 + w3 x3)
-                 \\___ a window of width slides along ___/
+    conv_state[slot]   x of this step (width 4)
+    [ s0 s1 s2 ]       [ x0 x1 x2 x3 x4 ]       out[x0] = w0 s0 + w1 s1 + w2 s2 + w3 x0
+                                                out[x3] = w0 x0 + w1 x1 + w2 x2 + w3 x3
     new conv_state[slot] = the last width - 1 of [s0 s1 s2 x0 x1 x2 x3 x4] = [x2 x3 x4]
 
 A prompt (chunk) writes its last width - 1 inputs into the state; a decode step (one token) shifts the state by one.

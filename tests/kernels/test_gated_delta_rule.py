@@ -58,8 +58,9 @@ def test_decode_reference_matches_the_recurrence() -> None:
     initial = state.clone()
     out = gated_delta_decode_ref(q, k, v, g, beta, state, torch.tensor([2, 0]), torch.tensor([True, False]))
     for row, (slot, init) in enumerate([(2, True), (0, False)]):
-        expected_out, expected_state = _recurrence(q[row : row + 1], k[row : row + 1], v[row : row + 1],
-                                                   g[row : row + 1], beta[row : row + 1], initial[slot] if init else None)
+        rows = slice(row, row + 1)
+        expected_out, expected_state = _recurrence(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                                   initial[slot] if init else None)
         torch.testing.assert_close(out[row], expected_out[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state[slot], expected_state, atol=1e-5, rtol=1e-5)
 
