@@ -26,6 +26,8 @@ that end at or before it go back to the pool (the table keeps the null block in 
 
 from __future__ import annotations
 
+import heapq
+
 from kvforge.engine.block_pool import NULL_BLOCK_ID, BlockPool
 from kvforge.layers.kv_cache_spec import LayerGroup
 
@@ -130,8 +132,71 @@ class SlidingWindowGroup(FullAttentionGroup):
         return [NULL_BLOCK_ID] * first + super().hit_block_ids(hashes[first:num_blocks], num_blocks - first)
 
 
-def make_group(group_id: int, layers: LayerGroup, pool: BlockPool, block_size: int) -> FullAttentionGroup:
+class RecurrentStateGroup:
+    """Linear-attention layers (Gated DeltaNet): a fixed-size state per request, in one slot per running request and
+    no blocks. A request takes a slot when it is first scheduled (again after a preemption, to recompute) and gives it
+    back when it finishes, is aborted or is preempted. Its "table" in this group is [its slot id], sent to the runner
+    once with the request (later steps add no blocks to it).
+
+    The slot is the smallest free one, so slot ids stay below the number of requests running at once (max_num_seqs,
+    the slots the runner allocates). NOTE: a prefix-cache hit would need the state after the hit's last token, which
+    no slot keeps: a hybrid model serves no prefix hits (longest_hit is 0) and recomputes every prompt."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, int] = {}
+        self.free_slots: list[int] = []  # a heap of the slots given back below next_slot
+        self.next_slot = 0
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self.slots)
+
+    def table(self, request_id: str) -> list[int]:
+        return [self.slots[request_id]]
+
+    def blocks_needed(self, request_id: str, num_tokens: int, hit: list[int]) -> int:
+        return 0
+
+    def take_hit(self, request_id: str, hit: list[int]) -> None:
+        """No prefix hits (see the class's note)."""
+
+    def allocate(self, request_id: str, num_tokens: int) -> None:
+        if request_id in self.slots:
+            return
+        if self.free_slots:
+            self.slots[request_id] = heapq.heappop(self.free_slots)
+        else:
+            self.slots[request_id] = self.next_slot
+            self.next_slot += 1
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int = 1) -> int:
+        return 0
+
+    def release_passed(self, request_id: str, num_computed: int) -> None:
+        """The state is the request's until it ends."""
+
+    def longest_hit(self, hashes: list[int], num_blocks: int) -> int:
+        return 0
+
+    def hit_block_ids(self, hashes: list[int], num_blocks: int) -> list[int]:
+        return []
+
+    def register(self, request_id: str, hashes: list[int], first: int, num_full: int) -> None:
+        """No state is kept for the prefix cache (see the class's note)."""
+
+    def free(self, request_id: str) -> None:
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            heapq.heappush(self.free_slots, slot)
+
+
+CacheGroup = FullAttentionGroup | RecurrentStateGroup
+
+
+def make_group(group_id: int, layers: LayerGroup, pool: BlockPool, block_size: int) -> CacheGroup:
     """The manager's group for one LayerGroup of the model's KV cache spec."""
+    if layers.kind == "recurrent_state":
+        return RecurrentStateGroup()
     if layers.kind == "sliding_window":
         return SlidingWindowGroup(group_id, pool, block_size, layers.sliding_window)
     assert layers.kind == "full_attention", f"no cache group for layers of kind {layers.kind!r}"

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvforge.engine.block_pool import BlockPool, hash_block
-from kvforge.engine.cache_groups import FullAttentionGroup, make_group
+from kvforge.engine.cache_groups import CacheGroup, make_group
 from kvforge.engine.request import Request
 from kvforge.engine.stats import CacheStats
 from kvforge.layers.kv_cache_spec import LayerGroup
@@ -40,8 +40,8 @@ class KVCacheManager:
         self.max_step_tokens = max_step_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.groups: list[FullAttentionGroup] = [make_group(g, layers, self.pool, block_size)
-                                                 for g, layers in enumerate(layer_groups)]
+        self.groups: list[CacheGroup] = [make_group(g, layers, self.pool, block_size)
+                                        for g, layers in enumerate(layer_groups)]
         self.block_hashes: dict[str, list[int]] = {}
         self.num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
 

@@ -46,6 +46,7 @@ class ModelRunner:
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
         kv_cache_spec: KVCacheSpec | None = None, compilation: CompilationConfig | None = None,
         lora: LoRAPool | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         self.lora = lora  # the adapters' slots (their layers attached to the model), None without LoRA
@@ -54,7 +55,14 @@ class ModelRunner:
         self.parallel = get_parallel_state()
         self.block_size = block_size
         # kv_cache_spec: the model's, or the same stored as int8 / fp8 codes (KVCacheSpec.with_kv_cache_dtype)
-        self.kv_caches = (kv_cache_spec or model.kv_cache_spec).allocate(num_blocks, block_size, dtype, device)
+        spec = kv_cache_spec or model.kv_cache_spec
+        self.kv_caches = spec.allocate(num_blocks, block_size, dtype, device)
+        self.num_paged_groups = len(spec.layer_groups())
+        # a hybrid model's linear-attention layers: num_state_slots slots of state each, after the paged caches
+        self.has_recurrent_state = spec.recurrent_state is not None
+        if self.has_recurrent_state:
+            assert num_state_slots > 0, "a model with linear-attention layers needs state slots"
+            self.kv_caches += spec.recurrent_state.allocate(num_state_slots, dtype, device)
         self.sampler = Sampler()
         self.requests = RequestStates(device)
         # decode steps of up to the largest bucket run compiled (compilation None: every step eagerly)
@@ -107,6 +115,10 @@ class ModelRunner:
             decode_only=decode_only,
             other_groups=tuple((to_device(slots), to_device(tables)) for tables, slots in other_groups),
         )
+        if self.has_recurrent_state:  # the last group's table of a request is [its state slot]
+            slot_ids = [self.requests[s.request_id].block_tables[-1][0] for s in scheduled]
+            metadata.state_slot_ids = to_device(np.array(slot_ids, dtype=np.int32))
+            metadata.has_initial_state = to_device(computed > 0)
         return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
                       drafts, draft_probs, prompt_rows)
 
@@ -115,7 +127,7 @@ class ModelRunner:
         """Per layer group of the KV cache: (block_tables [num_seqs, max_blocks] int32, slot_mapping [num_tokens]
         int64)."""
         group_tables = []
-        for group_id in range(len(self.requests[scheduled[0].request_id].block_tables)):
+        for group_id in range(self.num_paged_groups):  # NOTE: a recurrent-state group's table is [slot]
             tables = [self.requests[s.request_id].block_tables[group_id] for s in scheduled]
             block_tables = np.zeros((len(scheduled), max(len(t) for t in tables)), dtype=np.int32)
             for row, table in enumerate(tables):

@@ -71,7 +71,7 @@ class Worker:
         spec = self.kv_cache_spec
         return ModelInfo(loaded.name, loaded.hf_config, loaded.tokenizer, loaded.dtype, config.vocab_size,
                          self.max_model_len, self.bytes_per_token, spec.code_dtype or spec.value_dtype or loaded.dtype,
-                         self.device, self.attention_backend, spec.layer_groups())
+                         self.device, self.attention_backend, spec.cache_groups())
 
     @property
     def model(self) -> torch.nn.Module:
@@ -87,14 +87,21 @@ class Worker:
     def kv_cache_size(self) -> KVCacheSize:
         """The blocks this rank's cache would have, and why (across ranks the smallest wins: agree_kv_cache_size)."""
         cache = self.config.cache
-        return size_kv_cache(cache.kv_cache_memory, self.config.scheduler.max_num_seqs, self.max_model_len,
-                             cache.block_size, self.bytes_per_token,
-                             memory_limits(self.device, cache.gpu_memory_utilization))
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        limits = memory_limits(self.device, cache.gpu_memory_utilization)
+        states = self.kv_cache_spec.recurrent_state
+        if states is not None:  # NOTE: the state slots (max_num_seqs of them) come out of the same memory
+            state_bytes = max_num_seqs * states.bytes_per_slot(self.loaded.dtype)
+            limits = [(f"{what} less {state_bytes / 2**20:.1f} MiB of linear-attention states", max(limit - state_bytes, 0))
+                      for what, limit in limits]
+        return size_kv_cache(cache.kv_cache_memory, max_num_seqs, self.max_model_len, cache.block_size,
+                             self.bytes_per_token, limits)
 
     def init_cache(self, num_blocks: int) -> None:
         compilation = self._compilation()
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size,
-                                  self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self._lora_pool())
+                                  self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self._lora_pool(),
+                                  num_state_slots=self.config.scheduler.max_num_seqs)
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
 
@@ -131,7 +138,7 @@ class Worker:
         if compilation.enforce_eager:
             return None
         reason = ("tensor/pipeline parallelism" if get_parallel_state().world_size > 1
-                  else "layer groups in the KV cache" if len(self.kv_cache_spec.layer_groups()) > 1
+                  else "layer groups in the KV cache" if len(self.kv_cache_spec.cache_groups()) > 1
                   else None if self.ops.traces else "ops that do not trace (no C++ CPU kernels)")
         if reason is not None:
             logger.info("decode steps run eagerly: %s", reason)

@@ -27,6 +27,10 @@ class AttentionMetadata:
     decode_only: bool = False
     # with several layer groups in the KV cache (KVCacheSpec.layer_groups): groups 1..'s (slot_mapping, block_tables)
     other_groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    # with linear-attention layers (a recurrent-state group): each sequence's state slot, and whether it continues
+    # from the state there (a later chunk or a decode) or starts from zeros (its first step)
+    state_slot_ids: torch.Tensor | None = None  # [num_seqs] int32
+    has_initial_state: torch.Tensor | None = None  # [num_seqs] bool
 
     def of_group(self, group_id: int) -> AttentionMetadata:
         """The metadata that the layers of a group of the KV cache read (their own block tables and slots)."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvforge.kernels.kv_quant import SCALE_DTYPE, kv_code_dtype
+from kvforge.layers.recurrent_state_spec import RecurrentStateSpec
 from kvforge.platforms.zeroed_memory import zeroed_tensor
 
 _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -37,9 +38,9 @@ _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
-    """Layers that share one block table per request: kind "full_attention" or "sliding_window" (of
-    sliding_window tokens); layers[s]: the layer in slot s (groups of a kind whose layer count is not a multiple of
-    the group size leave the last group's tail slots empty)."""
+    """Layers that share one block table per request: kind "full_attention", "sliding_window" (of sliding_window
+    tokens) or "recurrent_state" (a state slot per request, no blocks); layers[s]: the layer in slot s (groups of a
+    kind whose layer count is not a multiple of the group size leave the last group's tail slots empty)."""
 
     kind: str
     layers: tuple[int, ...]
@@ -57,6 +58,8 @@ class KVCacheSpec:
     quantizable: bool = True  # whether the model's attention reads a quantized cache
     # per layer: its sliding window in tokens (None: full attention); None: every layer attends to every token
     layer_windows: tuple[int | None, ...] | None = None
+    # a hybrid model's linear-attention layers, after the paged layers in the model's list of caches
+    recurrent_state: RecurrentStateSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_shapes or not all(self.layer_shapes):
@@ -86,6 +89,16 @@ class KVCacheSpec:
                                 window)
                      for window, layers in sorted(kinds.items(), key=lambda kind: kind[0] is not None)
                      for i in range(0, len(layers), size))
+
+    def cache_groups(self) -> tuple[LayerGroup, ...]:
+        """Every group of the KV cache manager: the paged layer groups, then the recurrent-state group of a hybrid
+        model's linear-attention layers (their caches follow the paged layers' in the runner's list)."""
+        groups = self.layer_groups()
+        if self.recurrent_state is None:
+            return groups
+        first = len(self.layer_shapes)
+        num_layers = len(self.recurrent_state.layer_shapes)
+        return (*groups, LayerGroup("recurrent_state", tuple(range(first, first + num_layers))))
 
     def layer_group_ids(self) -> list[int]:
         """The group of each layer."""

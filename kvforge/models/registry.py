@@ -16,6 +16,7 @@ from kvforge.models.llama import (
     Qwen3ForSequenceClassification,
 )
 from kvforge.models.mixtral import MixtralForCausalLM
+from kvforge.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from kvforge.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -31,6 +32,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,

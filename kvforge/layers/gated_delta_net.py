@@ -1,0 +1,128 @@
+"""The Gated DeltaNet token mixer of Qwen3-Next and Qwen3.5: linear attention with a fixed-size state per request.
+
+    x ─► in-projections ─► q k v (concatenated) ─► causal conv1d + SiLU (conv state) ─► q k v per head
+                       ├─► z (output gate), b (beta = sigmoid(b)), a (g = -exp(A_log) softplus(a + dt_bias))
+    q k v g beta ─► gated delta rule (delta state; chunked over a prompt, one step per decode) ─► o
+    o ─► RMSNorm(o) * weight * silu(z) per value head ─► out_proj
+
+Value heads may outnumber key heads (Qwen3-Next: 32 to 16): each key head serves value_heads / key_heads consecutive
+value heads. The conv and delta states live in the request's slot of the layer's state tensors (metadata.state_slot_ids;
+a request's first step starts from zeros, metadata.has_initial_state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.kernels.ops import current_ops
+from kvforge.layers.attention import AttentionMetadata
+from kvforge.layers.linear import Linear
+from kvforge.layers.norm import RMSNorm
+
+
+@dataclass(frozen=True, slots=True)
+class GatedDeltaNetConfig:
+    hidden_size: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_width: int
+    rms_norm_eps: float
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> GatedDeltaNetConfig:
+        return cls(hidden_size=hf["hidden_size"], num_key_heads=hf["linear_num_key_heads"],
+                   num_value_heads=hf["linear_num_value_heads"], key_head_dim=hf["linear_key_head_dim"],
+                   value_head_dim=hf["linear_value_head_dim"], conv_width=hf.get("linear_conv_kernel_dim", 4),
+                   rms_norm_eps=hf.get("rms_norm_eps", 1e-6))
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv's channels: q, k and v of every head, in that order."""
+        return 2 * self.key_dim + self.value_dim
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer. Checkpoint layouts of its in-projections:
+
+        grouped (Qwen3-Next)   in_proj_qkvz: per key head [q, k, v of its value heads, z of them]; in_proj_ba: per key
+                               head [b of its value heads, a of them]
+        separate (Qwen3.5)     in_proj_qkv: [q of all heads, k, v]; in_proj_z; in_proj_b; in_proj_a
+    """
+
+    def __init__(self, cfg: GatedDeltaNetConfig, grouped: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.grouped = grouped
+        value_heads = cfg.num_value_heads
+        if grouped:
+            self.in_proj_qkvz = Linear(cfg.hidden_size, [cfg.conv_dim + cfg.value_dim])
+            self.in_proj_ba = Linear(cfg.hidden_size, [2 * value_heads])
+        else:
+            self.in_proj_qkv = Linear(cfg.hidden_size, [cfg.conv_dim])
+            self.in_proj_z = Linear(cfg.hidden_size, [cfg.value_dim])
+            self.in_proj_b = Linear(cfg.hidden_size, [value_heads])
+            self.in_proj_a = Linear(cfg.hidden_size, [value_heads])
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_width, groups=cfg.conv_dim, bias=False)
+        self.conv1d.requires_grad_(False)
+        self.A_log = nn.Parameter(torch.zeros(value_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(value_heads), requires_grad=False)
+        self.norm = RMSNorm(cfg.value_head_dim, cfg.rms_norm_eps)  # its weight multiplies, unlike the stack's (1 + w)
+        self.out_proj = Linear(cfg.value_dim, [cfg.hidden_size])
+        self.ops = current_ops()
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mixed q k v [T, conv_dim], z [T, value_heads, value_head_dim], b, a [T, value_heads])."""
+        cfg, num_tokens = self.cfg, x.shape[0]
+        if not self.grouped:
+            z = self.in_proj_z(x).view(num_tokens, cfg.num_value_heads, cfg.value_head_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        ratio = cfg.num_value_heads // cfg.num_key_heads
+        per_key_head = [cfg.key_head_dim, cfg.key_head_dim, ratio * cfg.value_head_dim, ratio * cfg.value_head_dim]
+        q, k, v, z = self.in_proj_qkvz(x).view(num_tokens, cfg.num_key_heads, -1).split(per_key_head, dim=-1)
+        b, a = self.in_proj_ba(x).view(num_tokens, cfg.num_key_heads, 2 * ratio).split([ratio, ratio], dim=-1)
+        mixed = torch.cat([q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)], dim=-1)
+        z = z.reshape(num_tokens, cfg.num_value_heads, cfg.value_head_dim)
+        return mixed, z, b.reshape(num_tokens, -1), a.reshape(num_tokens, -1)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """x: [num_tokens, hidden]; state: this layer's (conv_state, delta_state) of every slot, updated in place.
+        positions: unused (the conv and the recurrence are the position)."""
+        cfg, num_tokens = self.cfg, x.shape[0]
+        conv_state, delta_state = state
+        slots, initial = metadata.state_slot_ids, metadata.has_initial_state
+        mixed, z, b, a = self._project(x)
+        conv_weight = self.conv1d.weight.view(cfg.conv_dim, cfg.conv_width)
+        mixed = self.ops.causal_conv1d(mixed, conv_weight, None, conv_state, metadata.query_start_loc, slots, initial,
+                                       True)
+        q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        q = q.reshape(num_tokens, cfg.num_key_heads, cfg.key_head_dim)
+        k = k.reshape(num_tokens, cfg.num_key_heads, cfg.key_head_dim)
+        v = v.reshape(num_tokens, cfg.num_value_heads, cfg.value_head_dim)
+        if cfg.num_value_heads != cfg.num_key_heads:
+            ratio = cfg.num_value_heads // cfg.num_key_heads
+            q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+        beta = b.float().sigmoid()  # [num_tokens, value_heads]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if metadata.decode_only:
+            out = self.ops.gated_delta_decode(q, k, v, g, beta, delta_state, slots, initial)
+        else:
+            out = self.ops.gated_delta_prefill(q, k, v, g, beta, delta_state, metadata.query_start_loc, slots, initial)
+        # [num_tokens, value_heads, value_head_dim]: RMSNorm per head, then the SiLU gate of z (in fp32)
+        normed = self.norm(out.reshape(-1, cfg.value_head_dim))
+        gated = (normed.float() * F.silu(z.reshape(-1, cfg.value_head_dim).float())).to(x.dtype)
+        return self.out_proj(gated.view(num_tokens, cfg.value_dim))

@@ -1,0 +1,101 @@
+"""Tiny random hybrid models (Gated DeltaNet + gated attention): Qwen3-Next, Qwen3.5 dense and Qwen3.5 MoE, kvforge
+against transformers in float32: logits, greedy tokens across several 64-token chunks of the delta rule, chunked
+prefill, preemption, and the state slots given back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvforge import LLM, SamplingParams
+from tests.tiny_models import assert_logits_match, save_tokenizer
+
+NUM_NEW = 8
+PROMPT_LENS = [5, 70, 150, 1, 33]  # 70 and 150 span two and three chunks of the chunked delta rule
+_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])  # fmt: skip
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+# arch -> (config class, model class, config overrides)
+ARCHS = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(_MOE, decoder_sparse_step=1, mlp_only_layers=[2])),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _MOE),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """NOTE: tiny models gain nothing from a second thread on 2 shared cores (as in test_moe_vs_transformers)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def build_hybrid_model(arch: str, vocab_size: int):
+    """A tiny random model whose norms, gates and routers are far from their initial values (a (1 + w) norm of
+    w = 0 would not tell (1 + w) from w)."""
+    import transformers
+
+    config_name, model_name, overrides = ARCHS[arch]
+    config = getattr(transformers, config_name)(vocab_size=vocab_size, **{**_COMMON, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.normal_(0.0, 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                tensor.normal_(0.0, 0.5)
+    model.generation_config.eos_token_id = None  # NOTE: kvforge runs with ignore_eos; so does transformers
+    return model
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def tiny_hybrid(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    model = build_hybrid_model(request.param, save_tokenizer(folder))
+    model.save_pretrained(folder)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0)[0, len(p) :]
+                .tolist() for p in prompts]  # fmt: skip
+    return folder, model, prompts, expected
+
+
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = NUM_NEW):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def _assert_all_given_back(llm: LLM) -> None:
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
+    assert llm.engine.kv_cache_manager.groups[-1].num_used_slots == 0
+
+
+def test_logits_and_greedy(tiny_hybrid):
+    folder, model, prompts, expected = tiny_hybrid
+    llm = LLM(str(folder), kv_cache_memory="16MiB", kv_cache_dtype="float32")
+    assert_logits_match(llm, model, prompts[:3])
+    assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
+    again = _generate(llm, prompts)  # no prefix hits for a hybrid model: every prompt is recomputed, the same
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert all(o.num_cached_tokens == 0 for o in again)
+    _assert_all_given_back(llm)
+
+
+def test_chunked_prefill_preemption_and_16_requests(tiny_hybrid):
+    """Chunks of 24 tokens carry the conv and delta states from chunk to chunk; 16 requests in a cache of 24 blocks
+    preempt each other (and recompute) and still decode what transformers does."""
+    folder, _, prompts, expected = tiny_hybrid
+    llm = LLM(str(folder), kv_cache_memory=24 * 16 * 4 * 2 * 2 * 16, max_num_batched_tokens=24, max_num_seqs=16)
+    outputs = _generate(llm, prompts * 3 + prompts[:1])
+    assert [o.outputs[0].token_ids for o in outputs] == (expected * 3 + expected[:1])
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_all_given_back(llm)
