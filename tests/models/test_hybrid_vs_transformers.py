@@ -91,10 +91,12 @@ def test_logits_and_greedy(tiny_hybrid):
 
 
 def test_chunked_prefill_preemption_and_16_requests(tiny_hybrid):
-    """Chunks of 24 tokens carry the conv and delta states from chunk to chunk; 16 requests in a cache of 24 blocks
-    preempt each other (and recompute) and still decode what transformers does."""
+    """Chunks of 24 tokens carry the conv and delta states from chunk to chunk; 16 requests in a cache of 20 blocks
+    (of 16 tokens of 128 bytes: one full-attention layer's keys and values, float16) preempt each other, recompute,
+    and still decode what transformers does."""
     folder, _, prompts, expected = tiny_hybrid
-    llm = LLM(str(folder), kv_cache_memory=24 * 16 * 4 * 2 * 2 * 16, max_num_batched_tokens=24, max_num_seqs=16)
+    llm = LLM(str(folder), kv_cache_memory=20 * 16 * 128, max_num_batched_tokens=24, max_num_seqs=16)
+    assert llm.engine.cache_stats().num_usable_blocks == 19
     outputs = _generate(llm, prompts * 3 + prompts[:1])
     assert [o.outputs[0].token_ids for o in outputs] == (expected * 3 + expected[:1])
     assert llm.engine.scheduler.num_preemptions > 0
