@@ -92,8 +92,8 @@ class Worker:
         states = self.kv_cache_spec.recurrent_state
         if states is not None:  # NOTE: the state slots (max_num_seqs of them) come out of the same memory
             state_bytes = max_num_seqs * states.bytes_per_slot(self.loaded.dtype)
-            limits = [(f"{what} less {state_bytes / 2**20:.1f} MiB of linear-attention states", max(limit - state_bytes, 0))
-                      for what, limit in limits]
+            limits = [(f"{what} less {state_bytes / 2**20:.1f} MiB of linear-attention states",
+                       max(limit - state_bytes, 0)) for what, limit in limits]
         return size_kv_cache(cache.kv_cache_memory, max_num_seqs, self.max_model_len, cache.block_size,
                              self.bytes_per_token, limits)
 

@@ -33,7 +33,8 @@ from kvforge.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaMLP
 from kvforge.models.qwen_moe import Qwen2MoeForCausalLM, is_sparse_layer, num_experts
 
 # the stack's norms that scale by (1 + weight); the Gated DeltaNet's own output norm scales by its weight
-_ONE_PLUS_NORM = re.compile(r"(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)|norm)\.weight")
+_ONE_PLUS_NORM = re.compile(r"(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)|norm)"
+                            r"\.weight")
 
 
 class GatedAttention(nn.Module):

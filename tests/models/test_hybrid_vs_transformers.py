@@ -101,3 +101,16 @@ def test_chunked_prefill_preemption_and_16_requests(tiny_hybrid):
     assert [o.outputs[0].token_ids for o in outputs] == (expected * 3 + expected[:1])
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_all_given_back(llm)
+
+
+@pytest.mark.slow
+def test_qwen3_5_on_the_triton_kernels(tmp_path):
+    """Qwen3.5 through the Triton kernels (interpreted on the CPU): the conv1d and the chunked delta rule over a
+    prompt of two chunks, then the decode step."""
+    model = build_hybrid_model("qwen3_5", save_tokenizer(tmp_path))
+    model.save_pretrained(tmp_path)
+    prompts = [[5, 9, 300, 41, 7], list(range(3, 73))]
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, pad_token_id=0)[0, len(p) :]
+                .tolist() for p in prompts]  # fmt: skip
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", attention_backend="triton")
+    assert [o.outputs[0].token_ids for o in _generate(llm, prompts, max_tokens=3)] == expected
