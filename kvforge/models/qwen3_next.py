@@ -15,6 +15,7 @@ a delta state per request slot (KVCacheSpec.recurrent_state), after the paged ca
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -32,6 +33,7 @@ from kvforge.layers.rotary import RotaryEmbedding
 from kvforge.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaMLP
 from kvforge.models.qwen_moe import Qwen2MoeForCausalLM, is_sparse_layer, num_experts
 
+_NOT_TEXT = ("model.visual.", "visual.", "mtp.")  # checkpoint tensors of parts not run
 # the stack's norms that scale by (1 + weight); the Gated DeltaNet's own output norm scales by its weight
 _ONE_PLUS_NORM = re.compile(r"(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)|norm)"
                             r"\.weight")
@@ -144,9 +146,13 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
         return super().forward(input_ids, positions, [kv_caches[i] for i in self.cache_of_layer], metadata,
                                intermediate)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The text model's tensors: a multimodal checkpoint's language model (model.language_model.*) as model.*;
+        the vision tower and the multi-token-prediction layers (mtp.*) are not run, so not loaded."""
+        super().load_weights((name.replace("model.language_model.", "model.", 1), tensor) for name, tensor in weights
+                             if not name.startswith(_NOT_TEXT))
+
     def load_tensor(self, name: str, tensor: torch.Tensor, params: set[str]) -> str:
-        if name.startswith("language_model."):  # a multimodal checkpoint's text model
-            name = name.removeprefix("language_model.")
         if _ONE_PLUS_NORM.fullmatch(name):
             tensor = tensor.float() + 1.0
         if name.endswith(".conv1d.weight") and tensor.dim() == 2:

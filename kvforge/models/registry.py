@@ -35,6 +35,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its text model: images are not taken
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,

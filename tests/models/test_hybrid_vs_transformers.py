@@ -114,3 +114,29 @@ def test_qwen3_5_on_the_triton_kernels(tmp_path):
                 .tolist() for p in prompts]  # fmt: skip
     llm = LLM(str(tmp_path), kv_cache_memory="4MiB", attention_backend="triton")
     assert [o.outputs[0].token_ids for o in _generate(llm, prompts, max_tokens=3)] == expected
+
+
+def test_qwen3_5_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (as Qwen3.5 ships: model.language_model.*, model.visual.*, the
+    text config nested): kvforge runs its text model and decodes text prompts as transformers does."""
+    import transformers
+
+    text = dict(_COMMON, vocab_size=save_tokenizer(tmp_path))
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=dict(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64))
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    model.generation_config.eos_token_id = None
+    prompts = [[5, 9, 300, 41, 7], list(range(3, 40))]
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, pad_token_id=0)[0, len(p) :]
+                .tolist() for p in prompts]  # fmt: skip
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", kv_cache_dtype="float32")
+    assert [o.outputs[0].token_ids for o in _generate(llm, prompts, max_tokens=4)] == expected
+
+
+def test_speculative_decoding_is_refused(tiny_hybrid):
+    """Rejected drafts cannot be taken back out of a linear-attention state: the engine says so at construction."""
+    folder = tiny_hybrid[0]
+    with pytest.raises(ValueError, match="speculative_method='ngram'.*linear-attention"):
+        LLM(str(folder), kv_cache_memory="4MiB", speculative_method="ngram", num_speculative_tokens=2)
