@@ -65,8 +65,8 @@ def test_decode_reference_matches_the_recurrence() -> None:
         torch.testing.assert_close(state[slot], expected_state, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("key_dim", "value_dim"), [(16, 16), (24, 40)])
+@pytest.mark.parametrize(("dtype", "key_dim", "value_dim"),
+                         [(torch.float32, 16, 16), (torch.float32, 24, 40), (torch.float16, 24, 40)])
 def test_prefill_kernel(device: torch.device, dtype: torch.dtype, key_dim: int, value_dim: int) -> None:
     """Sequences that end mid-chunk, span two chunks, and continue from their slot's state."""
     lengths, heads = [5, 67, 1], 2
