@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kernels.triton_compat import jit, next_power_of_2, require_triton, tl
+from kvforge.kernels.triton_compat import cdiv, jit, next_power_of_2, require_triton, tl
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 
 CHUNK_SIZE = 64
+VALUE_BLOCK = 32  # value columns of the state per program
 L2_EPS = 1e-6
 
 
@@ -109,13 +110,15 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_seqs, heads): one program walks its sequence's chunks, the state in registers (fp32)."""
+    """Grid (num_seqs, heads, value blocks): one program walks its sequence's chunks, its BV columns of the state in
+    registers (fp32). NOTE: the state's value columns are independent of each other (A and the decays are not per
+    column), so a program needs only its own."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(qsl_ptr + seq)
     end = tl.load(qsl_ptr + seq + 1)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
-    rk, rv, rt = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BT)
+    rk, rv, rt = tl.arange(0, BK), tl.program_id(2) * BV + tl.arange(0, BV), tl.arange(0, BT)
     k_mask, v_mask = rk < key_dim, rv < value_dim
     s_ptrs = state_ptr + slot * stride_ss + head * stride_sh + rk[:, None] * stride_sk + rv[None, :]
     s_mask = k_mask[:, None] & v_mask[None, :]
@@ -163,11 +166,12 @@ def _decode_kernel(
     stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
     BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_seqs, heads): one token's step of the recurrence on the state of its slot, in place (fp32)."""
+    """Grid (num_seqs, heads, value blocks): one token's step of the recurrence on its BV columns of the state of its
+    slot, in place (fp32)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
-    rk, rv = tl.arange(0, BK), tl.arange(0, BV)
+    rk, rv = tl.arange(0, BK), tl.program_id(2) * BV + tl.arange(0, BV)
     k_mask, v_mask = rk < key_dim, rv < value_dim
     s_ptrs = state_ptr + slot * stride_ss + head * stride_sh + rk[:, None] * stride_sk + rv[None, :]
     s_mask = k_mask[:, None] & v_mask[None, :]
@@ -213,14 +217,14 @@ def _strides(q, k, v, g, beta, out, state) -> tuple[int, ...]:  # noqa: ANN001
 
 
 def _dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
-    # NOTE: 16 is the smallest tl.dot tile
-    return max(16, next_power_of_2(q.shape[-1])), max(16, next_power_of_2(v.shape[-1]))
+    """(BK, BV): the whole key dim, value columns in blocks of up to VALUE_BLOCK (16: the smallest tl.dot tile)."""
+    return max(16, next_power_of_2(q.shape[-1])), min(VALUE_BLOCK, max(16, next_power_of_2(v.shape[-1])))
 
 
 def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor, query_start_loc: torch.Tensor,
                                slot_ids: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """gated_delta_prefill_ref in Triton: one program per (sequence, head), CHUNK_SIZE tokens per iteration.
+    """gated_delta_prefill_ref in Triton: one program per (sequence, head, value block), CHUNK_SIZE tokens an iteration.
     NOTE: every product runs in fp32 ("ieee"): the state carries the whole prompt, and tf32 rounding compounds."""
     require_triton()
     _check(q, k, v, g, beta, state, slot_ids, has_initial_state)
@@ -229,7 +233,7 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if slot_ids.shape[0] == 0 or q.shape[0] == 0:
         return out
     block_k, block_v = _dims(q, v)
-    _prefill_kernel[(slot_ids.shape[0], q.shape[1])](
+    _prefill_kernel[(slot_ids.shape[0], q.shape[1], cdiv(v.shape[-1], block_v))](
         q, k, v, g, beta, out, state, query_start_loc, slot_ids, has_initial_state,
         q.shape[-1], v.shape[-1], q.shape[-1] ** -0.5, L2_EPS, *_strides(q, k, v, g, beta, out, state),
         BT=CHUNK_SIZE, BK=block_k, BV=block_v,
@@ -240,7 +244,7 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                               beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
                               has_initial_state: torch.Tensor) -> torch.Tensor:
-    """gated_delta_decode_ref in Triton: one program per (sequence, head), the state updated in place."""
+    """gated_delta_decode_ref in Triton: one program per (sequence, head, value block), the state updated in place."""
     require_triton()
     _check(q, k, v, g, beta, state, slot_ids, has_initial_state)
     if q.shape[0] != slot_ids.shape[0]:
@@ -249,7 +253,7 @@ def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.shape[0] == 0:
         return out
     block_k, block_v = _dims(q, v)
-    _decode_kernel[(q.shape[0], q.shape[1])](
+    _decode_kernel[(q.shape[0], q.shape[1], cdiv(v.shape[-1], block_v))](
         q, k, v, g, beta, out, state, slot_ids, has_initial_state,
         q.shape[-1], v.shape[-1], q.shape[-1] ** -0.5, L2_EPS, *_strides(q, k, v, g, beta, out, state),
         BK=block_k, BV=block_v,
