@@ -12,15 +12,16 @@ a request's first step starts from zeros, metadata.has_initial_state).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.kernels.ops import current_ops
 from kvforge.layers.attention import AttentionMetadata
-from kvforge.layers.linear import Linear
+from kvforge.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvforge.layers.norm import RMSNorm
 
 
@@ -65,24 +66,57 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: GatedDeltaNetConfig, grouped: bool) -> None:
         super().__init__()
-        self.cfg = cfg
+        state = get_parallel_state()
+        self.tp_size, self.tp_rank = state.tp_size, state.tp_rank
+        if cfg.num_key_heads % self.tp_size:
+            raise ValueError(f"{cfg.num_key_heads} linear-attention key heads cannot be split over "
+                             f"tensor_parallel_size={self.tp_size}")
+        full = cfg
+        # NOTE: tensor parallelism splits the key heads, each with the value heads it serves: cfg is this rank's part
+        self.cfg = cfg = replace(cfg, num_key_heads=cfg.num_key_heads // self.tp_size,
+                                 num_value_heads=cfg.num_value_heads // self.tp_size)
         self.grouped = grouped
-        value_heads = cfg.num_value_heads
-        if grouped:
-            self.in_proj_qkvz = Linear(cfg.hidden_size, [cfg.conv_dim + cfg.value_dim])
-            self.in_proj_ba = Linear(cfg.hidden_size, [2 * value_heads])
-        else:
-            self.in_proj_qkv = Linear(cfg.hidden_size, [cfg.conv_dim])
-            self.in_proj_z = Linear(cfg.hidden_size, [cfg.value_dim])
-            self.in_proj_b = Linear(cfg.hidden_size, [value_heads])
-            self.in_proj_a = Linear(cfg.hidden_size, [value_heads])
+        if grouped:  # whole key-head groups per rank: the rows split evenly
+            self.in_proj_qkvz = ColumnParallelLinear(full.hidden_size, [full.conv_dim + full.value_dim])
+            self.in_proj_ba = ColumnParallelLinear(full.hidden_size, [2 * full.num_value_heads])
+        else:  # q, k and v each split (one checkpoint tensor: load_param cuts it into the three)
+            self.in_proj_qkv = ColumnParallelLinear(full.hidden_size, [full.key_dim, full.key_dim, full.value_dim])
+            self.in_proj_z = ColumnParallelLinear(full.hidden_size, [full.value_dim])
+            self.in_proj_b = ColumnParallelLinear(full.hidden_size, [full.num_value_heads])
+            self.in_proj_a = ColumnParallelLinear(full.hidden_size, [full.num_value_heads])
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_width, groups=cfg.conv_dim, bias=False)
         self.conv1d.requires_grad_(False)
-        self.A_log = nn.Parameter(torch.zeros(value_heads), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.ones(value_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(cfg.num_value_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(cfg.num_value_heads), requires_grad=False)
         self.norm = RMSNorm(cfg.value_head_dim, cfg.rms_norm_eps)  # its weight multiplies, unlike the stack's (1 + w)
-        self.out_proj = Linear(cfg.value_dim, [cfg.hidden_size])
+        self.out_proj = RowParallelLinear(full.value_dim, [cfg.hidden_size])
         self.ops = current_ops()
+
+    def _rank_part(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.chunk(self.tp_size)[self.tp_rank]
+
+    def load_param(self, name: str, tensor: torch.Tensor) -> str:
+        """Load a checkpoint tensor that is not a whole linear layer's own: in_proj_qkv (three shards in one tensor),
+        and this rank's part of the conv's channels ([q | k | v], each split) and of A_log and dt_bias (per value
+        head). Returns the parameter filled (relative to this layer)."""
+        if name == "in_proj_qkv.weight":
+            full = [self.tp_size * size for size in (self.cfg.key_dim, self.cfg.key_dim, self.cfg.value_dim)]
+            for shard, part in enumerate(tensor.split(full)):
+                self.in_proj_qkv.load_shard("weight", shard, part)
+            return name
+        if name == "conv1d.weight":
+            tensor = tensor.view(-1, 1, self.cfg.conv_width)
+            full = [self.tp_size * size for size in (self.cfg.key_dim, self.cfg.key_dim, self.cfg.value_dim)]
+            tensor = torch.cat([self._rank_part(part) for part in tensor.split(full)])
+        else:
+            assert name in ("A_log", "dt_bias"), name
+            tensor = self._rank_part(tensor)
+        param = self.get_parameter(name)
+        if param.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        return name
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mixed q k v [T, conv_dim], z [T, value_heads, value_head_dim], b, a [T, value_heads])."""

@@ -30,9 +30,10 @@ from kvforge.layers.moe_router import RoutingConfig
 from kvforge.layers.norm import RMSNorm
 from kvforge.layers.recurrent_state_spec import RecurrentStateSpec
 from kvforge.layers.rotary import RotaryEmbedding
-from kvforge.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaMLP
+from kvforge.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaMLP, local_heads
 from kvforge.models.qwen_moe import Qwen2MoeForCausalLM, is_sparse_layer, num_experts
 
+_LINEAR_ATTENTION_PARAM = re.compile(r"(layers\.\d+)\.linear_attn\.(in_proj_qkv\.weight|conv1d\.weight|A_log|dt_bias)")
 _NOT_TEXT = ("model.visual.", "visual.", "mtp.")  # checkpoint tensors of parts not run
 # the stack's norms that scale by (1 + weight); the Gated DeltaNet's own output norm scales by its weight
 _ONE_PLUS_NORM = re.compile(r"(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)|norm)"
@@ -44,12 +45,17 @@ class GatedAttention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, rotary_dim: int) -> None:
         super().__init__()
-        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads, kv_heads, kv_pieces = local_heads(cfg.num_heads, cfg.num_kv_heads)  # this rank's
+        head_dim = cfg.head_dim
         self.q_size, self.kv_size, self.head_dim, self.rotary_dim = 2 * heads * head_dim, kv_heads * head_dim, \
             head_dim, rotary_dim  # fmt: skip
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                             bias=cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(heads * head_dim, [cfg.hidden_size])
+        tp = get_parallel_state()
+        full_kv = cfg.num_kv_heads * head_dim
+        # NOTE: per head [query, gate] rows: a rank's rows are its heads' queries and gates
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [2 * cfg.num_heads * head_dim, full_kv, full_kv], bias=cfg.qkv_bias,
+            shard_pieces=[(tp.tp_size, tp.tp_rank), kv_pieces, kv_pieces])
+        self.o_proj = RowParallelLinear(cfg.num_heads * head_dim, [cfg.hidden_size])
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -85,9 +91,9 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
 
     def __init__(self, hf_config: dict) -> None:
         state = get_parallel_state()
-        if state.world_size > 1:
-            raise ValueError(f"{type(self).__name__} does not run under tensor or pipeline parallelism yet "
-                             f"(world size {state.world_size}); use tensor_parallel_size=1")
+        if state.pp_size > 1:
+            raise ValueError(f"{type(self).__name__} does not run under pipeline parallelism yet "
+                             f"(pipeline_parallel_size={state.pp_size}); use tensor parallelism")
         hf_config = self.text_config(hf_config)
         self.linear_config = GatedDeltaNetConfig.from_hf(hf_config)
         num_layers = hf_config["num_hidden_layers"]
@@ -134,10 +140,12 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         """Keys and values of the full-attention layers; a conv and a delta state per slot of the linear ones."""
-        cfg, linear = self.config, self.linear_config
+        cfg, layers = self.config, self.stage_layers
+        attention = layers[self.layer_types.index("full_attention")].self_attn.attn
+        linear = next(layer.self_attn.cfg for layer in layers if isinstance(layer.self_attn, GatedDeltaNet))  # rank's
         states = RecurrentStateSpec.gated_delta_net(self.num_linear_layers, linear.conv_dim, linear.conv_width,
                                                     linear.num_value_heads, linear.key_head_dim, linear.value_head_dim)
-        spec = KVCacheSpec.key_value(self.num_full_layers, cfg.num_kv_heads, cfg.head_dim)
+        spec = KVCacheSpec.key_value(self.num_full_layers, attention.num_kv_heads, cfg.head_dim)
         return replace(spec, recurrent_state=states)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
@@ -155,8 +163,9 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     def load_tensor(self, name: str, tensor: torch.Tensor, params: set[str]) -> str:
         if _ONE_PLUS_NORM.fullmatch(name):
             tensor = tensor.float() + 1.0
-        if name.endswith(".conv1d.weight") and tensor.dim() == 2:
-            tensor = tensor[:, None]
+        if match := _LINEAR_ATTENTION_PARAM.fullmatch(name):
+            layer_name = f"{match.group(1)}.self_attn"
+            return f"{layer_name}.{self.get_submodule(layer_name).load_param(match.group(2), tensor)}"
         return super().load_tensor(name, tensor, params)
 
 

@@ -140,3 +140,19 @@ def test_speculative_decoding_is_refused(tiny_hybrid):
     folder = tiny_hybrid[0]
     with pytest.raises(ValueError, match="speculative_method='ngram'.*linear-attention"):
         LLM(str(folder), kv_cache_memory="4MiB", speculative_method="ngram", num_speculative_tokens=2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2(tiny_hybrid):
+    """Two ranks (Gloo, one process each): each holds half the attention heads, half the linear-attention key heads
+    with their value heads (their conv channels, A_log and dt_bias) and its states; the logits and tokens are
+    transformers'."""
+    folder, model, prompts, expected = tiny_hybrid
+    llm = LLM(str(folder), kv_cache_memory="16MiB", kv_cache_dtype="float32", tensor_parallel_size=2)
+    try:
+        assert len(llm.engine.executor.processes) == 1  # rank 1's process beside this one
+        assert llm.engine.local_model.layers[0].self_attn.A_log.shape == (2,)  # half of the 4 value heads
+        assert_logits_match(llm, model, prompts[1:3])
+        assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
+    finally:
+        llm.shutdown()
