@@ -69,11 +69,6 @@ class LLMEngine:
             num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
             self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                                    info.layer_groups, config.scheduler.max_num_batched_tokens)
-            if config.speculative.speculative_method is not None and any(
-                    group.kind == "recurrent_state" for group in info.layer_groups):
-                # NOTE: rejected drafts would have to be rolled back out of the linear-attention states
-                raise ValueError(f"speculative_method={config.speculative.speculative_method!r}: speculative "
-                                 f"decoding is not supported by models with linear-attention layers ({info.name})")
             graphs = self.runner.decode_graphs
             speculation = _speculation(config, self.vocab_size, () if graphs is None else graphs.buckets)
             max_loras = config.lora.max_loras if config.lora.enable_lora else None

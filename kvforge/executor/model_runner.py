@@ -13,6 +13,7 @@ from kvforge.config import CompilationConfig
 from kvforge.distributed.communicator import recv_tensor, send_tensor
 from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.executor.decode_graphs import DecodeGraphs
+from kvforge.executor.recurrent_states import RecurrentStates
 from kvforge.executor.request_states import RequestStates
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
@@ -46,7 +47,7 @@ class ModelRunner:
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
         kv_cache_spec: KVCacheSpec | None = None, compilation: CompilationConfig | None = None,
         lora: LoRAPool | None = None,
-        num_state_slots: int = 0,
+        num_state_slots: int = 0, max_draft_tokens: int = 0,
     ) -> None:
         self.model = model
         self.lora = lora  # the adapters' slots (their layers attached to the model), None without LoRA
@@ -59,10 +60,11 @@ class ModelRunner:
         self.kv_caches = spec.allocate(num_blocks, block_size, dtype, device)
         self.num_paged_groups = len(spec.layer_groups())
         # a hybrid model's linear-attention layers: num_state_slots slots of state each, after the paged caches
-        self.has_recurrent_state = spec.recurrent_state is not None
-        if self.has_recurrent_state:
-            assert num_state_slots > 0, "a model with linear-attention layers needs state slots"
-            self.kv_caches += spec.recurrent_state.allocate(num_state_slots, dtype, device)
+        self.recurrent_states = None
+        if spec.recurrent_state is not None:
+            self.recurrent_states = RecurrentStates(spec.recurrent_state, num_state_slots, max_draft_tokens, dtype,
+                                                    device)
+            self.kv_caches += self.recurrent_states.layers
         self.sampler = Sampler()
         self.requests = RequestStates(device)
         # decode steps of up to the largest bucket run compiled (compilation None: every step eagerly)
@@ -100,6 +102,7 @@ class ModelRunner:
             and s.num_computed_tokens < s.num_prompt_tokens - 1
         }
         decode_only = all(len(s.token_ids) == 1 + s.num_draft_tokens for s in scheduled)
+        states = self._recurrent_state_metadata(scheduled, computed, q_lens, query_start_loc)
         if decode_only and len(scheduled) < len(input_ids):
             # NOTE: a step of decodes with drafts is a decode step of one sequence per token row: row p of
             # a sequence sees its first p + 1 tokens, which is causal attention over the step's queries
@@ -115,10 +118,8 @@ class ModelRunner:
             decode_only=decode_only,
             other_groups=tuple((to_device(slots), to_device(tables)) for tables, slots in other_groups),
         )
-        if self.has_recurrent_state:  # the last group's table of a request is [its state slot]
-            slot_ids = [self.requests[s.request_id].block_tables[-1][0] for s in scheduled]
-            metadata.state_slot_ids = to_device(np.array(slot_ids, dtype=np.int32))
-            metadata.has_initial_state = to_device(computed > 0)
+        if states is not None:
+            metadata.state_slot_ids, metadata.has_initial_state, metadata.verification_rows = states
         return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
                       drafts, draft_probs, prompt_rows)
 
@@ -135,6 +136,20 @@ class ModelRunner:
             block_ids = block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
             group_tables.append((block_tables, block_ids * self.block_size + positions % self.block_size))
         return group_tables
+
+    def _recurrent_state_metadata(self, scheduled: list[ScheduledRequest], computed: np.ndarray, q_lens: np.ndarray,
+                                  query_start_loc: np.ndarray) -> tuple | None:
+        """A hybrid model's (state slot ids, has_initial_state, verification rows or None); before it, the states
+        of the previous step's verified drafts are committed."""
+        if self.recurrent_states is None:
+            return None
+        self.recurrent_states.commit_accepted(scheduled)
+        slot_ids = [self.requests[s.request_id].block_tables[-1][0] for s in scheduled]  # the last group's [slot]
+        rows = None
+        if any(s.num_draft_tokens for s in scheduled):
+            rows = self.recurrent_states.verification_rows(scheduled, slot_ids, q_lens, query_start_loc)
+        to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        return to_device(np.array(slot_ids, dtype=np.int32)), to_device(computed > 0), rows
 
     def _allowed_token_bitmask(self, requests: list[ScheduledRequest],
                                grammar_bitmask: GrammarBitmask | None) -> torch.Tensor | None:
@@ -213,11 +228,17 @@ class ModelRunner:
         if self.decode_graphs is not None:
             self.decode_graphs.close()
 
+    def _update_requests(self, output: SchedulerOutput) -> None:
+        """Apply the step's news to the request states (and forget the gone requests' pending draft states)."""
+        self.requests.update(output)
+        if self.recurrent_states is not None:
+            self.recurrent_states.forget(output.finished_request_ids + output.preempted_request_ids)
+
     @torch.inference_mode()
     def logits_of_all_tokens(self, output: SchedulerOutput) -> torch.Tensor | None:
         """fp32 logits at every scheduled token: [num_tokens, vocab]. Nothing is sampled, and the
         runner forgets the output's requests afterwards."""
-        self.requests.update(output)
+        self._update_requests(output)
         try:
             with self._stepping():
                 hidden = self._forward(self._prepare(output))
@@ -228,7 +249,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. The only host sync is reading back the sampled ids (and logprobs if asked)."""
-        self.requests.update(output)
+        self._update_requests(output)
         samples = self.parallel.rank == self.parallel.sampler_rank
         result = ModelRunnerOutput() if samples else None
         if not output.scheduled:

@@ -90,18 +90,25 @@ class Worker:
         max_num_seqs = self.config.scheduler.max_num_seqs
         limits = memory_limits(self.device, cache.gpu_memory_utilization)
         states = self.kv_cache_spec.recurrent_state
-        if states is not None:  # NOTE: the state slots (max_num_seqs of them) come out of the same memory
-            state_bytes = max_num_seqs * states.bytes_per_slot(self.loaded.dtype)
+        if states is not None:  # NOTE: the state slots (max_num_seqs, and their scratch) come out of the same memory
+            copies = 1 + (self._max_draft_tokens() + 1 if self._max_draft_tokens() else 0)
+            state_bytes = copies * max_num_seqs * states.bytes_per_slot(self.loaded.dtype)
             limits = [(f"{what} less {state_bytes / 2**20:.1f} MiB of linear-attention states",
                        max(limit - state_bytes, 0)) for what, limit in limits]
         return size_kv_cache(cache.kv_cache_memory, max_num_seqs, self.max_model_len, cache.block_size,
                              self.bytes_per_token, limits)
 
+    def _max_draft_tokens(self) -> int:
+        """The most drafts a request verifies in a step (0: no speculation)."""
+        spec = self.config.speculative
+        return 0 if spec.speculative_method is None else spec.num_speculative_tokens
+
     def init_cache(self, num_blocks: int) -> None:
         compilation = self._compilation()
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size,
                                   self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self._lora_pool(),
-                                  num_state_slots=self.config.scheduler.max_num_seqs)
+                                  num_state_slots=self.config.scheduler.max_num_seqs,
+                                  max_draft_tokens=self._max_draft_tokens())
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
 

@@ -31,6 +31,8 @@ class AttentionMetadata:
     # from the state there (a later chunk or a decode) or starts from zeros (its first step)
     state_slot_ids: torch.Tensor | None = None  # [num_seqs] int32
     has_initial_state: torch.Tensor | None = None  # [num_seqs] bool
+    # a step with drafts to verify: per position j, (rows of the sequences' j-th tokens, those sequences' indices)
+    verification_rows: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
 
     def of_group(self, group_id: int) -> AttentionMetadata:
         """The metadata that the layers of a group of the KV cache read (their own block tables and slots)."""

@@ -132,17 +132,13 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(num_tokens, cfg.num_value_heads, cfg.value_head_dim)
         return mixed, z, b.reshape(num_tokens, -1), a.reshape(num_tokens, -1)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
-                metadata: AttentionMetadata) -> torch.Tensor:
-        """x: [num_tokens, hidden]; state: this layer's (conv_state, delta_state) of every slot, updated in place.
-        positions: unused (the conv and the recurrence are the position)."""
-        cfg, num_tokens = self.cfg, x.shape[0]
-        conv_state, delta_state = state
-        slots, initial = metadata.state_slot_ids, metadata.has_initial_state
-        mixed, z, b, a = self._project(x)
-        conv_weight = self.conv1d.weight.view(cfg.conv_dim, cfg.conv_width)
-        mixed = self.ops.causal_conv1d(mixed, conv_weight, None, conv_state, metadata.query_start_loc, slots, initial,
-                                       True)
+    def _conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight.view(self.cfg.conv_dim, self.cfg.conv_width)
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [T, conv_dim] -> q, k [T, value_heads, key_head_dim] (a key head repeated for each of
+        its value heads), v [T, value_heads, value_head_dim]."""
+        cfg, num_tokens = self.cfg, mixed.shape[0]
         q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         q = q.reshape(num_tokens, cfg.num_key_heads, cfg.key_head_dim)
         k = k.reshape(num_tokens, cfg.num_key_heads, cfg.key_head_dim)
@@ -150,12 +146,46 @@ class GatedDeltaNet(nn.Module):
         if cfg.num_value_heads != cfg.num_key_heads:
             ratio = cfg.num_value_heads // cfg.num_key_heads
             q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+        return q, k, v
+
+    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: tuple[torch.Tensor, ...],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """A step with drafts: one position of every sequence at a time (one-token conv and delta steps), the
+        states after position j kept in scratch[j] (executor/recurrent_states.py commits the accepted one)."""
+        conv_state, delta_state, conv_scratch, delta_scratch = state
+        cfg = self.cfg
+        out = mixed.new_empty((mixed.shape[0], cfg.num_value_heads, cfg.value_head_dim))
+        for position, (rows, seqs) in enumerate(metadata.verification_rows):
+            slots, initial = metadata.state_slot_ids[seqs], metadata.has_initial_state[seqs]
+            one_each = torch.arange(rows.shape[0] + 1, device=rows.device, dtype=torch.int32)
+            conv = self.ops.causal_conv1d(mixed[rows], self._conv_weight(), None, conv_state, one_each, slots, initial,
+                                          True)
+            q, k, v = self._heads(conv)
+            out[rows] = self.ops.gated_delta_decode(q, k, v, g[rows], beta[rows], delta_state, slots, initial)
+            conv_scratch[position, slots.long()] = conv_state[slots.long()]
+            delta_scratch[position, slots.long()] = delta_state[slots.long()]
+        return out
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, state: tuple[torch.Tensor, ...],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """x: [num_tokens, hidden]; state: this layer's (conv_state, delta_state) of every slot, updated in place (then
+        their scratch under speculative decoding). positions: unused (the conv and the recurrence are the position)."""
+        cfg, num_tokens = self.cfg, x.shape[0]
+        mixed, z, b, a = self._project(x)
         beta = b.float().sigmoid()  # [num_tokens, value_heads]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if metadata.decode_only:
-            out = self.ops.gated_delta_decode(q, k, v, g, beta, delta_state, slots, initial)
+        if metadata.verification_rows is not None:
+            out = self._verify(mixed, g, beta, state, metadata)
         else:
-            out = self.ops.gated_delta_prefill(q, k, v, g, beta, delta_state, metadata.query_start_loc, slots, initial)
+            slots, initial = metadata.state_slot_ids, metadata.has_initial_state
+            mixed = self.ops.causal_conv1d(mixed, self._conv_weight(), None, state[0], metadata.query_start_loc, slots,
+                                           initial, True)
+            q, k, v = self._heads(mixed)
+            if metadata.decode_only:
+                out = self.ops.gated_delta_decode(q, k, v, g, beta, state[1], slots, initial)
+            else:
+                out = self.ops.gated_delta_prefill(q, k, v, g, beta, state[1], metadata.query_start_loc, slots,
+                                                   initial)
         # [num_tokens, value_heads, value_head_dim]: RMSNorm per head, then the SiLU gate of z (in fp32)
         normed = self.norm(out.reshape(-1, cfg.value_head_dim))
         gated = (normed.float() * F.silu(z.reshape(-1, cfg.value_head_dim).float())).to(x.dtype)

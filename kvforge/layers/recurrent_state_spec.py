@@ -42,8 +42,10 @@ class RecurrentStateSpec:
         return sum(math.prod(conv) * dtype.itemsize + math.prod(delta) * DELTA_STATE_DTYPE.itemsize
                    for conv, delta in self.layer_shapes)
 
-    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-        """Zeroed (conv_state, delta_state) per layer; a request's first step ignores what its slot held."""
-        return [(torch.zeros((num_slots, *conv), dtype=dtype, device=device),
-                 torch.zeros((num_slots, *delta), dtype=DELTA_STATE_DTYPE, device=device))
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device, copies: tuple[int, ...] = ()
+                 ) -> list[tuple[torch.Tensor, ...]]:
+        """Zeroed (conv_state, delta_state) per layer, [*copies, num_slots, ...]; a request's first step ignores what
+        its slot held."""
+        return [(torch.zeros((*copies, num_slots, *conv), dtype=dtype, device=device),
+                 torch.zeros((*copies, num_slots, *delta), dtype=DELTA_STATE_DTYPE, device=device))
                 for conv, delta in self.layer_shapes]

@@ -39,7 +39,7 @@ def _one_torch_thread():
 
 def build_hybrid_model(arch: str, vocab_size: int):
     """A tiny random model whose norms, gates and routers are far from their initial values (a (1 + w) norm of
-    w = 0 would not tell (1 + w) from w)."""
+    w = 0 would not tell (1 + w) from w), and whose linear-attention states forget slowly."""
     import transformers
 
     config_name, model_name, overrides = ARCHS[arch]
@@ -52,6 +52,8 @@ def build_hybrid_model(arch: str, vocab_size: int):
                 tensor.normal_(0.0, 0.3)
             elif name.endswith("mlp.gate.weight"):
                 tensor.normal_(0.0, 0.5)
+            elif name.endswith("A_log"):  # slow decays (g of -0.02 to -0.2 a token): the state remembers far back
+                tensor.uniform_(-4.0, -2.0)
     model.generation_config.eos_token_id = None  # NOTE: kvforge runs with ignore_eos; so does transformers
     return model
 
@@ -135,11 +137,21 @@ def test_qwen3_5_multimodal_checkpoint_runs_its_text_model(tmp_path):
     assert [o.outputs[0].token_ids for o in _generate(llm, prompts, max_tokens=4)] == expected
 
 
-def test_speculative_decoding_is_refused(tiny_hybrid):
-    """Rejected drafts cannot be taken back out of a linear-attention state: the engine says so at construction."""
-    folder = tiny_hybrid[0]
-    with pytest.raises(ValueError, match="speculative_method='ngram'.*linear-attention"):
-        LLM(str(folder), kv_cache_memory="4MiB", speculative_method="ngram", num_speculative_tokens=2)
+def test_speculative_decoding_keeps_the_states_of_accepted_drafts(tiny_hybrid):
+    """n-gram drafts verified a position at a time through the linear layers: the state after the accepted drafts is
+    the one the next step continues from, so the tokens are transformers' while some drafts are accepted and some
+    rejected."""
+    folder, model, prompts, _ = tiny_hybrid
+    prompts = [p[:12] * 3 for p in prompts[1:4]]  # repeated text: the n-gram proposer finds drafts
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(p) :]
+                .tolist() for p in prompts]  # fmt: skip
+    # NOTE: one-token n-grams draft wherever a token recurs: many drafts, of which some are rejected
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", speculative_method="ngram",
+              num_speculative_tokens=3, speculative_adaptive=False, prompt_lookup_min=1)
+    assert [o.outputs[0].token_ids for o in _generate(llm, prompts, max_tokens=24)] == expected
+    stats = llm.engine.scheduler.stats().spec_decode
+    assert 0 < sum(stats.num_accepted_per_position) < stats.num_draft_tokens
+    _assert_all_given_back(llm)
 
 
 @pytest.mark.slow
