@@ -58,7 +58,7 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 @jit
-def _conv_kernel(
+def _conv1d_kernel(
     out_ptr, x_ptr, weight_ptr, bias_ptr, state_ptr, qsl_ptr, seq_ptr, slot_ptr, init_ptr, channels,
     stride_x, stride_o, stride_w, stride_ss, stride_sc,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK: tl.constexpr,
@@ -88,11 +88,11 @@ def _conv_kernel(
 
 
 @jit
-def _state_kernel(
+def _conv1d_state_kernel(
     x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, channels, stride_x, stride_ss, stride_sc,
     WIDTH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_seqs, channel blocks): the sequence's last width - 1 inputs into its slot (after _conv_kernel).
+    """Grid (num_seqs, channel blocks): the sequence's last width - 1 inputs into its slot (after _conv1d_kernel).
     NOTE: all of a tile's loads come before its store, so a short sequence shifts its own state in place."""
     seq = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -141,12 +141,12 @@ def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                                       right=True)
     block = min(BLOCK_CHANNELS, next_power_of_2(channels))
     has_initial_state = has_initial_state.to(torch.int32)
-    _conv_kernel[(num_tokens, cdiv(channels, block))](
+    _conv1d_kernel[(num_tokens, cdiv(channels, block))](
         out, x, weight, bias if bias is not None else weight, conv_state, query_start_loc, seq_of_token, slot_ids,
         has_initial_state, channels, x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0),
         conv_state.stride(1), WIDTH=width, HAS_BIAS=bias is not None, SILU=silu, BLOCK=block,
     )  # fmt: skip
-    _state_kernel[(num_seqs, cdiv(channels, block))](
+    _conv1d_state_kernel[(num_seqs, cdiv(channels, block))](
         x, conv_state, query_start_loc, slot_ids, has_initial_state, channels, x.stride(0), conv_state.stride(0),
         conv_state.stride(1), WIDTH=width, BLOCK=block, BLOCK_W=next_power_of_2(width - 1),
     )  # fmt: skip

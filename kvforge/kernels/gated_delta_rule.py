@@ -23,8 +23,12 @@ import torch
 from kvforge.kernels.triton_compat import cdiv, jit, next_power_of_2, require_triton, tl
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 
+# NOTE: launch parameters not yet tuned on a device. The prefill kernel compiles for every target of `kvforge
+# compile-kernels` but spills registers there (12-15 KB on NVIDIA, ~0.9 KB on CDNA at 8 warps): its row-by-row
+# forward substitution keeps [CHUNK_SIZE, CHUNK_SIZE] tiles live; a blocked triangular solve would not.
 CHUNK_SIZE = 64
-VALUE_BLOCK = 32  # value columns of the state per program
+VALUE_BLOCK = 16  # value columns of the state per program
+PREFILL_NUM_WARPS = 8
 L2_EPS = 1e-6
 
 
@@ -103,7 +107,7 @@ def _l2_normalise_rows(x, eps):
 
 
 @jit
-def _prefill_kernel(
+def _gated_delta_prefill_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr,
     key_dim, value_dim, scale, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
@@ -129,37 +133,38 @@ def _prefill_kernel(
     for first in range(start, end, BT):
         rows = first + rt
         t_mask = rows < end
-        q = _l2_normalise_rows(_load_rows(q_ptr, rows, head, stride_qt, stride_qh, rk, t_mask, k_mask), eps) * scale
-        k = _l2_normalise_rows(_load_rows(k_ptr, rows, head, stride_kt, stride_kh, rk, t_mask, k_mask), eps)
-        v = _load_rows(v_ptr, rows, head, stride_vt, stride_vh, rv, t_mask, v_mask)
         # NOTE: padding rows get g = 0 and beta = 0: their delta is 0 and the cumulative decay stays the last row's
         g = tl.load(g_ptr + rows.to(tl.int64) * stride_gt + head * stride_gh, mask=t_mask, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + rows.to(tl.int64) * stride_bt + head * stride_bh, mask=t_mask, other=0.0)
         beta = beta.to(tl.float32)
         cum = tl.cumsum(g, 0)  # [BT]
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))  # [BT, BT]
-        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-        a = tl.where(strict, beta[:, None] * decay * kk, 0.0)
+        # NOTE: what needs q and k is computed before the substitution loop, so the [BT, BK] tiles are not live
+        # across it (they spilled registers); k is loaded again for the state update after it
+        k = _l2_normalise_rows(_load_rows(k_ptr, rows, head, stride_kt, stride_kh, rk, t_mask, k_mask), eps)
+        v = _load_rows(v_ptr, rows, head, stride_vt, stride_vh, rv, t_mask, v_mask)
+        a = tl.where(strict, beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision="ieee"), 0.0)
         delta = beta[:, None] * (v - tl.exp(cum)[:, None] * tl.dot(k, state, input_precision="ieee"))  # [BT, BV]
+        q = _l2_normalise_rows(_load_rows(q_ptr, rows, head, stride_qt, stride_qh, rk, t_mask, k_mask), eps) * scale
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
+        out = tl.exp(cum)[:, None] * tl.dot(q, state, input_precision="ieee")
         # forward substitution of the unit lower triangular (I + A): row i takes the rows before it, final already
         for i in range(1, BT):
             is_row = rt[:, None] == i
             a_row = tl.sum(tl.where(is_row, a, 0.0), 0)  # [BT]
             row = tl.sum(tl.where(is_row, delta, 0.0), 0) - tl.sum(a_row[:, None] * delta, 0)  # [BV]
             delta = tl.where(is_row, row[None, :], delta)
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
-        out = tl.exp(cum)[:, None] * tl.dot(q, state, input_precision="ieee")
         out += tl.dot(qk, delta, input_precision="ieee")
         o_offsets = rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + rv[None, :]
         tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & v_mask[None, :])
         last = tl.sum(tl.where(rt == BT - 1, cum, 0.0), 0)
-        k_decayed = k * tl.exp(last - cum)[:, None]
-        state = tl.exp(last) * state + tl.dot(tl.trans(k_decayed), delta, input_precision="ieee")
+        k = _l2_normalise_rows(_load_rows(k_ptr, rows, head, stride_kt, stride_kh, rk, t_mask, k_mask), eps)
+        state = tl.exp(last) * state + tl.dot(tl.trans(k * tl.exp(last - cum)[:, None]), delta, input_precision="ieee")
     tl.store(s_ptrs, state, mask=s_mask)
 
 
 @jit
-def _decode_kernel(
+def _gated_delta_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, init_ptr,
     key_dim, value_dim, scale, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
@@ -233,10 +238,10 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if slot_ids.shape[0] == 0 or q.shape[0] == 0:
         return out
     block_k, block_v = _dims(q, v)
-    _prefill_kernel[(slot_ids.shape[0], q.shape[1], cdiv(v.shape[-1], block_v))](
+    _gated_delta_prefill_kernel[(slot_ids.shape[0], q.shape[1], cdiv(v.shape[-1], block_v))](
         q, k, v, g, beta, out, state, query_start_loc, slot_ids, has_initial_state,
         q.shape[-1], v.shape[-1], q.shape[-1] ** -0.5, L2_EPS, *_strides(q, k, v, g, beta, out, state),
-        BT=CHUNK_SIZE, BK=block_k, BV=block_v,
+        BT=CHUNK_SIZE, BK=block_k, BV=block_v, num_warps=PREFILL_NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -253,7 +258,7 @@ def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.shape[0] == 0:
         return out
     block_k, block_v = _dims(q, v)
-    _decode_kernel[(q.shape[0], q.shape[1], cdiv(v.shape[-1], block_v))](
+    _gated_delta_decode_kernel[(q.shape[0], q.shape[1], cdiv(v.shape[-1], block_v))](
         q, k, v, g, beta, out, state, slot_ids, has_initial_state,
         q.shape[-1], v.shape[-1], q.shape[-1] ** -0.5, L2_EPS, *_strides(q, k, v, g, beta, out, state),
         BK=block_k, BV=block_v,

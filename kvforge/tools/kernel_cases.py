@@ -117,6 +117,26 @@ def _lora(num_tokens: int) -> None:
                        torch.empty(num_tokens, num_out, dtype=torch.bfloat16))
 
 
+def _gated_delta(num_seqs: int, decode: bool) -> None:
+    """Qwen3-Next's linear attention (per rank of 2: 16 value heads of key and value dim 128), bf16 activations."""
+    from kvforge.kernels.causal_conv1d import causal_conv1d_triton
+    from kvforge.kernels.gated_delta_rule import gated_delta_decode_triton, gated_delta_prefill_triton
+
+    heads, dim, channels, bf16 = 16, 128, 4096, torch.bfloat16
+    q_lens = [1] * num_seqs if decode else [300, 1, 77, 64][:num_seqs]
+    num_tokens = sum(q_lens)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots, initial = torch.arange(num_seqs, dtype=torch.int32), torch.ones(num_seqs, dtype=torch.bool)
+    causal_conv1d_triton(torch.empty(num_tokens, channels, dtype=bf16), torch.empty(channels, 4, dtype=bf16), None,
+                         torch.empty(num_seqs, channels, 3, dtype=bf16), starts, slots, initial, True)
+    q = torch.empty(num_tokens, heads, dim, dtype=bf16)
+    g, state = torch.empty(num_tokens, heads), torch.empty(num_seqs, heads, dim, dim)
+    if decode:
+        gated_delta_decode_triton(q, q, q, g, g, state, slots, initial)
+    else:
+        gated_delta_prefill_triton(q, q, q, g, g, state, starts, slots, initial)
+
+
 def cases() -> dict[str, Callable[[], None]]:
     """Every launch configuration the engine uses, by name."""
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -146,4 +166,6 @@ def cases() -> dict[str, Callable[[], None]]:
     for num_seqs in (1, 64):
         found[f"mla decode {num_seqs} seqs"] = lambda n=num_seqs: _mla_decode(n)
         found[f"lora shrink+expand {num_seqs} tokens"] = lambda n=num_seqs: _lora(n)
+    found["gated delta prefill + conv1d"] = lambda: _gated_delta(4, decode=False)
+    found["gated delta decode + conv1d"] = lambda: _gated_delta(64, decode=True)
     return found
