@@ -6,7 +6,7 @@ for timing kvforge's decode against its transformers reference where no real hyb
     kvforge bench latency --model /tmp/qwen3_5-random --dtype float32 --input-len 128 --output-len 128 --backend hf
 
 The default shape is a small Qwen3.5 one (hidden 1024, 24 layers of which 6 full attention, 8 query and 2 KV heads
-of 256, 16 linear-attention heads of 128, MLP 3584, vocabulary 248320, tied embeddings: about 0.85B parameters);
+of 256, 16 linear-attention heads of 128, MLP 3584, vocabulary 248320, tied embeddings: about 0.75B parameters);
 --num-layers makes it shallower. Random weights decode random tokens, which is all a speed comparison needs. The
 tokenizer is a word-level one over the vocabulary (the benchmarks feed token ids).
 """
