@@ -41,6 +41,7 @@ class VocabParallelEmbedding(nn.Module):
         self.dense_gemv = False  # the float head's rows through the CPU GEMV and oneDNN (set at load)
         self.onednn_weight: torch.Tensor | None = None  # the weight packed for oneDNN (set with dense_gemv)
         self.ops = current_ops()
+        self.dtype = self.weight.dtype  # of the rows looked up (the weight may be kept in 16 bits, or quantized)
 
     def load(self, tensor: torch.Tensor) -> None:
         """Copy this rank's rows of the full [vocab_size, hidden] checkpoint tensor."""
@@ -74,7 +75,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight).to(self.dtype)
         return self.kernel.gather_rows(ids).to(self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

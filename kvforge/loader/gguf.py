@@ -4,8 +4,9 @@ Every tensor is dequantized on the host with the `gguf` package's numpy code (F3
 every block format it implements: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants, the IQ formats, ...)
 and cast to the requested dtype, so the model sees plain dense weights. With keep_quantized (a GGUF file's default),
 the weights of linear layers and the vocabulary tensors of every type in BLOCK_LAYOUTS are decoded into
-QuantizedWeights instead (kvforge.quantization.gguf_quants); those of other types (F16, BF16, the IQ2/IQ3 formats)
-are dequantized with a warning naming their type and what they cost.
+QuantizedWeights instead (kvforge.quantization.gguf_quants), F16 and BF16 ones are read as they are stored, in 16 bits
+(kernels/cpu/half_gemv.py multiplies them); those of other types (the IQ2/IQ3 formats) are dequantized with a warning
+naming their type and what they cost.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvforge.loader.gguf_file import GGUFFile, GGUFTensor
@@ -65,6 +67,8 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # quantized with keep_quantized.
 _LINEAR_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 _VOCAB_TENSORS = {"token_embd.weight", "output.weight"}
+# The types of such tensors kept in their own 16 bits with keep_quantized, and their torch dtypes.
+_HALF_TYPES = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
 # rope_freqs holds llama 3.x's per-frequency rope-scaling divisors. HF derives them from
 # config["rope_scaling"], which such files do not record; transformers drops them too.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -80,7 +84,10 @@ class GGUFCheckpoint:
     quantized: Mapping[str, QuantizedWeight] = field(default_factory=dict)  # HF weight name -> kept blocks (decoded
     # on access)
     quantized_layouts: dict[str, BlockLayout] = field(default_factory=dict)  # HF weight name -> its block layout
-    kept_bytes: int = 0  # of the kept tensors in the kernels' layout, at most: codes, a half scale and offset per group
+    half_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # HF weight name -> the 16-bit dtype its tensor
+    # in `tensors` keeps (a file's F16 and BF16 weight matrices, with keep_quantized)
+    kept_bytes: int = 0  # of the kept tensors in the kernels' layout, at most (codes, a half scale and offset per
+    # group), and of the 16-bit ones
     dense_numel: int = 0  # weights of the tensors that are dequantized
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
@@ -110,11 +117,13 @@ def read_gguf_header(path: str) -> tuple[GGUFFile, str, dict, Tokenizer]:
 
 def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GGUFCheckpoint:
     """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer.
-    keep_quantized: linear-layer weights of a type in BLOCK_LAYOUTS go to `quantized` instead."""
+    keep_quantized: linear-layer weights of a type in BLOCK_LAYOUTS go to `quantized` instead, and F16 or BF16 ones
+    stay in `tensors` in their 16 bits (named in `half_dtypes`)."""
     reader, arch, config, tokenizer = read_gguf_header(path)
     readers: dict[str, Callable[[], torch.Tensor]] = {}
     quantized: dict[str, Callable[[], QuantizedWeight]] = {}
     quantized_layouts: dict[str, BlockLayout] = {}
+    half_dtypes: dict[str, torch.dtype] = {}
     kept_bytes = dense_numel = 0
     widened: dict[str, list[GGUFTensor]] = {}  # type name -> the weights of that type dequantized for want of a kernel
     for tensor in sorted(reader.tensors, key=_model_order):
@@ -130,6 +139,11 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
             layout = quantized_layouts[hf_name] = BLOCK_LAYOUTS[tensor.tensor_type]
             kept_bytes += int(tensor.n_elements) * (layout.bits * layout.group_size + 32) // (8 * layout.group_size)
             continue
+        if keep_quantized and _is_weight_matrix(tensor) and tensor.tensor_type in _HALF_TYPES:
+            half = half_dtypes[hf_name] = _HALF_TYPES[tensor.tensor_type]
+            readers[hf_name] = functools.partial(_dense_tensor, reader, tensor, heads, half)
+            kept_bytes += int(tensor.n_elements) * half.itemsize
+            continue
         if keep_quantized and _is_weight_matrix(tensor):
             widened.setdefault(tensor.tensor_type.name, []).append(tensor)
         readers[hf_name] = functools.partial(_dense_tensor, reader, tensor, heads, dtype)
@@ -140,7 +154,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
                        "%.1f MB", path, len(tensors), type_name, sum(t.nbytes for t in tensors) / 1e6,
                        str(dtype).removeprefix("torch."), numel * dtype.itemsize / 1e6)
     return GGUFCheckpoint(config, LazyTensors(readers), tokenizer, LazyTensors(quantized), quantized_layouts,
-                          kept_bytes, dense_numel)
+                          half_dtypes, kept_bytes, dense_numel)
 
 
 Value = TypeVar("Value")
@@ -167,7 +181,11 @@ class LazyTensors(Mapping[str, Value], Generic[Value]):
 
 
 def _dense_tensor(file: GGUFFile, tensor: GGUFTensor, heads: int | None, dtype: torch.dtype) -> torch.Tensor:
-    weight = _dequantize(file, tensor)
+    """The tensor in dtype: an F16 or BF16 one read in dtype its own type is, as stored (no float32 copy of it)."""
+    if _HALF_TYPES.get(tensor.tensor_type) == dtype:
+        weight = torch.from_numpy(file.read(tensor)).view(dtype).reshape(tensor.shape)
+    else:
+        weight = _dequantize(file, tensor)
     if heads is not None:
         weight = _undo_rope_permutation(file.path, tensor.name, weight, heads)
     return weight.to(dtype)

@@ -32,7 +32,7 @@ from kvforge.quantization import (
     resolve_quant_config,
 )
 from kvforge.quantization.fp8 import fp8_checkpoint_tensors
-from kvforge.quantization.gguf_quants import keep_gguf_quantized
+from kvforge.quantization.gguf_quants import keep_16bit, keep_gguf_quantized
 from kvforge.quantization.weight_only_kernels import PanelArena, pack_into
 from kvforge.tokenizer import Tokenizer
 
@@ -123,6 +123,7 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
             if quant_config is not None:
                 quantize_model(model, quant_config, from_float="quantization_config" not in hf_config)
             if keep_gguf:
+                keep_16bit(model, checkpoint.half_dtypes, vocab=config.quantize_lm_head)
                 weights = keep_gguf_quantized(model, checkpoint.tensors, checkpoint.quantized,
                                               checkpoint.quantized_layouts, vocab=config.quantize_lm_head)
     finally:

@@ -2,7 +2,8 @@
 of every block type in kvforge.quantization.gguf_blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K .. Q6_K,
 IQ4_XS) become QuantizedWeights as they are, decoded without a detour through float, and run on the weight-only
 kernels: 4-bit codes, 6-bit ones for the 5- and 6-bit types, 8-bit ones for Q8_0 and the IQ4 types (whose codes
-are a table's int8 values), in groups of 32 or 16 columns.
+are a table's int8 values), in groups of 32 or 16 columns. The F16 and BF16 ones keep their 16 bits
+(`keep_16bit`: the layers' float weight in that dtype, which kernels/cpu/half_gemv.py multiplies).
 """
 
 from __future__ import annotations
@@ -119,16 +120,54 @@ def keep_gguf_quantized(
     return _checkpoint_tensors(dense, kept, kept_names, kept_names & set(_VOCAB_NAMES))
 
 
-def _keep_vocab_quantized(model: nn.Module, kept: Mapping[str, QuantizedWeight]) -> set[str]:
-    """The embedding and LM head take their kept tensors as they are (a tied head is the embedding, or under
-    pipeline parallelism a copy of it on the last stage); returns the names taken. A stage without the
-    module skips its tensor."""
+def keep_16bit(model: nn.Module, half_dtypes: Mapping[str, torch.dtype], vocab: bool = True) -> None:
+    """Before loading: every quantizable Linear whose checkpoint weights are all kept in one 16-bit dtype (half_dtypes:
+    HF weight name -> float16 or bfloat16, a GGUF file's F16 and BF16 matrices) gets its float weight in that dtype,
+    unwritten, which loading fills as stored; vocab: the embedding and LM head too. A layer whose shards differ
+    (a 16-bit one beside a kept block type or another dtype) keeps its float weight, and loading widens them."""
+    linears = quantizable_linears(model)
+    shards_of: dict[str, dict[int, torch.dtype]] = {}
+    for name in half_dtypes.keys() - set(_VOCAB_NAMES):
+        layer_name, shard = _layer_and_shard(model, name)
+        shards_of.setdefault(layer_name, {})[shard] = half_dtypes[name]
+    widened = 0
+    for layer_name, shards in shards_of.items():
+        layer = linears.get(layer_name)
+        if (layer is not None and layer.quant_method is None and len(shards) == len(layer.shard_sizes)
+                and len(set(shards.values())) == 1):
+            _in_dtype(layer, shards[0])
+        else:
+            widened += len(shards)
+    if widened:
+        logger.warning("%d F16/BF16 weights share a layer with weights of another type: widened to the model's float "
+                       "type", widened)
+    for name, modules in _vocab_targets(model).items():
+        if vocab and name in half_dtypes:
+            for module in modules:
+                if module is not None:
+                    _in_dtype(module, half_dtypes[name])
+
+
+def _in_dtype(module: nn.Module, dtype: torch.dtype) -> None:
+    """The module's float weight replaced by an unwritten one of the same shape in dtype."""
+    weight = module.weight
+    module.weight = nn.Parameter(torch.empty(weight.shape, dtype=dtype, device=weight.device), requires_grad=False)
+
+
+def _vocab_targets(model: nn.Module) -> dict[str, list[nn.Module | None]]:
+    """HF vocabulary tensor name -> the modules that take it: a tied head is the embedding, or under pipeline
+    parallelism a copy of it on the last stage; a stage without the module has None."""
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     tied = model.config.tie_word_embeddings
-    targets = {_VOCAB_NAMES[0]: [embed, head if tied and head is not embed else None],
-               _VOCAB_NAMES[1]: [None if tied else head]}
+    return {_VOCAB_NAMES[0]: [embed, head if tied and head is not embed else None],
+            _VOCAB_NAMES[1]: [None if tied else head]}
+
+
+def _keep_vocab_quantized(model: nn.Module, kept: Mapping[str, QuantizedWeight]) -> set[str]:
+    """The embedding and LM head take their kept tensors as they are; returns the names taken. A stage without the
+    module skips its tensor."""
     taken = set()
-    for name, modules in targets.items():
+    for name, modules in _vocab_targets(model).items():
         if name in kept and any(module is not None for module in modules):
             weight = kept[name]
             for module in modules:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.kernels.cpu.half_gemv import HALF_DTYPES, half_linear
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available
 
 DENSE_GEMV_MAX_TOKENS = 4  # rows of x up to which the kernel beats oneDNN on the packed weight
@@ -38,8 +39,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); with gemv (a float32 CPU layer whose extension is built, decided at load), a few
     rows of x go through the C++ GEMV and more through oneDNN, where torch has it: on packed, the weight in
-    oneDNN's blocked layout (`pack_for_onednn`), else on the row-major weight."""
-    if gemv and x.dim() == 2:
+    oneDNN's blocked layout (`pack_for_onednn`), else on the row-major weight. A weight kept in 16 bits (a GGUF
+    file's F16 and BF16 matrices) goes to half_gemv.py's half_linear."""
+    if weight.dtype != x.dtype and weight.dtype in HALF_DTYPES:
+        return half_linear(x, weight, bias, gemv)
+    if gemv and x.dim() == 2 and x.dtype == torch.float32:  # NOTE: a model run in 16 bits keeps F.linear
         if x.shape[0] <= DENSE_GEMV_MAX_TOKENS:
             out = torch.ops.kvforge_cpu.dense_gemv(x, weight)
             return out if bias is None else out + bias
@@ -57,8 +61,9 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
 def use_dense_gemv(model: nn.Module) -> None:
     """Route the rows of the model's float32 CPU layers (Linear, the float LM head: modules with `dense_gemv` and
     `onednn_weight` attributes) through the GEMV and oneDNN, where the AVX2 extension is built; elsewhere they keep
-    F.linear. NOTE: the packed copy of each weight is memory beside the weight itself (the GEMV reads the
-    row-major one): it doubles a float32 model's weights, for 1.4-1.6x faster layers at 8-64 rows (table above).
+    F.linear. Those whose weight is kept in 16 bits take half_gemv.py's GEMV, and get no packed copy. NOTE: the
+    packed copy of each float32 weight is memory beside the weight itself (the GEMV reads the row-major one): it
+    doubles a float32 model's weights, for 1.4-1.6x faster layers at 8-64 rows (table above).
     Code that later writes a weight in place calls `drop_packed_weights` first."""
     layers = [module for module in model.modules() if hasattr(module, "dense_gemv") and _fits(module)]
     heads = {id(module.lm_head) for module in model.modules() if getattr(module, "lm_head", None) is not None}
@@ -66,7 +71,8 @@ def use_dense_gemv(model: nn.Module) -> None:
         for module in layers:
             module.dense_gemv = True
             multiplies = not hasattr(module, "compute_logits") or id(module) in heads  # not an untied input table
-            module.onednn_weight = pack_for_onednn(module.weight) if ONEDNN and multiplies else None
+            packs = ONEDNN and multiplies and module.weight.dtype == torch.float32  # not a weight kept in 16 bits
+            module.onednn_weight = pack_for_onednn(module.weight) if packs else None
 
 
 def drop_packed_weights(model: nn.Module) -> None:
@@ -79,5 +85,6 @@ def drop_packed_weights(model: nn.Module) -> None:
 
 def _fits(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    return (isinstance(weight, torch.Tensor) and weight.dtype in (torch.float32, *HALF_DTYPES)
+            and weight.device.type == "cpu"
             and weight.dim() == 2 and weight.is_contiguous())

@@ -21,6 +21,8 @@ implementation below, so torch.compile traces them as opaque nodes:
     gguf_decode(blocks [N, B, block bytes], type) -> (codes [N, K], scales [N, G], zeros [N, G])   (GGUF blocks
         at load time: quantization/gguf_blocks.py)
     dense_gemv(x [M, K], weight [N, K]) -> [M, N] fp32 (AVX2 builds)             (dense_gemv.py)
+    half_gemv(x [M, K], weight [N, K] fp16 | bf16, vector_bits) -> [M, N] fp32 (AVX2 + F16C builds; 512-bit
+        vectors in AVX-512 ones; half_gemv_widest() says which)                 (half_gemv.py)
     onednn_linear(x [M, K], weight [N, K], bias) -> [M, N] fp32  (oneDNN's matmul; torch builds with mkldnn)
     paged_decode(query [S, H, D], key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
         sliding_window, softcap, sinks) -> [S, H, D]                             (paged_attention.py)
@@ -223,6 +225,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvforge_cpu::dense_gemv")
     def _(x, weight):
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("kvforge_cpu::half_gemv")
+    def _(x, weight, vector_bits=0):
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("kvforge_cpu::onednn_linear")

@@ -1,0 +1,92 @@
+"""The 16-bit weight GEMV (csrc/half_gemv.cpp), in both its vector widths, and half_linear's widened GEMM above it,
+against F.linear on the weight widened to float32: alone, inside a Linear, and compiled. A GGUF file's F16 and BF16
+models run through them in tests/quantization/test_gguf_16bit.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvforge.kernels.cpu.dense_gemv import dense_linear, use_dense_gemv
+from kvforge.kernels.cpu.half_gemv import HALF_GEMV_MAX_TOKENS, WIDEN_ROWS, half_linear
+from kvforge.kernels.cpu.quant_gemv import native_kernels_available
+from kvforge.layers.linear import Linear
+
+needs_avx2 = pytest.mark.skipif(not native_kernels_available(), reason="the AVX2 build of the CPU kernels")
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _widths() -> list[int]:
+    """The vector widths this build has: 256 (AVX2 + F16C, the AVX2 build's only path) and 512 (AVX-512 builds)."""
+    if not native_kernels_available():
+        return []
+    return [bits for bits in (256, 512) if bits <= torch.ops.kvforge_cpu.half_gemv_widest()]
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # NOTE: the weights are widened exactly; only the order of the float32 sums differs from F.linear's
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def _operands(rows: int, out_features: int, in_features: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    return torch.randn(rows, in_features, generator=gen), torch.randn(out_features, in_features, generator=gen).to(dtype)
+
+
+@needs_avx2
+@pytest.mark.parametrize("vector_bits", [256, 512])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, HALF_GEMV_MAX_TOKENS])
+@pytest.mark.parametrize(("out_features", "in_features"), [(577, 1536), (64, 40), (7, 13), (1, 8)])
+def test_gemv_equals_f_linear_on_the_widened_weight(vector_bits, dtype, rows, out_features, in_features):
+    if vector_bits not in _widths():
+        pytest.skip(f"this build has no {vector_bits}-bit path")
+    x, weight = _operands(rows, out_features, in_features, dtype)
+    out = torch.ops.kvforge_cpu.half_gemv(x, weight, vector_bits)
+    _close(out, F.linear(x, weight.float()))
+    assert weight.dtype == dtype  # read as it is
+
+
+@needs_avx2
+def test_gemv_refuses_bad_operands():
+    x, weight = _operands(2, 8, 16, torch.float16)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        torch.ops.kvforge_cpu.half_gemv(x, weight.float(), 0)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        torch.ops.kvforge_cpu.half_gemv(x, weight.t(), 0)  # not contiguous
+    with pytest.raises(RuntimeError, match=r"float32 \[M, 16\]"):
+        torch.ops.kvforge_cpu.half_gemv(x[:, :8], weight, 0)
+    with pytest.raises(RuntimeError, match="vector_bits must be 0, 256 or 512, not 128"):
+        torch.ops.kvforge_cpu.half_gemv(x, weight, 128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [HALF_GEMV_MAX_TOKENS + 1, 64])
+@pytest.mark.parametrize("out_features", [WIDEN_ROWS + 3, 7])
+def test_many_rows_widen_the_weight_by_blocks_equal_to_f_linear(dtype, rows, out_features):
+    x, weight = _operands(rows, out_features, 96, dtype)
+    bias = torch.randn(out_features)
+    for gemv in (False, True):
+        _close(half_linear(x, weight, bias, gemv), F.linear(x, weight.float(), bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_with_a_16_bit_weight_runs_in_float32_and_compiled(dtype):
+    """A Linear whose weight is kept in 16 bits (as the GGUF loader leaves F16/BF16 layers): float32 in and out at
+    every row count, no float32 copy of the weight made at load, and the same result compiled."""
+    layer = Linear(96, [40, 24], bias=True)
+    weight = torch.randn(64, 96).to(dtype)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.bias.data.normal_()
+    use_dense_gemv(layer)
+    assert layer.weight.dtype == dtype and layer.onednn_weight is None
+    assert layer.dense_gemv == native_kernels_available()
+    compiled = torch.compile(layer, dynamic=False)
+    for rows in (1, 4, HALF_GEMV_MAX_TOKENS + 3):
+        x = torch.randn(rows, 96)
+        expected = F.linear(x, weight.float(), layer.bias)
+        _close(layer(x), expected)
+        _close(compiled(x), expected)
+    assert dense_linear(x.to(dtype), weight, None, layer.dense_gemv).dtype == dtype  # a model run in its own dtype
