@@ -87,10 +87,15 @@ def test_loaded_layers_and_float_head_use_the_gemv():
     _close(head.compute_logits(x), F.linear(x, head.weight))
 
 
-def test_other_dtypes_keep_f_linear():
+def test_a_model_run_in_16_bits_keeps_f_linear():
+    """Every tensor of the layer in bfloat16 (a model run in it, not a weight kept in 16 bits beside float32
+    activations): F.linear in bfloat16, no packed copy."""
     model = torch.nn.ModuleList([Linear(64, [32]).to(torch.bfloat16)])
+    model[0].weight.data.normal_()
     use_dense_gemv(model)
-    assert not model[0].dense_gemv
+    assert model[0].onednn_weight is None
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(model[0](x), F.linear(x, model[0].weight))
 
 
 @needs_avx2
