@@ -1,13 +1,21 @@
 """The 16-bit weight GEMV (csrc/half_gemv.cpp), in both its vector widths, and half_linear's widened GEMM above it,
-against F.linear on the weight widened to float32: alone and inside a Linear. A GGUF file's F16 and BF16
+against F.linear on the weight widened to float32: alone and inside a Linear; and the AVX2 build's own (256-bit) path,
+loaded in a process of its own, where that build came with the checkout. A GGUF file's F16 and BF16
 models run through them in tests/quantization/test_gguf_16bit.py."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvforge.kernels.cpu import builds
 from kvforge.kernels.cpu.dense_gemv import dense_linear, use_dense_gemv
 from kvforge.kernels.cpu.half_gemv import HALF_GEMV_MAX_TOKENS, WIDEN_ROWS, half_linear
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available
@@ -89,3 +97,35 @@ def test_linear_with_a_16_bit_weight_runs_in_float32(dtype):
         expected = F.linear(x, weight.float(), layer.bias)
         _close(layer(x), expected)
     assert dense_linear(x.to(dtype), weight, None, layer.dense_gemv).dtype == dtype  # a model run in its own dtype
+
+
+_IN_THE_AVX2_BUILD = """
+import torch
+import torch.nn.functional as F
+from kvforge.kernels.cpu.extension import kernels_build
+build = kernels_build()
+assert build.origin == "built with the package" and torch.ops.kvforge_cpu.quant_gemv_isa() == "avx2", build.describe()
+assert torch.ops.kvforge_cpu.half_gemv_widest() == 256
+for dtype in (torch.float16, torch.bfloat16):
+    for rows in (1, 5):
+        x, weight = torch.randn(rows, 1544), torch.randn(77, 1544).to(dtype)
+        ref = F.linear(x, weight.float())
+        out = torch.ops.kvforge_cpu.half_gemv(x, weight, 0)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+"""
+
+
+def _avx2_build_present() -> bool:
+    variant = next(v for v in builds.VARIANTS if v.isa == "avx2")
+    name = f"kvforge.kernels.cpu.{variant.module_name(builds.sources_digest())}"
+    return variant.runs_on(builds.cpu_flags()) and importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.skipif(platform.machine().lower() not in builds.X86_MACHINES or not _avx2_build_present(),
+                    reason="no AVX2 build of these sources came with the checkout (setup.py, KVFORGE_CPU_VARIANTS)")
+def test_the_avx2_build_equals_f_linear_on_the_widened_weight():
+    """The AVX2 variant (-march=x86-64-v3, what a CPU without AVX-512 loads) chosen with KVFORGE_CPU_VARIANT."""
+    env = {**os.environ, "KVFORGE_CPU_VARIANT": "avx2"}
+    done = subprocess.run([sys.executable, "-c", _IN_THE_AVX2_BUILD], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
