@@ -40,7 +40,8 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 def _operands(rows: int, out_features: int, in_features: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
-    return torch.randn(rows, in_features, generator=gen), torch.randn(out_features, in_features, generator=gen).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    return torch.randn(rows, in_features, generator=gen), weight
 
 
 @needs_avx2
