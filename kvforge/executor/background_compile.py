@@ -51,6 +51,10 @@ GC_DEFER_SECONDS = 30.0  # the longest the collector stays off after the jobs, w
 NICE = 19
 
 
+# Python functions a cancel is not raised at: the exits that release what their with statement took
+_UNWIND_FUNCTIONS = frozenset({"__exit__", "__aexit__", "release"})
+
+
 class CompileCancelled(BaseException):
     """Raised inside a cancelled compile at its next Python call (a BaseException: torch catches Exception)."""
 
@@ -186,7 +190,12 @@ class CompileThread:
         if (event != "call" and event != "c_call") or self._in_alone:
             return
         if self._cancelled:
-            raise CompileCancelled
+            # NOTE: raised only as a Python function starts, never as a C one does: raised at a lock's __exit__ (a C
+            # call) it left the lock held by a thread that then ended, and the next compile waited on it forever.
+            # The profile hook is unset once it raises, so what runs while the exception unwinds runs unhooked.
+            if event == "call" and frame.f_code.co_name not in _UNWIND_FUNCTIONS:
+                raise CompileCancelled
+            return
         ends = self._turn_ends  # NOTE: read once: the engine's thread may set it to None (a lend) meanwhile
         if not self._turn.is_set() or ends is None or time.perf_counter() >= ends:
             self._wait()
