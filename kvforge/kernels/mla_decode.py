@@ -195,8 +195,8 @@ def mla_decode_triton(
     if num_splits > 1:
         one_query_each = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
         reduce_splits_kernel[(num_seqs, num_heads)](
-            out, partial_acc, partial_max, partial_sum, one_query_each, out.stride(0), out.stride(1),
+            out, partial_acc, partial_max, partial_sum, one_query_each, out, out.stride(0), out.stride(1),
             HEAD_DIM=latent_dim, HEAD_DIM_P=latent_p, NUM_SPLITS=num_splits,
-            SPLITS_P=next_power_of_2(num_splits), num_warps=tiles.reduce_num_warps,
+            SPLITS_P=next_power_of_2(num_splits), HAS_SINKS=False, num_warps=tiles.reduce_num_warps,
         )  # fmt: skip
     return out
