@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
+from kvforge.kernels.cpu.half_gemv import native_bf16_gemm
 from kvforge.llm import LLM
 from kvforge.loader.gguf import load_gguf
 from kvforge.sampling_params import SamplingParams
@@ -97,11 +98,14 @@ def test_the_model_holds_its_weights_in_16_bits(tiny_16bit) -> None:
 
 def test_logits_and_greedy_tokens_are_the_dequantized_models(tiny_16bit) -> None:
     """The weights are widened exactly and activations stay float32: the logits of a prompt (the widened GEMM) equal
-    the float32 model's up to the order of the sums, and greedy decoding (the GEMV) gives the same tokens."""
-    _, _, dense, kept = tiny_16bit
+    the float32 model's up to the order of the sums, and greedy decoding (the GEMV) gives the same tokens. On a CPU
+    that multiplies bfloat16, a BF16 file's prompt takes its bfloat16 GEMM (activations and products rounded to
+    bfloat16, half_gemv.py): its logits are within that rounding."""
+    qtype, _, dense, kept = tiny_16bit
     token_ids = np.random.default_rng(1).integers(0, len(TOKENS) - 2, 40).tolist()
     dense_logits, kept_logits = dense.engine.score(token_ids), kept.engine.score(token_ids)
-    assert (kept_logits - dense_logits).abs().max() <= 1e-4 * dense_logits.abs().max()
+    rounded = qtype == Q.BF16 and native_bf16_gemm()
+    assert (kept_logits - dense_logits).abs().max() <= (2e-2 if rounded else 1e-4) * dense_logits.abs().max()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     requests = [{"prompt_token_ids": token_ids[i : i + 6]} for i in range(0, 24, 6)]
     for a, b in zip(dense.generate(requests, params), kept.generate(requests, params)):

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 
 from kvforge.kernels.cpu import builds
 from kvforge.kernels.cpu.dense_gemv import dense_linear, use_dense_gemv
-from kvforge.kernels.cpu.half_gemv import HALF_GEMV_MAX_TOKENS, WIDEN_ROWS, half_linear
+from kvforge.kernels.cpu.half_gemv import (
+    BF16_GEMV_MAX_TOKENS,
+    HALF_GEMV_MAX_TOKENS,
+    WIDEN_ROWS,
+    half_linear,
+    native_bf16_gemm,
+)
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available
 from kvforge.layers.linear import Linear
 
@@ -36,6 +42,17 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
     # NOTE: the weights are widened exactly; only the order of the float32 sums differs from F.linear's
     assert out.shape == ref.shape and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def _close_to_bf16_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                           ) -> None:  # fmt: skip
+    """out is x rounded to bfloat16 times the weight, the product rounded to bfloat16 (within one of its units: the
+    float32 sums' order may move a rounding), plus the bias in float32."""
+    product = F.linear(x.bfloat16().float(), weight.float()).bfloat16().float()
+    ref = product if bias is None else product + bias
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-5 * ref.abs().max().item())
+    assert (out - F.linear(x, weight.float(), bias)).abs().max() > 0  # rounded: not the float32 product
 
 
 def _operands(rows: int, out_features: int, in_features: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,14 +88,25 @@ def test_gemv_refuses_bad_operands():
         torch.ops.kvforge_cpu.half_gemv(x, weight, 128)
 
 
+def _rounds_x(dtype: torch.dtype, rows: int, gemv: bool) -> bool:
+    """half_linear multiplies these rows with the CPU's bfloat16 GEMM (x rounded to bfloat16)."""
+    return dtype == torch.bfloat16 and native_bf16_gemm() and not (gemv and rows <= BF16_GEMV_MAX_TOKENS)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [HALF_GEMV_MAX_TOKENS + 1, 64])
+@pytest.mark.parametrize("rows", [BF16_GEMV_MAX_TOKENS + 1, HALF_GEMV_MAX_TOKENS + 1, 64])
 @pytest.mark.parametrize("out_features", [WIDEN_ROWS + 3, 7])
-def test_many_rows_widen_the_weight_by_blocks_equal_to_f_linear(dtype, rows, out_features):
+def test_many_rows_equal_f_linear_on_the_widened_weight(dtype, rows, out_features):
+    """Above the GEMV's rows, the widened GEMM equals F.linear on the widened weight; a CPU that multiplies bfloat16
+    (AVX-512 BF16) takes its bfloat16 GEMM for a bfloat16 weight: x and the product rounded to bfloat16."""
     x, weight = _operands(rows, out_features, 96, dtype)
     bias = torch.randn(out_features)
     for gemv in (False, True):
-        _close(half_linear(x, weight, bias, gemv), F.linear(x, weight.float(), bias))
+        out = half_linear(x, weight, bias, gemv)
+        if _rounds_x(dtype, rows, gemv):
+            _close_to_bf16_product(out, x, weight, bias)
+        else:
+            _close(out, F.linear(x, weight.float(), bias))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,8 +123,10 @@ def test_linear_with_a_16_bit_weight_runs_in_float32(dtype):
     assert layer.dense_gemv == native_kernels_available()
     for rows in (1, 4, HALF_GEMV_MAX_TOKENS + 3):
         x = torch.randn(rows, 96)
-        expected = F.linear(x, weight.float(), layer.bias)
-        _close(layer(x), expected)
+        if _rounds_x(dtype, rows, layer.dense_gemv):
+            _close_to_bf16_product(layer(x), x, weight, layer.bias)
+        else:
+            _close(layer(x), F.linear(x, weight.float(), layer.bias))
     assert dense_linear(x.to(dtype), weight, None, layer.dense_gemv).dtype == dtype  # a model run in its own dtype
 
 
