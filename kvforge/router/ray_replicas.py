@@ -169,10 +169,14 @@ class RayReplicas(ReplicaSet):
         self._stop_actors()
 
     def _stop_actors(self) -> None:
-        """Kill the actors still there, free the placement group and leave the cluster (a local one ends)."""
+        """Kill the actors still there (and wait until Ray has seen them die), free the placement group and leave
+        the cluster (a local one ends)."""
         import ray
 
         for actor in self._actors:
             if actor is not None:
                 ray.kill(actor)
+        running = [done for done in self._done if done is not None]
+        if running:
+            ray.wait(running, num_returns=len(running), timeout=self.stop_timeout)
         release(self._group, self._connected)
