@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import threading
 
 from kvforge.executor.ray_ranks import connect, release, reserve
 from kvforge.router.replica_set import ReplicaSet, free_port, replica_args, serve_replica
@@ -85,6 +87,7 @@ class RayReplicas(ReplicaSet):
     entering it starts their servers."""
 
     def __init__(self, args: argparse.Namespace, num_replicas: int, max_restarts: int = 5) -> None:
+        on_sigterm = signal.getsignal(signal.SIGTERM)
         self._connected = connect(args.ray_address, needed_by="--data-parallel-backend ray")
         import ray
 
@@ -101,6 +104,11 @@ class RayReplicas(ReplicaSet):
         except BaseException:
             self._stop_actors()
             raise
+        # NOTE: joining Ray turned SIGTERM into sys.exit(15), which cleans up while the actors are placed. From
+        # here the router's server handles SIGTERM (a graceful shutdown that stops the replicas, then the signal
+        # raised again): the command then ends as by SIGTERM, as it does with local replicas.
+        if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
         self._addresses = addresses
         super().__init__([f"http://{host}:{port}" for host, port in addresses], max_restarts,
                          stop_timeout=args.shutdown_timeout + 5)
