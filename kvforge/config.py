@@ -134,7 +134,8 @@ class ParallelConfig:
         "started) or ray (one Ray actor per rank across a Ray cluster; pip install kvforge[ray])",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     ray_address: str | None = option(
-        None, "the Ray cluster the ranks run on, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local one)")
+        None, "the Ray cluster the ranks (--distributed-executor-backend ray) or the replicas of `kvforge serve "
+        "--data-parallel-backend ray` run on, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local one)")
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

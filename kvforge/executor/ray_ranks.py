@@ -92,13 +92,14 @@ def _actor_class():
     return ray.remote(RankActor)
 
 
-def connect(address: str | None) -> bool:
+def connect(address: str | None, needed_by: str = "--distributed-executor-backend ray") -> bool:
     """Join the Ray cluster at `address` (None: $RAY_ADDRESS, else a new local one) unless this process has;
-    True when this call connected (the engine disconnects at shutdown)."""
+    True when this call connected (the caller disconnects at shutdown, see `release`). `needed_by` names the
+    flag that asked for Ray, for the error where it is not installed."""
     try:
         import ray
     except ImportError as error:
-        raise ValueError("--distributed-executor-backend ray needs Ray: pip install 'kvforge[ray]'") from error
+        raise ValueError(f"{needed_by} needs Ray: pip install 'kvforge[ray]'") from error
     if ray.is_initialized():
         return False
     # NOTE: "local", not None: ray.init(None) joins whatever cluster `ray start` last left on this machine
@@ -108,11 +109,26 @@ def connect(address: str | None) -> bool:
     return True
 
 
+def reserve(bundles: list[dict[str, float]], strategy: str, what: str) -> object:
+    """A placement group of `bundles` placed with `strategy` (ready to use); ValueError naming `what` and the
+    cluster's resources where it finds no room within 5 minutes."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group(bundles, strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=300)
+    except ray.exceptions.GetTimeoutError as error:
+        remove_placement_group(group)
+        raise ValueError(f"the Ray cluster has no room for {what} ({bundles}, {strategy}): "
+                         f"{ray.cluster_resources()}") from error
+    return group
+
+
 def start_ray_ranks(config: EngineConfig, on_gpu: bool) -> tuple[str, list[RayRank], object]:
     """Place and start ranks 1..world-1: the init method of the world (rank 0 is this process), the ranks, and
     the placement group (for `release`)."""
     import ray
-    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
@@ -120,12 +136,7 @@ def start_ray_ranks(config: EngineConfig, on_gpu: bool) -> tuple[str, list[RayRa
     unit = "GPU" if on_gpu else "CPU"
     bundles = [{unit: tp - 1, f"node:{driver_ip}": 0.001} if stage == 0 else {unit: tp} for stage in range(pp)]
     first = 0 if tp > 1 else 1  # a stage-0 bundle only where stage 0 has ranks beyond this process's
-    group = placement_group(bundles[first:], strategy="SPREAD" if pp > 1 else "PACK")
-    try:
-        ray.get(group.ready(), timeout=300)
-    except ray.exceptions.GetTimeoutError as error:
-        raise ValueError(f"the Ray cluster has no room for {tp} x {pp} ranks ({bundles}): {ray.cluster_resources()}"
-                         ) from error
+    group = reserve(bundles[first:], "SPREAD" if pp > 1 else "PACK", f"{tp} x {pp} ranks")
     init_method = f"tcp://{driver_ip}:{_free_port()}"
     actor_class = _actor_class()
     ranks = []
@@ -138,12 +149,14 @@ def start_ray_ranks(config: EngineConfig, on_gpu: bool) -> tuple[str, list[RayRa
     return init_method, ranks, group
 
 
-def release(group: object, connected: bool) -> None:
-    """Free the placement group's resources; leave the cluster if the engine joined it (a local one ends)."""
+def release(group: object | None, connected: bool) -> None:
+    """Free the placement group's resources (if one was made); leave the cluster if `connect` joined it (a local
+    one ends)."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
     if ray.is_initialized():
-        remove_placement_group(group)
+        if group is not None:
+            remove_placement_group(group)
         if connected:
             ray.shutdown()

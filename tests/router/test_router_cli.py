@@ -1,5 +1,5 @@
-"""Bad input to `kvforge router` and `kvforge serve --data-parallel-size`: one line and exit code 2, before anything
-starts; and the text a request is routed by."""
+"""Bad input to `kvforge router` and `kvforge serve --data-parallel-size` (either backend): one line and exit
+code 2, before anything starts; and the text a request is routed by."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from kvforge.router.request_text import routing_text
     (["router", "--backend", "http://a:1", "--route-max-kv-usage", "2"], "max_kv_cache_usage must be in (0, 1]"),
     (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be >= 1, got 0"),
     (["serve", "--data-parallel-size", "2", "--block-size", "3"], "block_size must be a power of two"),
+    (["serve", "--data-parallel-size", "2", "--data-parallel-backend", "ray", "--data-parallel-replica-cpus", "0"],
+     "--data-parallel-replica-cpus must be >= 1, got 0"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys) -> None:
     assert main(argv) == 2
