@@ -1,6 +1,6 @@
 """Ray across hosts. `--distributed-executor-backend ray`: the ranks as Ray actors give the single-process tokens,
 on a local Ray cluster the engine starts (TP=2) and on an existing cluster whose head and worker are two
-network-namespace hosts (TP=2 and PP=2, rank 1 placed on the worker host). `kvforge serve --data-parallel-size 2
+network-namespace hosts (PP=2, the second stage placed on the worker host). `kvforge serve --data-parallel-size 2
 --data-parallel-backend ray` on that cluster: one replica actor per host (STRICT_SPREAD), the router on the head
 host reaching both, the single engine's tokens."""
 
@@ -89,17 +89,18 @@ def _ray_cluster(hosts: NamespaceHosts, head_cpus: int) -> Iterator[str]:
             _stop(node)
 
 
-@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
-def test_ranks_on_a_head_and_a_worker_host(tiny_llama_dir, split: str) -> None:
+def test_pipeline_stages_on_a_head_and_a_worker_host(tiny_llama_dir) -> None:
     NamespaceHosts.skip_unless_possible()
     folder = tiny_llama_dir[0]
     with NamespaceHosts(2) as hosts:
-        # the head offers no CPUs: rank 1's actor (the second TP rank, or the second stage) must go to the worker host
+        # the head offers no CPUs: the second stage's actor must go to the worker host
         with _ray_cluster(hosts, head_cpus=0) as head_address:
-            done = hosts.run_python(0, SCRIPT, str(folder), split, head_address, PROMPT, env=RAY_ENV)
+            done = hosts.run_python(0, SCRIPT, str(folder), "pipeline_parallel_size", head_address, PROMPT,
+                                    env=RAY_ENV)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == [_reference(folder)]
-    assert f"ip={hosts.address(1)}" in done.stderr  # the rank-1 actor ran on the worker host
+    # NOTE: the last line: Ray's autoscaler may print to the driver's stdout while the worker node joins
+    assert done.stdout.splitlines()[-1:] == [_reference(folder)]
+    assert f"ip={hosts.address(1)}" in done.stderr  # the stage-1 actor ran on the worker host
 
 
 # Run on the head host: wait until the router has both replicas in, send each prompt through it, print the answers
