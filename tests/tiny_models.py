@@ -19,13 +19,17 @@ _CORPUS = [
 ]
 
 
-def save_tokenizer(folder: Path) -> int:
-    """A byte-level BPE of at most VOCAB_SIZE tokens trained on a few lines; returns its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def save_tokenizer(folder: Path, split: str | None = None) -> int:
+    """A byte-level BPE of at most VOCAB_SIZE tokens trained on a few lines (the text split by the regex split before
+    the byte-level mapping, if given; else by GPT-2's); returns its size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
@@ -102,6 +106,41 @@ def save_model(folder: Path, arch: str, **overrides):
     model = build_model(arch, vocab_size=vocab_size, **overrides)
     model.save_pretrained(folder)
     return model
+
+
+def save_mxfp4_experts(folder: Path, src: Path, model):
+    """src's checkpoint (a tiny GPT-OSS) in folder with every expert weight in MXFP4 (blocks and scales, as GPT-OSS
+    checkpoints store them); returns the transformers model whose experts are transformers' dequantization of those
+    blocks and scales."""
+    import copy
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kvforge.kernels.mxfp4 import quantize_mxfp4
+
+    shutil.copytree(src, folder, dirs_exist_ok=True)
+    (folder / "model.safetensors").unlink()
+    reference = copy.deepcopy(model)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # [experts, out, in / 32, 16]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            dequantized = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            reference.get_parameter(name).data.copy_(dequantized)
+        else:
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["self_attn", "router", "embed_tokens", "lm_head"],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return reference
 
 
 def assert_logits_match(llm, model, prompts: list[list[int]]) -> None:

@@ -1,0 +1,126 @@
+"""What each GGUF `general.architecture` that kvforge reads means in Hugging Face terms: one declaration per
+architecture (ARCHITECTURES), read by loader/gguf.py.
+
+    hf_architecture   the config.json `architectures` entry (and so the model class) it loads as
+    layer_names       GGUF tensor kind of a layer (blk.{i}.<kind>.weight) -> its HF module under model.layers.{i}
+    linear_kinds      the kinds that are linear layers' weights (kept in their quantized blocks by default)
+    metadata          GGUF metadata key (after "<arch>.") -> config.json key (a dotted one nests: "rope_scaling.x")
+    config            config.json entries the file does not record, fixed for the family
+    derive            config.json entries llama.cpp computes from others rather than reading them from the file
+
+What llama.cpp's converter changed, undone on load:
+    rope_permuted     q/k rows interleaved for its "normal" rope (Llama, Mistral); HF keeps rotate-half halves
+    norm_offset       added to every RMSNorm weight (Gemma: HF stores w of a scale 1 + w, the file 1 + w)
+
+GPT-OSS's experts (ffn_{gate,up,down}_exps, gate and up apart, MXFP4 or float) are regrouped into the checkpoint's
+tensors by loader/gguf_experts.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+# The Llama layer: the tensor kinds llama.cpp's converter writes for it, and their HF modules.
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LINEAR_KINDS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
+# Gemma's four norms a layer: around the attention, and before and after the MLP ("ffn_norm" is the one before).
+_GEMMA_LAYER = {
+    **_LLAMA_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_METADATA = {
+    "attention.sliding_window": "sliding_window",
+    "attention.sliding_window_pattern": "sliding_window_pattern",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+# GPT-OSS: the second norm is llama.cpp's post_attention_norm; a sink logit a head; the router and the experts.
+_GPT_OSS_LAYER = {
+    **_LLAMA_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks.weight": "self_attn.sinks",  # a parameter of the attention, not a module
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
+
+def _gemma_query_scalar(config: dict[str, Any]) -> dict[str, Any]:
+    """query_pre_attn_scalar, which the files do not record: llama.cpp takes head_dim, except for the 27B models
+    (46 layers for Gemma 2, 62 for Gemma 3), whose scalar is hidden_size / num_attention_heads."""
+    if config["num_hidden_layers"] == {"gemma2": 46, "gemma3_text": 62}[config["model_type"]]:
+        return {"query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]}
+    return {"query_pre_attn_scalar": config["head_dim"]}
+
+
+def _gemma3_windows(config: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 file without a sliding window runs every layer globally (llama.cpp: no SWA)."""
+    if config.get("sliding_window"):
+        return _gemma_query_scalar(config)
+    return {**_gemma_query_scalar(config), "layer_types": ["full_attention"] * config["num_hidden_layers"]}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFArchitecture:
+    """One GGUF architecture in Hugging Face terms (the module docstring)."""
+
+    hf_architecture: str
+    model_type: str
+    layer_names: Mapping[str, str] = field(default_factory=lambda: MappingProxyType(_LLAMA_LAYER))
+    linear_kinds: frozenset[str] = _LINEAR_KINDS
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=lambda: {"hidden_act": "silu"})
+    derive: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    rope_permuted: bool = False
+    norm_offset: float = 0.0
+
+
+_GEMMA2 = GGUFArchitecture(
+    "Gemma2ForCausalLM", "gemma2", _GEMMA_LAYER,
+    metadata={**_GEMMA_METADATA, "attn_logit_softcapping": "attn_logit_softcapping"},
+    config={"hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096},  # llama.cpp's default window
+    derive=_gemma_query_scalar, norm_offset=1.0,
+)  # fmt: skip
+_GEMMA3 = GGUFArchitecture(
+    "Gemma3ForCausalLM", "gemma3_text", _GEMMA_LAYER,
+    metadata={**_GEMMA_METADATA, "rope.freq_base_swa": "rope_local_base_freq"},
+    config={"hidden_activation": "gelu_pytorch_tanh"}, derive=_gemma3_windows, norm_offset=1.0,
+)  # fmt: skip
+_GPT_OSS = GGUFArchitecture(
+    "GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER,
+    metadata={"attention.sliding_window": "sliding_window",
+              "attention.sliding_window_pattern": "sliding_window_pattern",
+              "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+              "expert_feed_forward_length": "intermediate_size",
+              "rope.scaling.yarn_beta_fast": "rope_scaling.beta_fast",
+              "rope.scaling.yarn_beta_slow": "rope_scaling.beta_slow"},
+    # NOTE: GPT-OSS's YaRN keeps its blend's edges unrounded, which the files do not say (config.json does)
+    config={"hidden_act": "silu", "rope_scaling": {"truncate": False}},
+)  # fmt: skip
+
+ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", rope_permuted=True),
+    "mistral": GGUFArchitecture("MistralForCausalLM", "mistral", rope_permuted=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": _GEMMA2,
+    "gemma3": _GEMMA3,
+    "gpt-oss": _GPT_OSS,
+})  # fmt: skip
