@@ -100,6 +100,45 @@ def build_model(arch: str, **overrides):
     return model
 
 
+# The tiny hybrid models (Gated DeltaNet + gated attention): Qwen3-Next, Qwen3.5 dense and Qwen3.5 MoE
+HYBRID_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                     bos_token_id=1, eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                     layer_types=["linear_attention", "full_attention", "linear_attention",
+                                  "linear_attention"])  # fmt: skip
+HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48)
+# arch -> (config class, model class, config overrides)
+HYBRID_ARCHS = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(HYBRID_MOE, decoder_sparse_step=1, mlp_only_layers=[2])),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", HYBRID_MOE),
+}
+
+
+def build_hybrid_model(arch: str, vocab_size: int):
+    """A tiny random model whose norms, gates and routers are far from their initial values (a (1 + w) norm of
+    w = 0 would not tell (1 + w) from w), and whose linear-attention states forget slowly."""
+    import transformers
+
+    config_name, model_name, overrides = HYBRID_ARCHS[arch]
+    config = getattr(transformers, config_name)(vocab_size=vocab_size, **{**HYBRID_COMMON, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.normal_(0.0, 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                tensor.normal_(0.0, 0.5)
+            elif name.endswith("A_log"):  # slow decays (g of -0.02 to -0.2 a token): the state remembers far back
+                tensor.uniform_(-4.0, -2.0)
+    model.generation_config.eos_token_id = None  # NOTE: kvforge runs with ignore_eos; so does transformers
+    return model
+
+
 def save_model(folder: Path, arch: str, **overrides):
     """Save a tiny model and its tokenizer to folder; the model's vocabulary is the tokenizer's."""
     vocab_size = save_tokenizer(folder)

@@ -26,8 +26,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvforge.loader.gguf_architectures import ARCHITECTURES, GGUFArchitecture
-from kvforge.loader.gguf_experts import expert_readers, is_expert_tensor
 from kvforge.loader.gguf_file import GGUFFile, GGUFTensor
+from kvforge.loader.gguf_regroup import LayerTensors
 from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS, BlockLayout, decode_blocks
 from kvforge.quantization.quantized_weight import QuantizedWeight
 from kvforge.tokenizer import Tokenizer
@@ -40,7 +40,7 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")  # a few have no suffix (Qwen3-Next's ssm_a)
 # The vocabulary tensors (embedding, LM head): kept quantized with keep_quantized, like the weights of linear layers.
 _VOCAB_TENSORS = {"token_embd.weight", "output.weight"}
 # The types of such tensors kept in their own 16 bits with keep_quantized, and their torch dtypes.
@@ -92,7 +92,8 @@ def read_gguf_header(path: str) -> tuple[GGUFFile, str, dict, Tokenizer]:
 def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GGUFCheckpoint:
     """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer.
     keep_quantized: linear-layer weights of a type in BLOCK_LAYOUTS go to `quantized` instead, F16 or BF16 ones
-    stay in `tensors` in their 16 bits (named in `half_dtypes`), and MXFP4 experts stay MXFP4 (gguf_experts.py)."""
+    stay in `tensors` in their 16 bits (named in `half_dtypes`), and MXFP4 experts stay MXFP4 (gguf_experts.py).
+    The tensors the architecture regroups (gguf_regroup.py) are read by its regrouping."""
     reader, arch, config, tokenizer = read_gguf_header(path)
     spec = ARCHITECTURES[arch]
     readers: dict[str, Callable[[], torch.Tensor]] = {}
@@ -101,18 +102,21 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
     half_dtypes: dict[str, torch.dtype] = {}
     kept_bytes = dense_numel = 0
     widened: dict[str, list[GGUFTensor]] = {}  # type name -> the weights of that type dequantized for want of a kernel
-    experts = [t for t in reader.tensors if is_expert_tensor(t.name)]
+    regrouped: LayerTensors = {}  # the layer tensors of spec.regrouping's kinds
     for tensor in sorted(reader.tensors, key=functools.partial(_model_order, spec)):
         if tensor.name == _ROPE_FREQS:
             logger.warning("%s: ignoring %s (llama3-style rope scaling is not applied)", path, _ROPE_FREQS)
             continue
-        if is_expert_tensor(tensor.name):
+        match = _LAYER_TENSOR.fullmatch(tensor.name)
+        if spec.regrouping is not None and match is not None and match.group(2) in spec.regrouping.kinds:
+            kind, suffix = match.group(2, 3)
+            regrouped.setdefault(int(match.group(1)), {})[kind if suffix is None else f"{kind}.{suffix}"] = tensor
             continue
         hf_name = _hf_name(path, spec, tensor.name)
         heads = None
         if spec.rope_permuted and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
-        offset = spec.norm_offset if hf_name.endswith("norm.weight") else 0.0
+        offset = spec.norm_offset if hf_name.endswith("norm.weight") and not hf_name.endswith(spec.plain_norms) else 0.0
         if keep_quantized and _is_kept(spec, tensor):
             quantized[hf_name] = functools.partial(_decode_kept, reader, tensor, heads)
             layout = quantized_layouts[hf_name] = BLOCK_LAYOUTS[tensor.tensor_type]
@@ -127,14 +131,13 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
             widened.setdefault(tensor.tensor_type.name, []).append(tensor)
         readers[hf_name] = functools.partial(_dense_tensor, reader, tensor, heads, dtype, offset)
         dense_numel += int(tensor.n_elements)
-    if experts:
+    if regrouped:
+        assert spec.regrouping is not None
         dense = functools.partial(_read_dense, reader, dtype)
-        expert_tensors, mxfp4 = expert_readers(reader, experts, keep_quantized, dense)
-        readers.update(expert_tensors)
-        if mxfp4:  # the model's experts take MXFP4 blocks; every other tensor is float
-            config["quantization_config"] = {"quant_method": "mxfp4"}
-            kept_bytes += sum(t.nbytes for t in experts if t.tensor_type == GGMLQuantizationType.MXFP4)
-        dense_numel += sum(int(t.n_elements) for t in experts if not mxfp4 or t.name.endswith(".bias"))
+        extra = spec.regrouping.regroup(reader, regrouped, config, keep_quantized, dense)
+        readers.update(extra.readers)
+        config.update(extra.config)
+        kept_bytes, dense_numel = kept_bytes + extra.kept_bytes, dense_numel + extra.dense_numel
     for type_name, tensors in widened.items():
         numel = sum(int(t.n_elements) for t in tensors)
         logger.warning("%s: %d weights of type %s (%.1f MB in the file) have no kept kernel: dequantized to %s, "
@@ -240,7 +243,7 @@ def _hf_config(
         config["layer_types"] = ["sliding_attention" if local else "full_attention" for local in pattern]
         del config["sliding_window_pattern"]
     if spec.derive is not None:
-        config.update(spec.derive(config))
+        config.update(spec.derive(config, {k.removeprefix(f"{arch}."): v for k, v in meta.items()}, shapes))
     return config
 
 
@@ -251,7 +254,7 @@ def _hf_name(path: str, spec: GGUFArchitecture, name: str) -> str:
     layer, kind, suffix = match.groups() if match is not None else (None, None, None)
     if f"{kind}.{suffix}" in spec.layer_names:  # a parameter of its own (GPT-OSS's sinks), not a module's weight
         return f"model.layers.{layer}.{spec.layer_names[f'{kind}.{suffix}']}"
-    if kind not in spec.layer_names:
+    if kind not in spec.layer_names or suffix is None:
         raise ValueError(f"{path}: unexpected tensor {name!r} in GGUF file")
     return f"model.layers.{layer}.{spec.layer_names[kind]}.{suffix}"
 

@@ -6,14 +6,16 @@ architecture (ARCHITECTURES), read by loader/gguf.py.
     linear_kinds      the kinds that are linear layers' weights (kept in their quantized blocks by default)
     metadata          GGUF metadata key (after "<arch>.") -> config.json key (a dotted one nests: "rope_scaling.x")
     config            config.json entries the file does not record, fixed for the family
-    derive            config.json entries llama.cpp computes from others rather than reading them from the file
+    derive            config.json entries llama.cpp computes from others rather than reading them from the file:
+                      derive(config, metadata without the "<arch>." prefix, tensor shapes)
+    regrouping        the layer tensors the converter split, merged or stacked unlike the checkpoints, and how they
+                      go back (loader/gguf_regroup.py)
 
 What llama.cpp's converter changed, undone on load:
     rope_permuted     q/k rows interleaved for its "normal" rope (Llama, Mistral); HF keeps rotate-half halves
-    norm_offset       added to every RMSNorm weight (Gemma: HF stores w of a scale 1 + w, the file 1 + w)
+    norm_offset       added to every RMSNorm weight (Gemma, Qwen3-Next: HF stores w of a scale 1 + w, the file 1 + w),
+                      but those of plain_norms
 
-GPT-OSS's experts (ffn_{gate,up,down}_exps, gate and up apart, MXFP4 or float) are regrouped into the checkpoint's
-tensors by loader/gguf_experts.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from kvforge.loader.gguf_experts import GPT_OSS_EXPERTS
+from kvforge.loader.gguf_qwen3_next import QWEN3_NEXT_REGROUPING
+from kvforge.loader.gguf_regroup import Regrouping
 
 # The Llama layer: the tensor kinds llama.cpp's converter writes for it, and their HF modules.
 _LLAMA_LAYER = {
@@ -56,13 +62,13 @@ _GPT_OSS_LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "attn_sinks.weight": "self_attn.sinks",  # a parameter of the attention, not a module
     "ffn_gate_inp": "mlp.router",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
 }
 
 
-def _gemma_query_scalar(config: dict[str, Any]) -> dict[str, Any]:
+Shapes = dict[str, tuple[int, ...]]  # GGUF tensor name -> its shape
+
+
+def _gemma_query_scalar(config: dict[str, Any], meta: dict[str, Any], shapes: Shapes) -> dict[str, Any]:
     """query_pre_attn_scalar, which the files do not record: llama.cpp takes head_dim, except for the 27B models
     (46 layers for Gemma 2, 62 for Gemma 3), whose scalar is hidden_size / num_attention_heads."""
     if config["num_hidden_layers"] == {"gemma2": 46, "gemma3_text": 62}[config["model_type"]]:
@@ -70,11 +76,27 @@ def _gemma_query_scalar(config: dict[str, Any]) -> dict[str, Any]:
     return {"query_pre_attn_scalar": config["head_dim"]}
 
 
-def _gemma3_windows(config: dict[str, Any]) -> dict[str, Any]:
+def _gemma3_windows(config: dict[str, Any], meta: dict[str, Any], shapes: Shapes) -> dict[str, Any]:
     """A Gemma 3 file without a sliding window runs every layer globally (llama.cpp: no SWA)."""
+    scalar = _gemma_query_scalar(config, meta, shapes)
     if config.get("sliding_window"):
-        return _gemma_query_scalar(config)
-    return {**_gemma_query_scalar(config), "layer_types": ["full_attention"] * config["num_hidden_layers"]}
+        return scalar
+    return {**scalar, "layer_types": ["full_attention"] * config["num_hidden_layers"]}
+
+
+def _qwen3_next_layers(config: dict[str, Any], meta: dict[str, Any], shapes: Shapes) -> dict[str, Any]:
+    """Qwen3-Next's value head size (the file has value heads and their total), rotary fraction (the file has the
+    rotated channels), layer kinds (a recurrent flag a layer) and dense-MLP layers (those without experts)."""
+    num_layers = config["num_hidden_layers"]
+    derived = {
+        "linear_value_head_dim": meta["ssm.inner_size"] // config["linear_num_value_heads"],
+        "partial_rotary_factor": meta.get("rope.dimension_count", config["head_dim"]) / config["head_dim"],
+        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes],
+    }
+    if "attention.recurrent_layers" in meta:
+        derived["layer_types"] = ["linear_attention" if recurrent else "full_attention"
+                                  for recurrent in meta["attention.recurrent_layers"][:num_layers]]  # fmt: skip
+    return derived
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +109,11 @@ class GGUFArchitecture:
     linear_kinds: frozenset[str] = _LINEAR_KINDS
     metadata: Mapping[str, str] = field(default_factory=dict)
     config: Mapping[str, Any] = field(default_factory=lambda: {"hidden_act": "silu"})
-    derive: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    derive: Callable[[dict[str, Any], dict[str, Any], Shapes], dict[str, Any]] | None = None
+    regrouping: Regrouping | None = None
     rope_permuted: bool = False
     norm_offset: float = 0.0
+    plain_norms: tuple[str, ...] = ()  # HF names (their endings) of norms the converter left as they were
 
 
 _GEMMA2 = GGUFArchitecture(
@@ -112,7 +136,35 @@ _GPT_OSS = GGUFArchitecture(
               "rope.scaling.yarn_beta_fast": "rope_scaling.beta_fast",
               "rope.scaling.yarn_beta_slow": "rope_scaling.beta_slow"},
     # NOTE: GPT-OSS's YaRN keeps its blend's edges unrounded, which the files do not say (config.json does)
-    config={"hidden_act": "silu", "rope_scaling": {"truncate": False}},
+    config={"hidden_act": "silu", "rope_scaling": {"truncate": False}}, regrouping=GPT_OSS_EXPERTS,
+)  # fmt: skip
+
+# Qwen3-Next: gated attention (q_proj rows per head [query, gate]) or Gated DeltaNet per layer, MoE with a gated
+# shared expert (dense MLPs where mlp_only_layers says)
+_QWEN3_NEXT_LAYER = {
+    **_LLAMA_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_QWEN3_NEXT = GGUFArchitecture(
+    "Qwen3NextForCausalLM", "qwen3_next", _QWEN3_NEXT_LAYER,
+    metadata={"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+              "expert_feed_forward_length": "moe_intermediate_size",
+              "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+              "ssm.conv_kernel": "linear_conv_kernel_dim", "ssm.state_size": "linear_key_head_dim",
+              "ssm.group_count": "linear_num_key_heads", "ssm.time_step_rank": "linear_num_value_heads",
+              "full_attention_interval": "full_attention_interval"},
+    derive=_qwen3_next_layers, regrouping=QWEN3_NEXT_REGROUPING, norm_offset=1.0,
+    plain_norms=("linear_attn.norm.weight",),  # the Gated DeltaNet's output norm scales by w
 )  # fmt: skip
 
 ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
@@ -123,4 +175,5 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "gemma2": _GEMMA2,
     "gemma3": _GEMMA3,
     "gpt-oss": _GPT_OSS,
+    "qwen3next": _QWEN3_NEXT,
 })  # fmt: skip

@@ -21,41 +21,27 @@ file's experts are in another type, they are dequantized to float.
 from __future__ import annotations
 
 import functools
-import re
-from collections.abc import Callable
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 
 from kvforge.loader.gguf_file import GGUFFile, GGUFTensor
+from kvforge.loader.gguf_regroup import Dense, LayerTensors, Reader, Regrouped, Regrouping, require
 
-EXPERT_KINDS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.(weight|bias)")
 _MXFP4_BLOCK_BYTES = 17
-Dense = Callable[[GGUFTensor], torch.Tensor]  # a GGUF tensor read as a float one
 
 
-def is_expert_tensor(name: str) -> bool:
-    return _EXPERT_TENSOR.fullmatch(name) is not None
-
-
-def expert_readers(
-    file: GGUFFile, tensors: list[GGUFTensor], keep_mxfp4: bool, dense: Dense
-) -> tuple[dict[str, Callable[[], torch.Tensor]], bool]:
-    """(HF name -> reader of the checkpoint tensor, whether the experts stay MXFP4) for the expert tensors of every
-    layer; dense(tensor) reads one GGUF tensor as a float one."""
-    layers: dict[int, dict[str, GGUFTensor]] = {}
-    for tensor in tensors:
-        layer, kind, suffix = _EXPERT_TENSOR.fullmatch(tensor.name).groups()  # type: ignore[union-attr]
-        layers.setdefault(int(layer), {})[f"{kind}.{suffix}"] = tensor
-    weights = [t for parts in layers.values() for k, t in parts.items() if k.endswith(".weight")]
+def _regroup_experts(file: GGUFFile, layers: LayerTensors, config: dict[str, Any], keep_mxfp4: bool,
+                     dense: Dense) -> Regrouped:  # fmt: skip
+    """The experts' checkpoint tensors of every layer, MXFP4 ones kept with keep_mxfp4 (then the config says so)."""
+    del config
+    weights = [t for parts in layers.values() for name, t in parts.items() if name.endswith(".weight")]
     mxfp4 = keep_mxfp4 and all(t.tensor_type == GGMLQuantizationType.MXFP4 for t in weights)
-    readers: dict[str, Callable[[], torch.Tensor]] = {}
+    readers: dict[str, Reader] = {}
     for layer, parts in sorted(layers.items()):
-        missing = [f"{kind}.weight" for kind in EXPERT_KINDS if f"{kind}.weight" not in parts]
-        if missing:
-            raise ValueError(f"{file.path}: layer {layer} has no {', '.join(missing)}")
-        gate, up, down = (parts[f"{kind}.weight"] for kind in EXPERT_KINDS)
+        gate, up, down = require(file, layer, parts, "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                                 "ffn_down_exps.weight")  # fmt: skip
         prefix = f"model.layers.{layer}.mlp.experts"
         if mxfp4:
             readers[f"{prefix}.gate_up_proj_blocks"] = functools.partial(_mxfp4_pair, file, gate, up, 1)
@@ -70,7 +56,14 @@ def expert_readers(
             readers[f"{prefix}.gate_up_proj_bias"] = functools.partial(_dense_pair, dense, gate_bias, up_bias, False)
         if "ffn_down_exps.bias" in parts:
             readers[f"{prefix}.down_proj_bias"] = functools.partial(dense, parts["ffn_down_exps.bias"])
-    return readers, mxfp4
+    tensors = [t for parts in layers.values() for t in parts.values()]
+    kept = [t for t in tensors if mxfp4 and t.tensor_type == GGMLQuantizationType.MXFP4]
+    return Regrouped(readers, {"quantization_config": {"quant_method": "mxfp4"}} if mxfp4 else {},
+                     kept_bytes=sum(t.nbytes for t in kept),
+                     dense_numel=sum(int(t.n_elements) for t in tensors if t not in kept))  # fmt: skip
+
+
+GPT_OSS_EXPERTS = Regrouping(frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}), _regroup_experts)
 
 
 def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

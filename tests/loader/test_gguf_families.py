@@ -1,15 +1,17 @@
-"""GGUF files of Gemma 2, Gemma 3 and GPT-OSS as llama.cpp's own converter writes them, run by kvforge against
-transformers running the Hugging Face folder they were converted from (float32: logits close, greedy tokens equal).
+"""GGUF files of Gemma 2, Gemma 3, GPT-OSS and Qwen3-Next as llama.cpp's own converter writes them, run by kvforge
+against transformers running the Hugging Face folder they were converted from (float32: logits close, greedy tokens
+equal).
 
 Each tiny random model is built here, saved, and converted by llama.cpp's convert_hf_to_gguf.py (a subprocess; the
 llama.cpp checkout is found at $LLAMA_CPP_DIR, else under ~/.cache/kvforge-peers/, else the tests skip). What the
 converter changes is undone by kvforge's loader: Gemma's norms (1 + w in the file), the names and the split of
-GPT-OSS's experts (gate and up apart, MXFP4 blocks in the GGUF layout), the metadata the config comes from.
+GPT-OSS's experts (gate and up apart, MXFP4 blocks in the GGUF layout), Qwen3-Next's ungrouped Gated DeltaNet
+in-projection, its decay (-exp(A_log)) and stacked experts, the metadata the config comes from.
 
 NOTE: llama.cpp does not record Gemma's query_pre_attn_scalar (it takes head_dim, except for the 27B models), so the
 tiny Gemma 2 has query_pre_attn_scalar = head_dim here. The converter names a byte-level BPE's pre-tokenizer by the
-hash of a known model's tokens, which a tiny trained tokenizer has not: for GPT-OSS it is told the pre-tokenizer
-("gpt-4o", whose split the tiny tokenizer here uses too).
+hash of a known model's tokens, which a tiny trained tokenizer has not: it is told the pre-tokenizer (GPT-OSS:
+"gpt-4o", whose split the tiny tokenizer here uses too; Qwen3-Next: "qwen2").
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from tests.tiny_models import _CORPUS, assert_logits_match, build_model, save_mxfp4_experts, save_tokenizer
+from tests.tiny_models import (
+    _CORPUS,
+    assert_logits_match,
+    build_hybrid_model,
+    build_model,
+    save_mxfp4_experts,
+    save_tokenizer,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,10 +62,10 @@ runpy.run_path(llama_cpp + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def convert(folder: Path, outtype: str = "f32", pre: str = "") -> Path:
+def convert(folder: Path, outtype: str = "f32", pre: str = "", *options: str) -> Path:
     out = folder / f"model-{outtype}.gguf"
     done = subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), pre, str(folder), "--outfile", str(out),
-                           "--outtype", outtype], capture_output=True, text=True, timeout=300)  # fmt: skip
+                           "--outtype", outtype, *options], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -179,3 +188,16 @@ def test_gpt_oss_gguf_tokenizer_matches_transformers(gpt_oss):
     reference = transformers.AutoTokenizer.from_pretrained(folder)
     for text in ["The QUICK brown fox's 1234567 jumps", "Paris\n\n  is the CAPITAL of France.", "héllo ✓ we'LL"]:
         assert tokenizer.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+
+
+def test_qwen3_next_gguf_matches_transformers(tmp_path):
+    """Gated DeltaNet layers (their projections, conv, decay, output norm) and a gated attention layer, MoE layers
+    with a gated shared expert and a dense one; prompts over several chunks of the delta rule, prefill in chunks."""
+    model = build_hybrid_model("qwen3_next", save_tokenizer(tmp_path))
+    model.save_pretrained(tmp_path)
+    path = convert(tmp_path, "f32", "qwen2", "--no-mtp")
+    llm = LLM(str(path), kv_cache_memory="16MiB", kv_cache_dtype="float32", max_num_batched_tokens=24)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in (70, 5, 33)]
+    assert_logits_match(llm, model, prompts[:2])
+    assert _generate(llm, prompts) == _greedy(model, prompts)
