@@ -118,13 +118,15 @@ HYBRID_ARCHS = {
 }
 
 
-def build_hybrid_model(arch: str, vocab_size: int):
+def build_hybrid_model(arch: str, vocab_size: int, **overrides):
     """A tiny random model whose norms, gates and routers are far from their initial values (a (1 + w) norm of
-    w = 0 would not tell (1 + w) from w), and whose linear-attention states forget slowly."""
+    w = 0 would not tell (1 + w) from w), and whose linear-attention states forget slowly; overrides: config
+    entries."""
     import transformers
 
-    config_name, model_name, overrides = HYBRID_ARCHS[arch]
-    config = getattr(transformers, config_name)(vocab_size=vocab_size, **{**HYBRID_COMMON, **overrides})
+    config_name, model_name, arch_overrides = HYBRID_ARCHS[arch]
+    config = getattr(transformers, config_name)(vocab_size=vocab_size,
+                                                **{**HYBRID_COMMON, **arch_overrides, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():

@@ -8,6 +8,8 @@ converter changes is undone by kvforge's loader: Gemma's norms (1 + w in the fil
 GPT-OSS's experts (gate and up apart, MXFP4 blocks in the GGUF layout), Qwen3-Next's ungrouped Gated DeltaNet
 in-projection, its decay (-exp(A_log)) and stacked experts, the metadata the config comes from.
 
+Each conversion is a subprocess of 15-25 s on a small CPU: Gemma 3 runs by default, the rest are marked slow.
+
 NOTE: llama.cpp does not record Gemma's query_pre_attn_scalar (it takes head_dim, except for the 27B models), so the
 tiny Gemma 2 has query_pre_attn_scalar = head_dim here. The converter names a byte-level BPE's pre-tokenizer by the
 hash of a known model's tokens, which a tiny trained tokenizer has not: it is told the pre-tokenizer (GPT-OSS:
@@ -104,7 +106,7 @@ def _llm(path: Path, **options) -> LLM:
                **options)  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=[pytest.param("gemma2", marks=pytest.mark.slow), "gemma3"])
 def gemma(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     model = build_model(request.param, vocab_size=save_sentencepiece(folder), query_pre_attn_scalar=16)
@@ -155,6 +157,7 @@ def gpt_oss(tmp_path_factory):
     return folder, model, convert(folder, pre="gpt-4o"), reference, convert(mxfp4_folder, pre="gpt-4o")
 
 
+@pytest.mark.slow
 def test_gpt_oss_gguf_matches_transformers(gpt_oss):
     """Sinks, biases, the router, YaRN, a window shorter than the prompts; float experts regrouped from the file's."""
     _, model, path, _, _ = gpt_oss
@@ -164,6 +167,7 @@ def test_gpt_oss_gguf_matches_transformers(gpt_oss):
     assert _generate(llm, prompts) == _greedy(model, prompts)
 
 
+@pytest.mark.slow
 def test_gpt_oss_mxfp4_gguf_keeps_its_experts(gpt_oss):
     """MXFP4 experts stay MXFP4 codes and scales (from the GGUF block layout), and run as transformers' dequantized
     model; with quantization="none" they are dequantized, to the same logits."""
@@ -179,6 +183,7 @@ def test_gpt_oss_mxfp4_gguf_keeps_its_experts(gpt_oss):
     assert_logits_match(dense, reference, prompts[:1])
 
 
+@pytest.mark.slow
 def test_gpt_oss_gguf_tokenizer_matches_transformers(gpt_oss):
     """The file's byte-level BPE with the "gpt-4o" pre-tokenizer encodes as the tokenizer.json it came from."""
     from kvforge.loader.gguf import read_gguf_header
@@ -190,10 +195,12 @@ def test_gpt_oss_gguf_tokenizer_matches_transformers(gpt_oss):
         assert tokenizer.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_qwen3_next_gguf_matches_transformers(tmp_path):
     """Gated DeltaNet layers (their projections, conv, decay, output norm) and a gated attention layer, MoE layers
-    with a gated shared expert and a dense one; prompts over several chunks of the delta rule, prefill in chunks."""
-    model = build_hybrid_model("qwen3_next", save_tokenizer(tmp_path))
+    with a gated shared expert (every layer's: llama.cpp's Qwen3-Next has no dense MLP layers); prompts over several
+    chunks of the delta rule, prefill in chunks."""
+    model = build_hybrid_model("qwen3_next", save_tokenizer(tmp_path), mlp_only_layers=[])
     model.save_pretrained(tmp_path)
     path = convert(tmp_path, "f32", "qwen2", "--no-mtp")
     llm = LLM(str(path), kv_cache_memory="16MiB", kv_cache_dtype="float32", max_num_batched_tokens=24)
