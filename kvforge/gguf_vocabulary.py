@@ -51,6 +51,11 @@ _GPT4O_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5: Qwen2's, with combining marks kept with their letters
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 _PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo"), (_GPT2_SPLIT,)),
     **dict.fromkeys(
@@ -61,6 +66,7 @@ _PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), (_QWEN2_SPLIT,)),
     "tekken": (_TEKKEN_SPLIT,),
     **dict.fromkeys(("gpt-4o", "llama4"), (_GPT4O_SPLIT,)),
+    "qwen35": (_QWEN35_SPLIT,),
 }
 
 

@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvforge.loader.gguf_experts import GPT_OSS_EXPERTS
-from kvforge.loader.gguf_qwen3_next import QWEN3_NEXT_REGROUPING
+from kvforge.loader.gguf_hybrid_qwen import QWEN3_5_REGROUPING, QWEN3_NEXT_REGROUPING
 from kvforge.loader.gguf_regroup import Regrouping
 
 # The Llama layer: the tensor kinds llama.cpp's converter writes for it, and their HF modules.
@@ -139,8 +139,8 @@ _GPT_OSS = GGUFArchitecture(
     config={"hidden_act": "silu", "rope_scaling": {"truncate": False}}, regrouping=GPT_OSS_EXPERTS,
 )  # fmt: skip
 
-# Qwen3-Next: gated attention (q_proj rows per head [query, gate]) or Gated DeltaNet per layer, MoE with a gated
-# shared expert (dense MLPs where mlp_only_layers says)
+# Qwen3-Next and Qwen3.5: gated attention (q_proj rows per head [query, gate]) or Gated DeltaNet per layer, MoE with
+# a gated shared expert or dense MLPs (Qwen3.5 dense); the tensors the converter changed: gguf_hybrid_qwen.py
 _QWEN3_NEXT_LAYER = {
     **_LLAMA_LAYER,
     "post_attention_norm": "post_attention_layernorm",
@@ -155,17 +155,22 @@ _QWEN3_NEXT_LAYER = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-_QWEN3_NEXT = GGUFArchitecture(
-    "Qwen3NextForCausalLM", "qwen3_next", _QWEN3_NEXT_LAYER,
-    metadata={"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
-              "expert_feed_forward_length": "moe_intermediate_size",
-              "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-              "ssm.conv_kernel": "linear_conv_kernel_dim", "ssm.state_size": "linear_key_head_dim",
-              "ssm.group_count": "linear_num_key_heads", "ssm.time_step_rank": "linear_num_value_heads",
-              "full_attention_interval": "full_attention_interval"},
-    derive=_qwen3_next_layers, regrouping=QWEN3_NEXT_REGROUPING, norm_offset=1.0,
-    plain_norms=("linear_attn.norm.weight",),  # the Gated DeltaNet's output norm scales by w
-)  # fmt: skip
+_HYBRID_METADATA = {
+    "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "ssm.conv_kernel": "linear_conv_kernel_dim", "ssm.state_size": "linear_key_head_dim",
+    "ssm.group_count": "linear_num_key_heads", "ssm.time_step_rank": "linear_num_value_heads",
+    "full_attention_interval": "full_attention_interval",
+}  # fmt: skip
+
+
+def _hybrid(hf_architecture: str, model_type: str, regrouping: Regrouping) -> GGUFArchitecture:
+    """Qwen3-Next and Qwen3.5 (dense and MoE): their norms stored as 1 + w but the Gated DeltaNet's output norm."""
+    return GGUFArchitecture(hf_architecture, model_type, _QWEN3_NEXT_LAYER, metadata=_HYBRID_METADATA,
+                            derive=_qwen3_next_layers, regrouping=regrouping, norm_offset=1.0,
+                            plain_norms=("linear_attn.norm.weight",))  # fmt: skip
+
 
 ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "llama": GGUFArchitecture("LlamaForCausalLM", "llama", rope_permuted=True),
@@ -175,5 +180,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "gemma2": _GEMMA2,
     "gemma3": _GEMMA3,
     "gpt-oss": _GPT_OSS,
-    "qwen3next": _QWEN3_NEXT,
+    "qwen3next": _hybrid("Qwen3NextForCausalLM", "qwen3_next", QWEN3_NEXT_REGROUPING),
+    "qwen35": _hybrid("Qwen3_5ForCausalLM", "qwen3_5_text", QWEN3_5_REGROUPING),
+    "qwen35moe": _hybrid("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", QWEN3_5_REGROUPING),
 })  # fmt: skip

@@ -1,19 +1,20 @@
-"""GGUF files of Gemma 2, Gemma 3, GPT-OSS and Qwen3-Next as llama.cpp's own converter writes them, run by kvforge
-against transformers running the Hugging Face folder they were converted from (float32: logits close, greedy tokens
-equal).
+"""GGUF files of Gemma 2, Gemma 3, GPT-OSS, Qwen3-Next and Qwen3.5 (dense and MoE) as llama.cpp's own converter
+writes them, run by kvforge against transformers running the Hugging Face folder they were converted from (float32:
+logits close, greedy tokens equal).
 
 Each tiny random model is built here, saved, and converted by llama.cpp's convert_hf_to_gguf.py (a subprocess; the
 llama.cpp checkout is found at $LLAMA_CPP_DIR, else under ~/.cache/kvforge-peers/, else the tests skip). What the
 converter changes is undone by kvforge's loader: Gemma's norms (1 + w in the file), the names and the split of
 GPT-OSS's experts (gate and up apart, MXFP4 blocks in the GGUF layout), Qwen3-Next's ungrouped Gated DeltaNet
-in-projection, its decay (-exp(A_log)) and stacked experts, the metadata the config comes from.
+in-projection, Qwen3.5's tiled value heads, their decay (-exp(A_log)) and stacked experts, the metadata the config
+comes from.
 
 Each conversion is a subprocess of 15-25 s on a small CPU: Gemma 3 runs by default, the rest are marked slow.
 
 NOTE: llama.cpp does not record Gemma's query_pre_attn_scalar (it takes head_dim, except for the 27B models), so the
 tiny Gemma 2 has query_pre_attn_scalar = head_dim here. The converter names a byte-level BPE's pre-tokenizer by the
 hash of a known model's tokens, which a tiny trained tokenizer has not: it is told the pre-tokenizer (GPT-OSS:
-"gpt-4o", whose split the tiny tokenizer here uses too; Qwen3-Next: "qwen2").
+"gpt-4o", whose split the tiny tokenizer here uses too; Qwen3-Next: "qwen2", Qwen3.5: "qwen35").
 """
 
 from __future__ import annotations
@@ -196,13 +197,17 @@ def test_gpt_oss_gguf_tokenizer_matches_transformers(gpt_oss):
 
 
 @pytest.mark.slow
-def test_qwen3_next_gguf_matches_transformers(tmp_path):
-    """Gated DeltaNet layers (their projections, conv, decay, output norm) and a gated attention layer, MoE layers
-    with a gated shared expert (every layer's: llama.cpp's Qwen3-Next has no dense MLP layers); prompts over several
-    chunks of the delta rule, prefill in chunks."""
-    model = build_hybrid_model("qwen3_next", save_tokenizer(tmp_path), mlp_only_layers=[])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_hybrid_gguf_matches_transformers(tmp_path, arch):
+    """Gated DeltaNet layers (their projections, conv, decay, output norm; Qwen3.5's value heads tiled in the file)
+    and a gated attention layer; MoE layers with a gated shared expert (every layer's: llama.cpp's Qwen3-Next has no
+    dense MLP layers) or dense MLPs (Qwen3.5); prompts over several chunks of the delta rule, prefill in chunks."""
+    # NOTE: one row more than the tokenizer's: the converter reads it with Qwen's tokenizer class (Qwen3.5 MoE),
+    # which adds <|endoftext|>
+    vocab_size = save_tokenizer(tmp_path) + 1
+    model = build_hybrid_model(arch, vocab_size, **({"mlp_only_layers": []} if arch == "qwen3_next" else {}))
     model.save_pretrained(tmp_path)
-    path = convert(tmp_path, "f32", "qwen2", "--no-mtp")
+    path = convert(tmp_path, "f32", "qwen2" if arch == "qwen3_next" else "qwen35", "--no-mtp")
     llm = LLM(str(path), kv_cache_memory="16MiB", kv_cache_dtype="float32", max_num_batched_tokens=24)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in (70, 5, 33)]
