@@ -2,7 +2,8 @@
 architecture (ARCHITECTURES), read by loader/gguf.py.
 
     hf_architecture   the config.json `architectures` entry (and so the model class) it loads as
-    layer_names       GGUF tensor kind of a layer (blk.{i}.<kind>.weight) -> its HF module under model.layers.{i}
+    layer_names       GGUF tensor kind of a layer (blk.{i}.<kind>.weight) -> its HF module under model.layers.{i};
+                      "<kind>.<suffix>" -> an HF parameter of its own (GPT-OSS's sinks, Qwen3-Next's dt_bias)
     linear_kinds      the kinds that are linear layers' weights (kept in their quantized blocks by default)
     metadata          GGUF metadata key (after "<arch>.") -> config.json key (a dotted one nests: "rope_scaling.x")
     config            config.json entries the file does not record, fixed for the family
@@ -13,9 +14,8 @@ architecture (ARCHITECTURES), read by loader/gguf.py.
 
 What llama.cpp's converter changed, undone on load:
     rope_permuted     q/k rows interleaved for its "normal" rope (Llama, Mistral); HF keeps rotate-half halves
-    norm_offset       added to every RMSNorm weight (Gemma, Qwen3-Next: HF stores w of a scale 1 + w, the file 1 + w),
-                      but those of plain_norms
-
+    norm_offset       added to every RMSNorm weight (Gemma, Qwen3-Next, Qwen3.5: HF stores w of a scale 1 + w,
+                      the file 1 + w), but those of plain_norms
 """
 
 from __future__ import annotations

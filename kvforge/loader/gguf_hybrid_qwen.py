@@ -41,7 +41,8 @@ def _regroup_qwen3_next(file: GGUFFile, layers: LayerTensors, config: dict[str, 
         if "attn_qkv.weight" in parts:
             qkv, z, a = require(file, layer, parts, "attn_qkv.weight", "attn_gate.weight", "ssm_a")
             readers[f"{prefix}.linear_attn.in_proj_qkvz.weight"] = functools.partial(
-                _qkvz, dense, qkv, z, config["linear_num_key_heads"])
+                _qkvz, dense, qkv, z, config["linear_num_key_heads"]
+            )
             readers[f"{prefix}.linear_attn.A_log"] = functools.partial(_a_log, dense, a)
         if "ffn_gate_exps.weight" in parts:
             gate, up, down = require(file, layer, parts, "ffn_gate_exps.weight", "ffn_up_exps.weight",
@@ -118,4 +119,6 @@ _EXPERT_KINDS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
 QWEN3_NEXT_REGROUPING = Regrouping(frozenset({"attn_qkv", "attn_gate", "ssm_a"}) | _EXPERT_KINDS, _regroup_qwen3_next)
 QWEN3_5_REGROUPING = Regrouping(
     frozenset({"attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_a", "ssm_dt", "ssm_conv1d", "ssm_out"})
-    | _EXPERT_KINDS, _regroup_qwen3_5)
+    | _EXPERT_KINDS,
+    _regroup_qwen3_5,
+)

@@ -44,8 +44,10 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama_cpp_dir() -> Path | None:
-    candidates = [os.environ.get("LLAMA_CPP_DIR", ""),
-                  *sorted(glob.glob(os.path.expanduser("~/.cache/kvforge-peers/*/vendor/llama.cpp")))]
+    candidates = [
+        os.environ.get("LLAMA_CPP_DIR", ""),
+        *sorted(glob.glob(os.path.expanduser("~/.cache/kvforge-peers/*/vendor/llama.cpp"))),
+    ]
     return next((Path(c) for c in candidates if c and (Path(c) / "convert_hf_to_gguf.py").is_file()), None)
 
 
