@@ -45,6 +45,17 @@ _TEKKEN_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o, GPT-OSS): words keep a leading non-letter and their case run, contractions attach, numerals in threes
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen3.5: Qwen2's, with combining marks kept with their letters
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 _PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo"), (_GPT2_SPLIT,)),
     **dict.fromkeys(
@@ -54,6 +65,8 @@ _PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe"), (_LLAMA3_SPLIT,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), (_QWEN2_SPLIT,)),
     "tekken": (_TEKKEN_SPLIT,),
+    **dict.fromkeys(("gpt-4o", "llama4"), (_GPT4O_SPLIT,)),
+    "qwen35": (_QWEN35_SPLIT,),
 }
 
 

@@ -19,13 +19,17 @@ _CORPUS = [
 ]
 
 
-def save_tokenizer(folder: Path) -> int:
-    """A byte-level BPE of at most VOCAB_SIZE tokens trained on a few lines; returns its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def save_tokenizer(folder: Path, split: str | None = None) -> int:
+    """A byte-level BPE of at most VOCAB_SIZE tokens trained on a few lines (the text split by the regex split before
+    the byte-level mapping, if given; else by GPT-2's); returns its size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
@@ -96,12 +100,88 @@ def build_model(arch: str, **overrides):
     return model
 
 
+# The tiny hybrid models (Gated DeltaNet + gated attention): Qwen3-Next, Qwen3.5 dense and Qwen3.5 MoE
+HYBRID_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                     bos_token_id=1, eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                     layer_types=["linear_attention", "full_attention", "linear_attention",
+                                  "linear_attention"])  # fmt: skip
+HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48)
+# arch -> (config class, model class, config overrides)
+HYBRID_ARCHS = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(HYBRID_MOE, decoder_sparse_step=1, mlp_only_layers=[2])),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", HYBRID_MOE),
+}
+
+
+def build_hybrid_model(arch: str, vocab_size: int, **overrides):
+    """A tiny random model whose norms, gates and routers are far from their initial values (a (1 + w) norm of
+    w = 0 would not tell (1 + w) from w), and whose linear-attention states forget slowly; overrides: config
+    entries."""
+    import transformers
+
+    config_name, model_name, arch_overrides = HYBRID_ARCHS[arch]
+    config = getattr(transformers, config_name)(vocab_size=vocab_size,
+                                                **{**HYBRID_COMMON, **arch_overrides, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.normal_(0.0, 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                tensor.normal_(0.0, 0.5)
+            elif name.endswith("A_log"):  # slow decays (g of -0.02 to -0.2 a token): the state remembers far back
+                tensor.uniform_(-4.0, -2.0)
+    model.generation_config.eos_token_id = None  # NOTE: kvforge runs with ignore_eos; so does transformers
+    return model
+
+
 def save_model(folder: Path, arch: str, **overrides):
     """Save a tiny model and its tokenizer to folder; the model's vocabulary is the tokenizer's."""
     vocab_size = save_tokenizer(folder)
     model = build_model(arch, vocab_size=vocab_size, **overrides)
     model.save_pretrained(folder)
     return model
+
+
+def save_mxfp4_experts(folder: Path, src: Path, model):
+    """src's checkpoint (a tiny GPT-OSS) in folder with every expert weight in MXFP4 (blocks and scales, as GPT-OSS
+    checkpoints store them); returns the transformers model whose experts are transformers' dequantization of those
+    blocks and scales."""
+    import copy
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kvforge.kernels.mxfp4 import quantize_mxfp4
+
+    shutil.copytree(src, folder, dirs_exist_ok=True)
+    (folder / "model.safetensors").unlink()
+    reference = copy.deepcopy(model)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # [experts, out, in / 32, 16]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            dequantized = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            reference.get_parameter(name).data.copy_(dequantized)
+        else:
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["self_attn", "router", "embed_tokens", "lm_head"],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return reference
 
 
 def assert_logits_match(llm, model, prompts: list[list[int]]) -> None:

@@ -11,6 +11,7 @@ naming their type and what they cost.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import re
@@ -24,48 +25,23 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from kvforge.loader.gguf_architectures import ARCHITECTURES, GGUFArchitecture
 from kvforge.loader.gguf_file import GGUFFile, GGUFTensor
+from kvforge.loader.gguf_regroup import LayerTensors
 from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS, BlockLayout, decode_blocks
 from kvforge.quantization.quantized_weight import QuantizedWeight
 from kvforge.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# gguf `general.architecture` -> Hugging Face `architectures` entry.
-_HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# NOTE: llama.cpp's converter permutes the q/k rows of these architectures so that its
-# interleaved ("normal") rope applies; HF uses rotate-half ("neox") rope on the original rows.
-# Qwen's files keep the HF layout, because llama.cpp runs them with neox rope.
-_ROPE_PERMUTED_ARCHITECTURES = {"llama", "mistral"}
-
+# The tensors outside the layers, and their HF names (the layers' per architecture: gguf_architectures.py).
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_KINDS = list(_LAYER_NAMES)
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Layer tensors that are the weights of linear layers, and the vocabulary tensors (embedding, LM head): kept
-# quantized with keep_quantized.
-_LINEAR_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")  # a few have no suffix (Qwen3-Next's ssm_a)
+# The vocabulary tensors (embedding, LM head): kept quantized with keep_quantized, like the weights of linear layers.
 _VOCAB_TENSORS = {"token_embd.weight", "output.weight"}
 # The types of such tensors kept in their own 16 bits with keep_quantized, and their torch dtypes.
 _HALF_TYPES = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
@@ -103,10 +79,8 @@ def read_gguf_header(path: str) -> tuple[GGUFFile, str, dict, Tokenizer]:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
     meta = reader.metadata
     arch = meta.get("general.architecture")
-    if arch not in _HF_ARCHITECTURES:
-        raise ValueError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_HF_ARCHITECTURES)}"
-        )
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
     try:
         tokenizer = Tokenizer.from_gguf(reader.metadata)
     except ValueError as e:
@@ -117,37 +91,53 @@ def read_gguf_header(path: str) -> tuple[GGUFFile, str, dict, Tokenizer]:
 
 def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GGUFCheckpoint:
     """Read a GGUF file: config, dequantized tensors in `dtype` under HF names, and its tokenizer.
-    keep_quantized: linear-layer weights of a type in BLOCK_LAYOUTS go to `quantized` instead, and F16 or BF16 ones
-    stay in `tensors` in their 16 bits (named in `half_dtypes`)."""
+    keep_quantized: linear-layer weights of a type in BLOCK_LAYOUTS go to `quantized` instead, F16 or BF16 ones
+    stay in `tensors` in their 16 bits (named in `half_dtypes`), and MXFP4 experts stay MXFP4 (gguf_experts.py).
+    The tensors the architecture regroups (gguf_regroup.py) are read by its regrouping."""
     reader, arch, config, tokenizer = read_gguf_header(path)
+    spec = ARCHITECTURES[arch]
     readers: dict[str, Callable[[], torch.Tensor]] = {}
     quantized: dict[str, Callable[[], QuantizedWeight]] = {}
     quantized_layouts: dict[str, BlockLayout] = {}
     half_dtypes: dict[str, torch.dtype] = {}
     kept_bytes = dense_numel = 0
     widened: dict[str, list[GGUFTensor]] = {}  # type name -> the weights of that type dequantized for want of a kernel
-    for tensor in sorted(reader.tensors, key=_model_order):
+    regrouped: LayerTensors = {}  # the layer tensors of spec.regrouping's kinds
+    for tensor in sorted(reader.tensors, key=functools.partial(_model_order, spec)):
         if tensor.name == _ROPE_FREQS:
             logger.warning("%s: ignoring %s (llama3-style rope scaling is not applied)", path, _ROPE_FREQS)
             continue
-        hf_name = _hf_name(path, tensor.name)
+        match = _LAYER_TENSOR.fullmatch(tensor.name)
+        if spec.regrouping is not None and match is not None and match.group(2) in spec.regrouping.kinds:
+            kind, suffix = match.group(2, 3)
+            regrouped.setdefault(int(match.group(1)), {})[kind if suffix is None else f"{kind}.{suffix}"] = tensor
+            continue
+        hf_name = _hf_name(path, spec, tensor.name)
         heads = None
-        if arch in _ROPE_PERMUTED_ARCHITECTURES and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+        if spec.rope_permuted and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
-        if keep_quantized and _is_kept(tensor):
+        offset = spec.norm_offset if hf_name.endswith("norm.weight") and not hf_name.endswith(spec.plain_norms) else 0.0
+        if keep_quantized and _is_kept(spec, tensor):
             quantized[hf_name] = functools.partial(_decode_kept, reader, tensor, heads)
             layout = quantized_layouts[hf_name] = BLOCK_LAYOUTS[tensor.tensor_type]
             kept_bytes += int(tensor.n_elements) * (layout.bits * layout.group_size + 32) // (8 * layout.group_size)
             continue
-        if keep_quantized and _is_weight_matrix(tensor) and tensor.tensor_type in _HALF_TYPES:
+        if keep_quantized and _is_weight_matrix(spec, tensor) and tensor.tensor_type in _HALF_TYPES:
             half = half_dtypes[hf_name] = _HALF_TYPES[tensor.tensor_type]
             readers[hf_name] = functools.partial(_dense_tensor, reader, tensor, heads, half)
             kept_bytes += int(tensor.n_elements) * half.itemsize
             continue
-        if keep_quantized and _is_weight_matrix(tensor):
+        if keep_quantized and _is_weight_matrix(spec, tensor):
             widened.setdefault(tensor.tensor_type.name, []).append(tensor)
-        readers[hf_name] = functools.partial(_dense_tensor, reader, tensor, heads, dtype)
+        readers[hf_name] = functools.partial(_dense_tensor, reader, tensor, heads, dtype, offset)
         dense_numel += int(tensor.n_elements)
+    if regrouped:
+        assert spec.regrouping is not None
+        dense = functools.partial(_read_dense, reader, dtype)
+        extra = spec.regrouping.regroup(reader, regrouped, config, keep_quantized, dense)
+        readers.update(extra.readers)
+        config.update(extra.config)
+        kept_bytes, dense_numel = kept_bytes + extra.kept_bytes, dense_numel + extra.dense_numel
     for type_name, tensors in widened.items():
         numel = sum(int(t.n_elements) for t in tensors)
         logger.warning("%s: %d weights of type %s (%.1f MB in the file) have no kept kernel: dequantized to %s, "
@@ -180,15 +170,23 @@ class LazyTensors(Mapping[str, Value], Generic[Value]):
         return len(self._readers)
 
 
-def _dense_tensor(file: GGUFFile, tensor: GGUFTensor, heads: int | None, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor in dtype: an F16 or BF16 one read in dtype its own type is, as stored (no float32 copy of it)."""
+def _dense_tensor(file: GGUFFile, tensor: GGUFTensor, heads: int | None, dtype: torch.dtype,
+                  offset: float = 0.0) -> torch.Tensor:
+    """The tensor in dtype: an F16 or BF16 one read in dtype its own type is, as stored (no float32 copy of it); less
+    offset (what the converter added to it)."""
     if _HALF_TYPES.get(tensor.tensor_type) == dtype:
         weight = torch.from_numpy(file.read(tensor)).view(dtype).reshape(tensor.shape)
     else:
         weight = _dequantize(file, tensor)
     if heads is not None:
         weight = _undo_rope_permutation(file.path, tensor.name, weight, heads)
+    if offset:
+        weight = weight.float() - offset
     return weight.to(dtype)
+
+
+def _read_dense(file: GGUFFile, dtype: torch.dtype, tensor: GGUFTensor) -> torch.Tensor:
+    return _dense_tensor(file, tensor, None, dtype)
 
 
 def _hf_config(
@@ -202,12 +200,13 @@ def _hf_config(
 
     if "token_embd.weight" not in shapes:
         raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")
+    spec = ARCHITECTURES[arch]
     hidden_size = value("embedding_length")
     num_heads = value("attention.head_count")
     config: dict[str, Any] = {
-        "architectures": [_HF_ARCHITECTURES[arch]],
-        "model_type": arch,
-        "hidden_act": "silu",
+        **copy.deepcopy(dict(spec.config)),
+        "architectures": [spec.hf_architecture],
+        "model_type": spec.model_type,
         "hidden_size": hidden_size,
         "intermediate_size": value("feed_forward_length"),
         "num_hidden_layers": value("block_count"),
@@ -225,21 +224,39 @@ def _hf_config(
     }
     rope_type = meta.get(f"{arch}.rope.scaling.type", "none")
     if rope_type != "none":
-        scaling = {"rope_type": rope_type, "factor": value("rope.scaling.factor")}
+        scaling = {**config.get("rope_scaling", {}), "rope_type": rope_type, "factor": value("rope.scaling.factor")}
         if f"{arch}.rope.scaling.original_context_length" in meta:
             scaling["original_max_position_embeddings"] = value("rope.scaling.original_context_length")
         config["rope_scaling"] = scaling
+    else:
+        config.pop("rope_scaling", None)
+    for key, hf_key in spec.metadata.items():
+        outer, _, inner = hf_key.partition(".")
+        if f"{arch}.{key}" not in meta:
+            continue
+        if not inner:
+            config[outer] = meta[f"{arch}.{key}"]
+        elif outer in config:  # an entry of a section the file has (rope_scaling of its scaling type)
+            config[outer][inner] = meta[f"{arch}.{key}"]
+    pattern = config.get("sliding_window_pattern")
+    if isinstance(pattern, list):  # a flag a layer: whether it is local
+        config["layer_types"] = ["sliding_attention" if local else "full_attention" for local in pattern]
+        del config["sliding_window_pattern"]
+    if spec.derive is not None:
+        config.update(spec.derive(config, {k.removeprefix(f"{arch}."): v for k, v in meta.items()}, shapes))
     return config
 
 
-def _hf_name(path: str, name: str) -> str:
+def _hf_name(path: str, spec: GGUFArchitecture, name: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    layer, kind, suffix = match.groups() if match is not None else (None, None, None)
+    if f"{kind}.{suffix}" in spec.layer_names:  # a parameter of its own (GPT-OSS's sinks), not a module's weight
+        return f"model.layers.{layer}.{spec.layer_names[f'{kind}.{suffix}']}"
+    if kind not in spec.layer_names or suffix is None:
         raise ValueError(f"{path}: unexpected tensor {name!r} in GGUF file")
-    layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    return f"model.layers.{layer}.{spec.layer_names[kind]}.{suffix}"
 
 
 def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
@@ -253,26 +270,28 @@ def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape))
 
 
-def _model_order(tensor: GGUFTensor) -> tuple[int, int]:
+def _model_order(spec: GGUFArchitecture, tensor: GGUFTensor) -> tuple[int, int]:
     """Where a tensor comes in the order the model runs them: the global ones first, then layer by layer, each
-    layer's in _LAYER_NAMES' order (q, k, v, o, gate, up, down), not the file's (llama.cpp writes them by name).
+    layer's in the order of spec.layer_names (q, k, v, o, gate, up, down), not the file's (llama.cpp writes them by
+    name).
     NOTE: a layer's weight is packed when its last shard is read, into the weight arena in that order
     (quantization/weight_only_kernels.py's PanelArena), which a decode step then reads in one run."""
     match = _LAYER_TENSOR.fullmatch(tensor.name)
     if match is None:
         return -1, 0
-    return int(match.group(1)), _LAYER_KINDS.index(match.group(2)) if match.group(2) in _LAYER_KINDS else 0
+    kinds = list(spec.layer_names)
+    return int(match.group(1)), kinds.index(match.group(2)) if match.group(2) in kinds else 0
 
 
-def _is_weight_matrix(tensor: GGUFTensor) -> bool:
+def _is_weight_matrix(spec: GGUFArchitecture, tensor: GGUFTensor) -> bool:
     """A linear layer's weight or a vocabulary tensor: what keep_quantized keeps in the file's type."""
     match = _LAYER_TENSOR.fullmatch(tensor.name)
-    linear = match is not None and match.group(2) in _LINEAR_KINDS and match.group(3) == "weight"
+    linear = match is not None and match.group(2) in spec.linear_kinds and match.group(3) == "weight"
     return linear or tensor.name in _VOCAB_TENSORS
 
 
-def _is_kept(tensor: GGUFTensor) -> bool:
-    return _is_weight_matrix(tensor) and tensor.tensor_type in BLOCK_LAYOUTS
+def _is_kept(spec: GGUFArchitecture, tensor: GGUFTensor) -> bool:
+    return _is_weight_matrix(spec, tensor) and tensor.tensor_type in BLOCK_LAYOUTS
 
 
 def _decode_kept(file: GGUFFile, tensor: GGUFTensor, heads: int | None) -> QuantizedWeight:

@@ -6,18 +6,13 @@ transformers' own MXFP4 dequantizer makes of the checkpoint's blocks and scales.
 
 from __future__ import annotations
 
-import copy
-import json
 import random
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from kvforge import LLM, SamplingParams
-from kvforge.kernels.mxfp4 import quantize_mxfp4
-from tests.tiny_models import assert_logits_match, save_model
+from tests.tiny_models import assert_logits_match, save_model, save_mxfp4_experts
 
 NUM_NEW = 10
 PROMPT_LENS = [3, 9, 30, 17, 41, 12, 26, 8, 35, 20, 5, 33, 14, 22, 40, 11]  # 16 requests, most past the window
@@ -80,38 +75,11 @@ def test_greedy_16_requests(tiny):
     )
 
 
-def _save_mxfp4(folder, src, model):
-    """src's checkpoint with every expert weight in MXFP4 (blocks and scales, as GPT-OSS checkpoints store them);
-    returns the transformers model whose experts are transformers' dequantization of those blocks and scales."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    shutil.copytree(src, folder, dirs_exist_ok=True)
-    (folder / "model.safetensors").unlink()
-    reference = copy.deepcopy(model)
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # [experts, out, in / 32, 16]
-            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
-            dequantized = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-            reference.get_parameter(name).data.copy_(dequantized)
-        else:
-            tensors[name] = tensor.contiguous()
-    save_file(tensors, folder / "model.safetensors")
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": ["self_attn", "router", "embed_tokens", "lm_head"],
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    return reference
-
-
 def test_mxfp4_experts_match_their_dequantized_weights(tiny, tmp_path):
     """The experts stay MXFP4 codes and scales in kvforge (no float copy); logits and greedy tokens as transformers
     running the dequantized weights."""
     folder, model, prompts = tiny
-    reference = _save_mxfp4(tmp_path, folder, model)
+    reference = save_mxfp4_experts(tmp_path, folder, model)
     llm = LLM(str(tmp_path), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, enforce_eager=True)
     experts = llm.engine.runner.model.layers[0].mlp.experts
     assert experts.gate_up_proj_blocks.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
@@ -127,7 +95,7 @@ def test_tensor_parallel_2(tiny, tmp_path, experts):
     block of 32 a row here); the same tokens and logits as transformers."""
     folder, model, prompts = tiny
     if experts == "mxfp4":
-        model, folder = _save_mxfp4(tmp_path, folder, model), tmp_path
+        model, folder = save_mxfp4_experts(tmp_path, folder, model), tmp_path
     expected = _greedy(model, prompts[:4])
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, tensor_parallel_size=2)
     try:

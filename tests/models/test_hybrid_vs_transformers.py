@@ -10,24 +10,10 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from tests.tiny_models import assert_logits_match, save_tokenizer
+from tests.tiny_models import HYBRID_ARCHS, HYBRID_COMMON, assert_logits_match, build_hybrid_model, save_tokenizer
 
 NUM_NEW = 8
 PROMPT_LENS = [5, 70, 150, 1, 33]  # 70 and 150 span two and three chunks of the chunked delta rule
-_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-               bos_token_id=1, eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-               layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])  # fmt: skip
-_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-# arch -> (config class, model class, config overrides)
-ARCHS = {
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(_MOE, decoder_sparse_step=1, mlp_only_layers=[2])),
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _MOE),
-}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread():
     """NOTE: tiny models gain nothing from a second thread on 2 shared cores (as in test_moe_vs_transformers)."""
@@ -37,28 +23,7 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-def build_hybrid_model(arch: str, vocab_size: int):
-    """A tiny random model whose norms, gates and routers are far from their initial values (a (1 + w) norm of
-    w = 0 would not tell (1 + w) from w), and whose linear-attention states forget slowly."""
-    import transformers
-
-    config_name, model_name, overrides = ARCHS[arch]
-    config = getattr(transformers, config_name)(vocab_size=vocab_size, **{**_COMMON, **overrides})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():
-        for name, tensor in model.named_parameters():
-            if name.endswith("norm.weight"):
-                tensor.normal_(0.0, 0.3)
-            elif name.endswith("mlp.gate.weight"):
-                tensor.normal_(0.0, 0.5)
-            elif name.endswith("A_log"):  # slow decays (g of -0.02 to -0.2 a token): the state remembers far back
-                tensor.uniform_(-4.0, -2.0)
-    model.generation_config.eos_token_id = None  # NOTE: kvforge runs with ignore_eos; so does transformers
-    return model
-
-
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(scope="module", params=list(HYBRID_ARCHS))
 def tiny_hybrid(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     model = build_hybrid_model(request.param, save_tokenizer(folder))
@@ -123,7 +88,7 @@ def test_qwen3_5_multimodal_checkpoint_runs_its_text_model(tmp_path):
     text config nested): kvforge runs its text model and decodes text prompts as transformers does."""
     import transformers
 
-    text = dict(_COMMON, vocab_size=save_tokenizer(tmp_path))
+    text = dict(HYBRID_COMMON, vocab_size=save_tokenizer(tmp_path))
     config = transformers.Qwen3_5Config(text_config=text, vision_config=dict(
         depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64))
     torch.manual_seed(0)
