@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kvforge.kernels.grouped_gemm import launch_grouped_gemm
 from kvforge.kernels.lora import lora_expand_ref, lora_shrink_ref
 from kvforge.kernels.moe_align import moe_align
 from kvforge.kernels.moe_lora import (
@@ -27,8 +28,8 @@ from kvforge.kernels.moe_lora import (
     check_expert_lora,
     pair_slots,
 )
-from kvforge.kernels.triton_compat import INTERPRETED, cdiv, jit, require_triton, tl
-from kvforge.kernels.tuning import GemmTiles, gemm_tiles
+from kvforge.kernels.triton_compat import cdiv, require_triton
+from kvforge.kernels.tuning import gemm_tiles
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 
 
@@ -134,60 +135,6 @@ def _gathered_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     return (down * weights[..., None]).sum(dim=1).to(hidden.dtype)
 
 
-@jit
-def _grouped_gemm_kernel(
-    out_ptr, a_ptr, b_ptr, pair_weights_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
-    num_pairs, n_size, k_size, stride_am, stride_be, stride_bn, stride_om,
-    PAIRS_PER_A_ROW: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Grid (row blocks, column blocks). For the BLOCK_M sorted pairs of one block, all of one expert e:
-    out[pair, cols] = a[pair // PAIRS_PER_A_ROW] @ b[e, cols, :]^T (times pair_weights[pair])."""
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ids_ptr + block)
-    if expert < 0:
-        return
-    pair_ids = tl.load(sorted_pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pair_ids < num_pairs
-    a_rows = (pair_ids // PAIRS_PER_A_ROW).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_size
-    b_cols = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, k_size, BLOCK_K):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_size
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        b = tl.load(b_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if APPLY_WEIGHT:
-        acc = acc * tl.load(pair_weights_ptr + pair_ids, mask=row_mask, other=0.0)[:, None]
-    out_ptrs = out_ptr + pair_ids[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-def _launch_grouped_gemm(
-    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pair_weights: torch.Tensor | None,
-    sorted_pair_ids: torch.Tensor, block_expert_ids: torch.Tensor, pairs_per_a_row: int, tiles: GemmTiles,
-) -> None:  # fmt: skip
-    num_experts, n_size, k_size = b.shape
-    grid = (block_expert_ids.shape[0], cdiv(n_size, tiles.block_n))
-    _grouped_gemm_kernel[grid](
-        out, a, b, out if pair_weights is None else pair_weights, sorted_pair_ids, block_expert_ids,
-        out.shape[0], n_size, k_size, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        PAIRS_PER_A_ROW=pairs_per_a_row, APPLY_WEIGHT=pair_weights is not None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        UPCAST=INTERPRETED and a.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
-
-
 def _check_moe_inputs(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -229,7 +176,7 @@ def fused_moe_triton(
     sorted_pair_ids, block_expert_ids = moe_align(topk_ids, num_experts, tiles.block_m)
     # NOTE: zeroed: rows of pairs routed to other ranks' experts are never written, then still activated.
     gate_up = torch.zeros((num_pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
-    _launch_grouped_gemm(gate_up, hidden, w13, None, sorted_pair_ids, block_expert_ids, top_k, tiles)
+    launch_grouped_gemm(gate_up, hidden, w13, None, sorted_pair_ids, block_expert_ids, top_k, tiles)
     if lora is not None:
         slots = pair_slots(lora, topk_ids)
         pairs = hidden.repeat_interleave(top_k, dim=0)  # [num_pairs, hidden]: pair p reads token p // top_k
@@ -237,7 +184,7 @@ def fused_moe_triton(
     act = silu_and_mul_triton(gate_up)
     down = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     pair_weights = topk_weights.reshape(-1).float()
-    _launch_grouped_gemm(down, act, w2, pair_weights, sorted_pair_ids, block_expert_ids, 1, tiles)
+    launch_grouped_gemm(down, act, w2, pair_weights, sorted_pair_ids, block_expert_ids, 1, tiles)
     if lora is not None:
         update = add_expert_lora_triton(torch.zeros_like(down), act, lora.a2, lora.b2, slots)
         down = down + update * pair_weights.unsqueeze(1)
