@@ -218,7 +218,7 @@ def gemm_tiles(num_tokens: int, platform: Platform | None = None) -> GemmTiles:
 
 # Rows of a step from which batched LoRA segments its rows by adapter (SGMV: each program multiplies BLOCK_M rows of
 # one adapter with tl.dot) instead of one program per row (BGMV: each row reads its adapter's whole matrix).
-# NOTE: a first guess, not measured yet (benchmarks/kernels: `kvforge bench kernels --op lora` on a quiet GPU): BGMV
+# NOTE: a first guess, not measured yet (scripts/bench_lora_kernels.py on a quiet GPU sets it): BGMV
 # rereads an adapter once per row, SGMV pays for moe_align and a block's padding rows.
 _LORA_SEGMENTED_MIN_ROWS: dict[str, int] = {"default": 64}
 
