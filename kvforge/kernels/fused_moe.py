@@ -26,6 +26,7 @@ from kvforge.kernels.moe_lora import (
     add_expert_lora_ref,
     add_expert_lora_triton,
     check_expert_lora,
+    grouped_lora_fits,
     pair_slots,
 )
 from kvforge.kernels.triton_compat import cdiv, require_triton
@@ -90,8 +91,7 @@ def fused_moe_cpu(
     and 3-20x faster than gathering each pair's expert weights for a bmm."""
     if torch.compiler.is_dynamo_compiling():  # NOTE: grouped_mm's fake implementation takes bfloat16 only
         return _gathered_moe(hidden, w13, w2, topk_weights, topk_ids, lora)
-    lora_fits = lora is None or all(_grouped_mm_fits(hidden, b) for b in (lora.b13, lora.b2))
-    if not (_grouped_mm_fits(hidden, w2) and lora_fits):
+    if not (_grouped_mm_fits(hidden, w2) and (lora is None or grouped_lora_fits(lora))):
         return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, lora)
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     ids = topk_ids.reshape(-1).long()

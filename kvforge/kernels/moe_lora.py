@@ -67,6 +67,11 @@ def add_expert_lora_grouped(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b
     return y.index_add(0, order, delta.to(y.dtype))
 
 
+def grouped_lora_fits(lora: ExpertLoRA) -> bool:
+    """Whether add_expert_lora_grouped may run: F.grouped_mm needs 16-byte row strides of every operand."""
+    return hasattr(F, "grouped_mm") and all(t.shape[-1] * t.element_size() % 16 == 0 for t in lora[:4])
+
+
 def add_expert_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                            slots: torch.Tensor) -> torch.Tensor:
     """add_expert_lora_ref with the Triton shrink and expand kernels (a new tensor of y's dtype)."""
