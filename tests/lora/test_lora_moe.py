@@ -115,8 +115,11 @@ def test_compiled_decode_step_takes_the_expert_adapters_as_inputs(moe_case) -> N
     try:
         graphs = llm.engine.runner.decode_graphs
         graphs.compile_ahead(4)
+        replays, run = [], graphs.run
+        graphs.run = lambda *args: (replays.append(out := run(*args)), out)[1]
         for keys in ([0, 1, 2, None], [2, None, 0, 1]):
             assert _tokens(llm, [_prompt(moe_case, k) for k in keys], keys, loras) == [expected[k] for k in keys]
-        assert graphs.compiled_buckets == (4,)
+        assert graphs.compiled_buckets == (4,) and len(replays) == 2 * (NUM_NEW - 1)
+        assert all(out is not None for out in replays)  # every decode step ran the compiled graph
     finally:
         llm.shutdown()
