@@ -94,11 +94,13 @@ def test_expert_adapters_alone_and_mixed_match_peft(moe_case) -> None:
 
 
 @pytest.mark.slow
-def test_expert_adapters_with_two_tensor_parallel_ranks(moe_case) -> None:
-    """Each rank holds its half of every expert's intermediate dim: the rows of B of gate-up, the columns of A of
-    down; the layer's one all-reduce sums the adapters' partial products with the base's."""
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_expert_adapters_on_two_ranks(moe_case, tp: int, pp: int) -> None:
+    """Tensor parallel: each rank holds its half of every expert's intermediate dim (the rows of B of gate-up, the
+    columns of A of down), and the layer's one all-reduce sums the adapters' partial products with the base's.
+    Pipeline parallel: each stage takes its layers' experts of every adapter."""
     llm = LLM(str(moe_case[0]), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=4,
-              max_lora_rank=8, tensor_parallel_size=2)
+              max_lora_rank=8, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
         _check(llm, moe_case)
     finally:
