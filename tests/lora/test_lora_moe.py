@@ -125,3 +125,29 @@ def test_compiled_decode_step_takes_the_expert_adapters_as_inputs(moe_case) -> N
         assert all(out is not None for out in replays)  # every decode step ran the compiled graph
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_mixtral_expert_adapter_matches_peft(tmp_path) -> None:
+    """Mixtral (its checkpoint's block_sparse_moe is kvforge's mlp): an adapter of the stacked experts and of q_proj,
+    alone and beside the base model in one batch."""
+    from tests.models.test_moe_vs_transformers import build_moe_model
+    from tests.tiny_models import save_tokenizer
+
+    base = tmp_path / "mixtral"
+    build_moe_model("mixtral", save_tokenizer(base)).save_pretrained(base)
+    folder = save_adapter(base, tmp_path / "adapter", 4, ["q_proj"], seed=5, parameters=[GATE_UP, DOWN])
+    lora = LoRARequest("mixtral-experts", 1, str(folder))
+    ref = peft_model(base, folder)
+    prompts = [[5, 9, 40, 77, 3, 120, 31], [8, 200, 11, 64, 19]]
+    want = greedy(ref, prompts[0], NUM_NEW)
+    with ref.disable_adapter():
+        want_base = greedy(ref, prompts[1], NUM_NEW)
+    llm = LLM(str(base), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_lora_rank=8,
+              enforce_eager=True)
+    try:
+        assert _tokens(llm, prompts, [0, None], [lora]) == [want, want_base]
+        assert (llm.engine.score(prompts[0], lora_request=lora) - logits(ref, prompts[0])).abs().max().item() < 1e-4
+        assert (_experts_off(ref, prompts[0]) - logits(ref, prompts[0])).abs().max().item() > 1e-2
+    finally:
+        llm.shutdown()
