@@ -63,6 +63,9 @@ class Worker:
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         max_position = self.loaded.model.config.max_position
         self.max_model_len = min(config.model.max_model_len or max_position, max_position)
+        # NOTE: before the KV cache is sized, so that its memory comes out of the cache's (the experts' slots of a MoE
+        # model take gigabytes)
+        self.lora_pool = self._lora_pool()
         self.runner: ModelRunner | None = None
 
     @property
@@ -106,7 +109,7 @@ class Worker:
     def init_cache(self, num_blocks: int) -> None:
         compilation = self._compilation()
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size,
-                                  self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self._lora_pool(),
+                                  self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self.lora_pool,
                                   num_state_slots=self.config.scheduler.max_num_seqs,
                                   max_draft_tokens=self._max_draft_tokens())
         if compilation is not None and compilation.compile_at_start:
@@ -135,6 +138,7 @@ class Worker:
         if self.runner is not None:
             self.runner.shutdown()
         self.runner = None
+        self.lora_pool = None
         self.loaded = None
 
     def _compilation(self) -> CompilationConfig | None:

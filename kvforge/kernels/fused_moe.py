@@ -7,7 +7,8 @@ by its routing weight and summed per token, in one pass over the experts.
 
 Three implementations with one contract: the readable reference (a loop over every expert, fp32), the
 CPU path (pairs sorted by expert, two `grouped_mm` calls: no Python loop, no host sync) and the Triton
-kernel (a grouped GEMM whose programs each own BLOCK_M rows of one expert).
+kernel (a grouped GEMM whose programs each own BLOCK_M rows of one expert). Each takes the experts' LoRA
+slots (kernels/moe_lora.py), or None: a pair adds its adapter's update to both products.
 """
 
 from __future__ import annotations
@@ -16,9 +17,20 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kvforge.kernels.grouped_gemm import launch_grouped_gemm
+from kvforge.kernels.lora import lora_expand_ref, lora_shrink_ref
 from kvforge.kernels.moe_align import moe_align
-from kvforge.kernels.triton_compat import INTERPRETED, cdiv, jit, require_triton, tl
-from kvforge.kernels.tuning import GemmTiles, gemm_tiles
+from kvforge.kernels.moe_lora import (
+    ExpertLoRA,
+    add_expert_lora_grouped,
+    add_expert_lora_ref,
+    add_expert_lora_triton,
+    check_expert_lora,
+    grouped_lora_fits,
+    pair_slots,
+)
+from kvforge.kernels.triton_compat import cdiv, require_triton
+from kvforge.kernels.tuning import gemm_tiles
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 
 
@@ -28,22 +40,32 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """hidden: [num_tokens, hidden]; w13: [num_experts, 2 * inter, hidden] ([gate | up] rows);
     w2: [num_experts, hidden, inter]; topk_weights: [num_tokens, top_k]; topk_ids: [num_tokens, top_k],
     -1 for a pair whose expert is not in w13/w2 (it contributes nothing).
 
     Returns sum_k topk_weights[t, k] * w2[e] @ (silu(gate) * up)(w13[e] @ hidden[t]), e = topk_ids[t, k]:
-    [num_tokens, hidden], computed in fp32 one expert at a time."""
+    [num_tokens, hidden], computed in fp32 one expert at a time. With lora, each product adds the update of
+    the token's adapter for expert e (the plain LoRA reference over the expert's slots)."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     x = hidden.float()
     for expert in range(w13.shape[0]):
-        tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
+        tokens, top = (topk_ids == expert).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
-        act = silu_and_mul_ref(F.linear(x[tokens], w13[expert].float()))
-        down = F.linear(act, w2[expert].float()) * topk_weights[tokens, slots, None].float()
-        out.index_add_(0, tokens, down)
+        gate_up = F.linear(x[tokens], w13[expert].float())
+        if lora is not None:
+            slots = lora.token_slots[tokens]
+            a13, b13 = lora.a13[:, expert].float(), lora.b13[:, expert].float()
+            gate_up = lora_expand_ref(lora_shrink_ref(x[tokens], a13, slots), b13, slots, gate_up)
+        act = silu_and_mul_ref(gate_up)
+        down = F.linear(act, w2[expert].float())
+        if lora is not None:
+            a2, b2 = lora.a2[:, expert].float(), lora.b2[:, expert].float()
+            down = lora_expand_ref(lora_shrink_ref(act, a2, slots), b2, slots, down)
+        out.index_add_(0, tokens, down * topk_weights[tokens, top, None].float())
     return out.to(hidden.dtype)
 
 
@@ -59,16 +81,18 @@ def fused_moe_cpu(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
-    """fused_moe_ref as two grouped matmuls over the pairs sorted by expert (the CPU path).
+    """fused_moe_ref as two grouped matmuls over the pairs sorted by expert (the CPU path); the LoRA updates as two
+    more each, over the pairs sorted by (adapter, expert).
 
     NOTE: measured on a 2-core CPU (benchmarks/RESULTS.md, "MoE (CPU)"): on par with one matmul pair per
     expert over the sorted pairs (which needs a host sync), 1.0-1.35x faster than the per-expert loop,
     and 3-20x faster than gathering each pair's expert weights for a bmm."""
     if torch.compiler.is_dynamo_compiling():  # NOTE: grouped_mm's fake implementation takes bfloat16 only
-        return _gathered_moe(hidden, w13, w2, topk_weights, topk_ids)
-    if not _grouped_mm_fits(hidden, w2):
-        return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
+        return _gathered_moe(hidden, w13, w2, topk_weights, topk_ids, lora)
+    if not (_grouped_mm_fits(hidden, w2) and (lora is None or grouped_lora_fits(lora))):
+        return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, lora)
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     ids = topk_ids.reshape(-1).long()
     valid = ids >= 0
@@ -78,76 +102,37 @@ def fused_moe_cpu(
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))
     group_ends = counts[:num_experts].cumsum(0).int()
     tokens = order // top_k
-    gate_up = F.grouped_mm(hidden[tokens], w13.transpose(1, 2), offs=group_ends)  # [num_pairs, 2 * inter]
-    down = F.grouped_mm(silu_and_mul_ref(gate_up), w2.transpose(1, 2), offs=group_ends)  # [num_pairs, hidden]
+    x = hidden[tokens]  # [num_pairs, hidden], sorted by expert
+    gate_up = F.grouped_mm(x, w13.transpose(1, 2), offs=group_ends)  # [num_pairs, 2 * inter]
+    if lora is not None:
+        slots = pair_slots(lora, topk_ids)[order]
+        gate_up = add_expert_lora_grouped(gate_up, x, lora.a13, lora.b13, slots)
+    act = silu_and_mul_ref(gate_up)
+    down = F.grouped_mm(act, w2.transpose(1, 2), offs=group_ends)  # [num_pairs, hidden]
+    if lora is not None:
+        down = add_expert_lora_grouped(down, act, lora.a2, lora.b2, slots)
     # NOTE: rows past the last group are left unwritten by grouped_mm: masked, not multiplied by zero.
     down = down.masked_fill(~valid[order, None], 0.0) * topk_weights.reshape(-1)[order, None].to(down.dtype)
     return torch.zeros_like(hidden).index_add_(0, tokens, down)
 
 
 def _gathered_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, lora: ExpertLoRA | None = None) -> torch.Tensor:
     """fused_moe_ref with each pair's expert weights gathered: no data-dependent shapes, so a compiled decode
     step (a few tokens, whose pairs read these weights anyway) traces it."""
     ids = topk_ids.long().clamp(min=0)
     weights = topk_weights.float() * (topk_ids >= 0)  # [T, k]; pairs of other ranks' experts count 0
-    gate_up = torch.einsum("th,tkih->tki", hidden.float(), w13[ids].float())  # [T, k, 2 * inter]
-    down = torch.einsum("tki,tkhi->tkh", silu_and_mul_ref(gate_up), w2[ids].float())  # [T, k, hidden]
+    x = hidden.float()
+    gate_up = torch.einsum("th,tkih->tki", x, w13[ids].float())  # [T, k, 2 * inter]
+    if lora is not None:
+        slots = pair_slots(lora, topk_ids)
+        pairs = x.unsqueeze(1).expand(-1, ids.shape[1], -1).reshape(slots.shape[0], -1)  # [T * k, hidden]
+        gate_up = add_expert_lora_ref(gate_up.flatten(0, 1), pairs, lora.a13, lora.b13, slots).view_as(gate_up)
+    act = silu_and_mul_ref(gate_up)
+    down = torch.einsum("tki,tkhi->tkh", act, w2[ids].float())  # [T, k, hidden]
+    if lora is not None:
+        down = add_expert_lora_ref(down.flatten(0, 1), act.flatten(0, 1), lora.a2, lora.b2, slots).view_as(down)
     return (down * weights[..., None]).sum(dim=1).to(hidden.dtype)
-
-
-@jit
-def _grouped_gemm_kernel(
-    out_ptr, a_ptr, b_ptr, pair_weights_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
-    num_pairs, n_size, k_size, stride_am, stride_be, stride_bn, stride_om,
-    PAIRS_PER_A_ROW: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Grid (row blocks, column blocks). For the BLOCK_M sorted pairs of one block, all of one expert e:
-    out[pair, cols] = a[pair // PAIRS_PER_A_ROW] @ b[e, cols, :]^T (times pair_weights[pair])."""
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ids_ptr + block)
-    if expert < 0:
-        return
-    pair_ids = tl.load(sorted_pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pair_ids < num_pairs
-    a_rows = (pair_ids // PAIRS_PER_A_ROW).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_size
-    b_cols = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, k_size, BLOCK_K):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_size
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        b = tl.load(b_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if APPLY_WEIGHT:
-        acc = acc * tl.load(pair_weights_ptr + pair_ids, mask=row_mask, other=0.0)[:, None]
-    out_ptrs = out_ptr + pair_ids[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-def _launch_grouped_gemm(
-    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pair_weights: torch.Tensor | None,
-    sorted_pair_ids: torch.Tensor, block_expert_ids: torch.Tensor, pairs_per_a_row: int, tiles: GemmTiles,
-) -> None:  # fmt: skip
-    num_experts, n_size, k_size = b.shape
-    grid = (block_expert_ids.shape[0], cdiv(n_size, tiles.block_n))
-    _grouped_gemm_kernel[grid](
-        out, a, b, out if pair_weights is None else pair_weights, sorted_pair_ids, block_expert_ids,
-        out.shape[0], n_size, k_size, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        PAIRS_PER_A_ROW=pairs_per_a_row, APPLY_WEIGHT=pair_weights is not None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        UPCAST=INTERPRETED and a.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
 
 
 def _check_moe_inputs(
@@ -174,11 +159,15 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """fused_moe_ref in Triton, with no host sync: moe_align, grouped GEMM (w13), silu_and_mul, grouped
-    GEMM (w2) with the routing weights, then the sum over each token's top_k pairs in fp32."""
+    GEMM (w2) with the routing weights, then the sum over each token's top_k pairs in fp32. With lora, the
+    LoRA kernels add each pair's update to the gate-up rows, and its weighted update to the down rows."""
     require_triton()
     _check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    if lora is not None:
+        check_expert_lora(lora, hidden, w13)
     (num_tokens, hidden_size), (num_experts, top_k) = hidden.shape, (w13.shape[0], topk_ids.shape[1])
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
@@ -187,9 +176,16 @@ def fused_moe_triton(
     sorted_pair_ids, block_expert_ids = moe_align(topk_ids, num_experts, tiles.block_m)
     # NOTE: zeroed: rows of pairs routed to other ranks' experts are never written, then still activated.
     gate_up = torch.zeros((num_pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
-    _launch_grouped_gemm(gate_up, hidden, w13, None, sorted_pair_ids, block_expert_ids, top_k, tiles)
+    launch_grouped_gemm(gate_up, hidden, w13, None, sorted_pair_ids, block_expert_ids, top_k, tiles)
+    if lora is not None:
+        slots = pair_slots(lora, topk_ids)
+        pairs = hidden.repeat_interleave(top_k, dim=0)  # [num_pairs, hidden]: pair p reads token p // top_k
+        gate_up = add_expert_lora_triton(gate_up, pairs, lora.a13, lora.b13, slots)
     act = silu_and_mul_triton(gate_up)
     down = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     pair_weights = topk_weights.reshape(-1).float()
-    _launch_grouped_gemm(down, act, w2, pair_weights, sorted_pair_ids, block_expert_ids, 1, tiles)
+    launch_grouped_gemm(down, act, w2, pair_weights, sorted_pair_ids, block_expert_ids, 1, tiles)
+    if lora is not None:
+        update = add_expert_lora_triton(torch.zeros_like(down), act, lora.a2, lora.b2, slots)
+        down = down + update * pair_weights.unsqueeze(1)
     return down.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

@@ -46,6 +46,7 @@ from kvforge.kernels.gated_delta_rule import (
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton
 from kvforge.kernels.lora import lora_expand_cpu, lora_expand_triton, lora_shrink_cpu, lora_shrink_triton
 from kvforge.kernels.mla_decode import mla_decode_ref, mla_decode_triton
+from kvforge.kernels.moe_lora import ExpertLoRA
 from kvforge.kernels.mxfp4_moe import mxfp4_moe_cpu, mxfp4_moe_triton
 from kvforge.kernels.paged_attention import paged_attention_triton
 from kvforge.kernels.quant_gemm import quant_gemm_ref, quant_gemm_triton
@@ -181,13 +182,28 @@ def _(a: Tensor, b: Tensor, a_scales: Tensor, b_scales: Tensor, out_dtype: torch
 
 
 @torch.library.custom_op("kvforge::fused_moe", mutates_args=())
-def _fused_moe_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+def _fused_moe_op(
+    hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, lora_a13: Tensor | None = None,
+    lora_b13: Tensor | None = None, lora_a2: Tensor | None = None, lora_b2: Tensor | None = None,
+    lora_token_slots: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    lora = None if lora_a13 is None else ExpertLoRA(lora_a13, lora_b13, lora_a2, lora_b2, lora_token_slots)
+    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, lora)
 
 
 @_fused_moe_op.register_fake
-def _(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def _(
+    hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, lora_a13: Tensor | None = None,
+    lora_b13: Tensor | None = None, lora_a2: Tensor | None = None, lora_b2: Tensor | None = None,
+    lora_token_slots: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     return hidden.new_empty(hidden.shape)
+
+
+def _fused_moe_triton_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                         lora: ExpertLoRA | None = None) -> Tensor:
+    """The fused_moe custom op with the experts' LoRA slots (a tuple of tensors) as its last arguments."""
+    return torch.ops.kvforge.fused_moe(hidden, w13, w2, topk_weights, topk_ids, *(lora or ()))
 
 
 @torch.library.custom_op("kvforge::mxfp4_moe", mutates_args=())
@@ -355,7 +371,7 @@ TRITON_OPS = OpTable(
     paged_decode=torch.ops.kvforge.paged_attention,
     quant_gemm=torch.ops.kvforge.quant_gemm,
     int8_gemm=torch.ops.kvforge.int8_gemm,
-    fused_moe=torch.ops.kvforge.fused_moe,
+    fused_moe=_fused_moe_triton_op,
     mxfp4_moe=torch.ops.kvforge.mxfp4_moe,
     mla_decode=torch.ops.kvforge.mla_decode,
     lora_shrink=torch.ops.kvforge.lora_shrink,

@@ -214,3 +214,16 @@ def gemm_tiles(num_tokens: int, platform: Platform | None = None) -> GemmTiles:
     arch = (platform if platform is not None else current_platform()).arch
     decode, prefill = _GEMM_TILES.get(arch, _GEMM_TILES["default"])
     return decode if num_tokens <= 16 else prefill
+
+
+# Rows of a step from which batched LoRA segments its rows by adapter (SGMV: each program multiplies BLOCK_M rows of
+# one adapter with tl.dot) instead of one program per row (BGMV: each row reads its adapter's whole matrix).
+# NOTE: a first guess, not measured yet (scripts/bench_lora_kernels.py on a quiet GPU sets it): BGMV
+# rereads an adapter once per row, SGMV pays for moe_align and a block's padding rows.
+_LORA_SEGMENTED_MIN_ROWS: dict[str, int] = {"default": 64}
+
+
+def lora_segmented(num_rows: int, platform: Platform | None = None) -> bool:
+    """Whether a batched LoRA product of num_rows rows runs segmented by adapter (SGMV) on platform."""
+    arch = (platform if platform is not None else current_platform()).arch
+    return num_rows >= _LORA_SEGMENTED_MIN_ROWS.get(arch, _LORA_SEGMENTED_MIN_ROWS["default"])

@@ -41,6 +41,7 @@ class FusedMoE(nn.Module):
         if split % tp_size:
             raise ValueError(f"{name} ({split}) must be divisible by tp_size ({tp_size})")
         self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
         self.num_local_experts = num_experts // tp_size if expert_parallel else num_experts
         self.local_intermediate = intermediate_size if expert_parallel else intermediate_size // tp_size
         self.first_expert = tp_rank * self.num_local_experts if expert_parallel else 0
@@ -49,6 +50,7 @@ class FusedMoE(nn.Module):
         num_local, inter = self.num_local_experts, self.local_intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, inter), requires_grad=False)
+        self.lora: nn.Module | None = None  # LoRA adapters' slots of these experts (lora/experts.py)
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
         """One expert's checkpoint matrix: proj is gate_proj/w1 [inter, hidden], up_proj/w3 [inter, hidden]
@@ -83,7 +85,8 @@ class FusedMoE(nn.Module):
         if self.expert_parallel:
             local = topk_ids - self.first_expert
             topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
-        return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        lora = None if self.lora is None else self.lora.tensors(x.shape[0])
+        return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, proj: str) -> None:

@@ -1,7 +1,8 @@
 """The device slots of one engine's LoRA adapters and the host-side registry they are swapped in from.
 
     host registry   up to max_cpu_loras adapters read, checked and cut to this rank's share (LRU)
-    device slots    max_loras per LoRA layer (layer.py); a step's adapters are put in slots before it runs,
+    device slots    max_loras per LoRA layer (layer.py) and per MoE layer's routed experts (experts.py); a step's
+                    adapters are put in slots before it runs,
                     evicting the least recently used adapter that the step does not use
     token_slots     [max_tokens] slot id of each row of the step (-1: no adapter), read by every LoRA layer
 
@@ -21,7 +22,9 @@ from torch import nn
 from kvforge.config import LoRAConfig
 from kvforge.kernels.ops import OpTable
 from kvforge.layers.linear import Linear
+from kvforge.layers.moe import FusedMoE
 from kvforge.lora.adapter import read_adapter
+from kvforge.lora.experts import PIECES, ExpertLoRASlots
 from kvforge.lora.layer import LoRASlots
 from kvforge.lora.request import LoRARequest
 
@@ -29,8 +32,10 @@ from kvforge.lora.request import LoRARequest
 # model's merged_params: q/k/v -> qkv_proj, gate/up -> gate_up_proj)
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-# one adapter on this rank: LoRA layer name -> checkpoint matrix index -> (A, B), local shares in the model dtype
-LocalAdapter = dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
+_EXPERT_MODULE = re.compile(rf"(.+\.experts)\.(\d+)\.({'|'.join(PIECES)})")
+# one adapter on this rank: LoRA layer name -> checkpoint matrix index (routed experts: (expert, matrix name)) ->
+# (A, B), local shares in the model dtype
+LocalAdapter = dict[str, dict[int | tuple[int, str], tuple[torch.Tensor, torch.Tensor]]]
 
 
 def _placed_names(model: nn.Module) -> dict[str, tuple[str, int]]:
@@ -51,29 +56,45 @@ class LoRAPool:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self._places = _placed_names(model)
         fused = {merged.strip(".") for merged, _ in self._places.values()}
-        self.layers: dict[str, LoRASlots] = {}
+        self.layers: dict[str, LoRASlots | ExpertLoRASlots] = {}
+        self.num_experts = 0  # routed experts per MoE layer (0: none)
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in fused:
                 module.lora = LoRASlots(module, config.max_loras, config.max_lora_rank, self.token_slots, ops, dtype)
                 self.layers[name] = module.lora
+            elif isinstance(module, FusedMoE):
+                module.lora = ExpertLoRASlots(module, config.max_loras, config.max_lora_rank, self.token_slots, dtype)
+                self.layers[name] = module.lora
+                self.num_experts = module.num_experts
         self.host: OrderedDict[int, LocalAdapter] = OrderedDict()  # int_id -> this rank's share, LRU first
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # int_id -> device slot, LRU first
         self.paths: dict[int, str] = {}
 
-    def _place(self, request: LoRARequest, module: str) -> tuple[str, int] | None:
+    def _place(self, request: LoRARequest, module: str) -> tuple[str, int | tuple[int, str]] | None:
         """The LoRA layer and matrix index of a checkpoint module; None for a layer of another pipeline stage."""
-        for fragment, (merged, shard) in self._places.items():
-            if not f".{module}.".endswith(fragment):
-                continue
-            name = f".{module}.".removesuffix(fragment).removeprefix(".") + merged.rstrip(".")
-            if name in self.layers:
-                return name, shard
-            layer = _LAYER_INDEX.match(name)
-            if layer is not None and not self.model.start_layer <= int(layer.group(1)) < self.model.end_layer:
-                return None  # a layer of another pipeline stage
-            break
+        for old, new in getattr(self.model, "checkpoint_renames", {}).items():
+            module = module.replace(old, new)
+        name, index = module, None
+        if (expert := _EXPERT_MODULE.fullmatch(module)) is not None:
+            name, index = expert.group(1), (int(expert.group(2)), expert.group(3))
+        else:
+            for fragment, (merged, shard) in self._places.items():
+                if f".{module}.".endswith(fragment):
+                    name, index = f".{module}.".removesuffix(fragment).removeprefix(".") + merged.rstrip("."), shard
+                    break
+        layer = self.layers.get(name)
+        if index is not None and isinstance(layer, ExpertLoRASlots if expert is not None else LoRASlots):
+            if expert is not None and index[0] >= layer.num_experts:
+                raise ValueError(f"LoRA adapter {request.name!r}: module {module!r} names expert {index[0]}, but "
+                                 f"the layer has {layer.num_experts}")
+            return name, index
+        layer_index = _LAYER_INDEX.match(name)
+        if index is not None and layer_index is not None and not (
+                self.model.start_layer <= int(layer_index.group(1)) < self.model.end_layer):
+            return None  # a layer of another pipeline stage
         raise ValueError(f"LoRA adapter {request.name!r} targets module {module!r}, which has no LoRA layer in "
-                         f"{type(self.model).__name__} (targets: {', '.join(TARGET_MODULES)})")
+                         f"{type(self.model).__name__} (targets: {', '.join(TARGET_MODULES)}, and the routed "
+                         f"experts' {', '.join(PIECES)})")
 
     def load(self, request: LoRARequest) -> LocalAdapter:
         """The adapter's share on this rank, read on first use (and again once the host registry dropped it)."""
@@ -83,7 +104,7 @@ class LoRAPool:
         if request.int_id in self.host:
             self.host.move_to_end(request.int_id)
             return self.host[request.int_id]
-        adapter = read_adapter(request, self.config.max_lora_rank)
+        adapter = read_adapter(request, self.config.max_lora_rank, self.num_experts)
         local: LocalAdapter = {}
         for module, (a, b) in adapter.weights.items():
             placed = self._place(request, module)
@@ -95,7 +116,10 @@ class LoRAPool:
             if a.shape[1] != in_features or b.shape[0] != out_features:
                 raise ValueError(f"LoRA adapter {request.name!r}: module {module!r} has A {tuple(a.shape)} and B "
                                  f"{tuple(b.shape)}, but the base layer is [{out_features}, {in_features}]")
-            a, b = layer.local(shard, a, b)
+            shares = layer.local(shard, a, b)
+            if shares is None:
+                continue  # another rank's expert
+            a, b = shares
             local.setdefault(name, {})[shard] = (a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
         self.paths[request.int_id] = request.path
         self.host[request.int_id] = local

@@ -106,15 +106,15 @@ def _mla_decode(num_seqs: int) -> None:
                       torch.full((num_seqs,), 500, dtype=torch.int32), 0.1, latent)  # fmt: skip
 
 
-def _lora(num_tokens: int) -> None:
+def _lora(num_tokens: int, segmented: bool) -> None:
     from kvforge.kernels.lora import lora_expand_triton, lora_shrink_triton
 
     slots, rank, hidden, num_out = 4, 3 * 16, 4096, 6144  # a QKV layer's shrink, one of its matrices' expand
     x = torch.empty(num_tokens, hidden, dtype=torch.bfloat16)
     token_slots = torch.zeros(num_tokens, dtype=torch.int64)
-    h = lora_shrink_triton(x, torch.empty(slots, rank, hidden, dtype=torch.bfloat16), token_slots)
+    h = lora_shrink_triton(x, torch.empty(slots, rank, hidden, dtype=torch.bfloat16), token_slots, segmented)
     lora_expand_triton(h[:, :16], torch.empty(slots, num_out, 16, dtype=torch.bfloat16), token_slots,
-                       torch.empty(num_tokens, num_out, dtype=torch.bfloat16))
+                       torch.empty(num_tokens, num_out, dtype=torch.bfloat16), segmented)
 
 
 def _gated_delta(num_seqs: int, decode: bool) -> None:
@@ -165,8 +165,9 @@ def cases() -> dict[str, Callable[[], None]]:
         found[f"mxfp4 moe {tokens} tokens"] = lambda m=tokens: _mxfp4_moe(m)
     for num_seqs in (1, 64):
         found[f"mla decode {num_seqs} seqs"] = lambda n=num_seqs: _mla_decode(n)
-    # NOTE: one case: the kernels' compiled variant does not depend on the token count
-    found["lora shrink+expand 64 tokens"] = lambda: _lora(64)
+    # NOTE: one case each: the kernels' compiled variant does not depend on the token count
+    found["lora shrink+expand per row 64 tokens"] = lambda: _lora(64, segmented=False)
+    found["lora shrink+expand segmented 256 tokens"] = lambda: _lora(256, segmented=True)
     found["gated delta prefill + conv1d"] = lambda: _gated_delta(4, decode=False)
     found["gated delta decode + conv1d"] = lambda: _gated_delta(64, decode=True)
     return found

@@ -37,15 +37,18 @@ def test_reference_is_each_rows_own_adapter() -> None:
         assert slot >= 0 or not h[row].any()
 
 
+@pytest.mark.parametrize("segmented", [False, True], ids=["per-row", "segmented"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_rows", "dim", "rank", "num_out", "num_slots"),
-                         [(1, 64, 8, 64, 1), (7, 100, 24, 301, 4), (13, 257, 3, 130, 3)])
-def test_triton_matches_reference(device, dtype, num_rows, dim, rank, num_out, num_slots) -> None:
+                         [(1, 64, 8, 64, 1), (7, 100, 24, 301, 4), (13, 257, 3, 130, 3), (70, 48, 16, 40, 3)])
+def test_triton_matches_reference(device, dtype, num_rows, dim, rank, num_out, num_slots, segmented) -> None:
+    """Both Triton forms: one program per row (BGMV), and the rows segmented by adapter (SGMV; 70 rows: several
+    blocks of one adapter)."""
     x, a, b, y, slots = _case(num_rows, dim, rank, num_out, num_slots, dtype, device)
     tol = TOLERANCE[dtype]
-    h = lora_shrink_triton(x, a, slots)
+    h = lora_shrink_triton(x, a, slots, segmented)
     torch.testing.assert_close(h, lora_shrink_ref(x, a, slots), atol=tol, rtol=tol)
-    out = lora_expand_triton(h, b, slots, y)
+    out = lora_expand_triton(h, b, slots, y, segmented)
     torch.testing.assert_close(out, lora_expand_ref(h, b, slots, y), atol=tol, rtol=tol)
     assert torch.equal(out[0], y[0])  # the row without an adapter is left as it was
 

@@ -46,6 +46,9 @@ def test_bad_adapters_are_named(engine_and_base, tmp_path) -> None:
     shutil.copytree(odd, no_weights)
     (no_weights / "adapter_model.safetensors").unlink()
     _refused(llm, LoRARequest("no-weights", 5, str(no_weights)), r"'no-weights'.*has no adapter_model\.safetensors")
+    param = save_adapter(base, tmp_path / "param", 4, ["q_proj"], seed=0, parameters=["mlp.down_proj.weight"])
+    _refused(llm, LoRARequest("param", 6, str(param)), r"'param': target_parameters entry 'mlp\.down_proj\.weight' is "
+                                                       r"not supported \(only the experts'")
     good = save_adapter(base, tmp_path / "good", 8, ["q_proj", "down_proj"], seed=1)
     # a refused folder binds nothing: its id serves a good folder, and then no other
     assert len(llm.generate("The quick brown fox", PARAMS, lora_request=LoRARequest("good", 2, str(good)))) == 1

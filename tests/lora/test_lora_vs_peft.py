@@ -140,34 +140,3 @@ def test_compiled_decode_step_takes_the_adapters_as_inputs(lora_case) -> None:
         assert all(out is not None for out in replays)
     finally:
         llm.shutdown()
-
-
-@pytest.mark.slow
-def test_qwen3_moe_attention_adapters_match_peft_and_expert_adapters_are_refused(tmp_path) -> None:
-    """Qwen3-MoE: adapters of the attention projections run (tokens and logits as PEFT's); an adapter of the experts
-    (PEFT's target_parameters) is refused by name, since the fused experts have no LoRA path."""
-    from peft import LoraConfig, get_peft_model
-
-    from tests.models.test_moe_vs_transformers import build_moe_model
-    from tests.tiny_models import save_tokenizer
-
-    base = tmp_path / "moe"
-    build_moe_model("qwen3_moe", save_tokenizer(base)).save_pretrained(base)
-    folder = save_adapter(base, tmp_path / "attn", 8, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=3)
-    lora = LoRARequest("attn", 1, str(folder))
-    ref = peft_model(base, folder)
-    prompts = [[5, 9, 40, 77, 3, 120, 31], [8, 200, 11, 64, 19]]
-    llm = LLM(str(base), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, enforce_eager=True)
-    try:
-        want = greedy(ref, prompts[0], NUM_NEW)
-        with ref.disable_adapter():
-            want_base = greedy(ref, prompts[1], NUM_NEW)
-        assert _tokens(llm, prompts, [lora, None]) == [want, want_base]
-        assert (llm.engine.score(prompts[0], lora_request=lora) - logits(ref, prompts[0])).abs().max().item() < 1e-4
-        experts = get_peft_model(peft_model(base, None), LoraConfig(
-            r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]))
-        experts.save_pretrained(tmp_path / "experts")
-        with pytest.raises(ValueError, match="'experts'.*target_parameters.*not supported"):
-            llm.generate("hello", GREEDY, lora_request=LoRARequest("experts", 2, str(tmp_path / "experts")))
-    finally:
-        llm.shutdown()
