@@ -19,6 +19,7 @@ import torch
 from kvforge import LLM, SamplingParams
 from kvforge.executor.decode_graphs import CPP_WRAPPER_MAX_BATCH, inductor_options
 from kvforge.kernels.cpu.extension import cpu_kernels
+from tests.models.test_hybrid_vs_transformers import build_hybrid_model
 from tests.models.test_moe_vs_transformers import build_moe_model
 from tests.tiny_models import save_model, save_tokenizer
 
@@ -138,6 +139,33 @@ def test_compiled_families_match_eager(tiny_folder: str) -> None:
     _assert_same(compiled, eager)
     traced = "deepseek" not in tiny_folder
     assert llm.engine.runner.decode_graphs.compiled_buckets == ((1, 2, 4) if traced else ())
+
+
+@pytest.fixture(scope="module", params=["gemma3", "qwen3_5"])
+def layer_groups_folder(request, tmp_path_factory) -> str:
+    """Gemma 3: a full-attention and sliding-window groups (window 8); Qwen3.5: full attention and linear-attention
+    states."""
+    folder = tmp_path_factory.mktemp(f"compiled-{request.param}")
+    if request.param == "qwen3_5":
+        build_hybrid_model("qwen3_5", save_tokenizer(folder)).save_pretrained(folder)
+    else:
+        save_model(folder, request.param)
+    return str(folder)
+
+
+@needs_cpu_kernels
+def test_compiled_layer_groups_match_eager(layer_groups_folder: str) -> None:
+    """A model of several layer groups compiles its decode step with every group's slot mapping and block tables (and
+    the requests' state slots) as inputs: 3 requests run in bucket 4, then 2 and 1 in bucket 2, whose padding rows
+    write no request's cache or state, with the eager engine's tokens and logprobs."""
+    prompts = _prompts(3, 300)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (4, 7, 9)]
+    options = dict(kv_cache_memory="4MiB", compile_buckets=(2, 4), max_num_seqs=8)
+    llm, compiled = _generate(layer_groups_folder, prompts, params, **options)
+    _, eager = _generate(layer_groups_folder, prompts, params, enforce_eager=True, **options)
+    _assert_same(compiled, eager)
+    assert llm.engine.runner.decode_graphs.compiled_buckets == (2, 4)
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_usable_blocks
 
 
 @needs_cpu_kernels
