@@ -175,7 +175,8 @@ class KVCacheManager:
         end = request.num_computed_tokens + num_new
         if num_drafts or end % self.block_size or not request.num_computed_tokens < end < request.num_tokens:
             return load, None
-        return load, self.states.checkpoints.reserve(self._hashes(request, end // self.block_size)[-1])
+        num_blocks = end // self.block_size
+        return load, self.states.checkpoints.reserve(self._hashes(request, num_blocks)[num_blocks - 1])
 
     def states_saved(self, checkpoints: list[int]) -> None:
         """The step that saves these checkpoints has run: prefix lookups find them from now."""

@@ -159,8 +159,9 @@ class ModelRunner:
 
     def _save_states(self, scheduled: list[ScheduledRequest]) -> None:
         """After a step (on every rank): the state checkpoints it saves take their requests' states."""
-        if self.recurrent_states is not None:
-            self.recurrent_states.save_checkpoints(scheduled, self._state_slot_ids(scheduled))
+        saving = [s for s in scheduled if s.save_state_to is not None]
+        if saving:
+            self.recurrent_states.save_checkpoints(saving, self._state_slot_ids(saving))
 
     def _allowed_token_bitmask(self, requests: list[ScheduledRequest],
                                grammar_bitmask: GrammarBitmask | None) -> torch.Tensor | None:

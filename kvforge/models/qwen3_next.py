@@ -90,10 +90,6 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     checkpoint_renames = {".shared_expert.": ".shared_experts.", ".linear_attn.": ".self_attn."}
 
     def __init__(self, hf_config: dict) -> None:
-        state = get_parallel_state()
-        if state.pp_size > 1:
-            raise ValueError(f"{type(self).__name__} does not run under pipeline parallelism yet "
-                             f"(pipeline_parallel_size={state.pp_size}); use tensor parallelism")
         hf_config = self.text_config(hf_config)
         self.linear_config = GatedDeltaNetConfig.from_hf(hf_config)
         num_layers = hf_config["num_hidden_layers"]
@@ -101,10 +97,18 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
             "full_attention" if (i + 1) % hf_config.get("full_attention_interval", 4) == 0 else "linear_attention"
             for i in range(num_layers)]  # fmt: skip
         super().__init__(hf_config)
-        full = [i for i, kind in enumerate(self.layer_types) if kind == "full_attention"]
-        linear = [i for i, kind in enumerate(self.layer_types) if kind != "full_attention"]
-        # kv_caches: the full-attention layers' paged caches, then the linear-attention layers' states
-        self.cache_of_layer = [full.index(i) if i in full else len(full) + linear.index(i) for i in range(num_layers)]
+        # this stage's layers (every layer without pipeline parallelism)
+        stage = range(self.start_layer, self.end_layer)
+        full = [i for i in stage if self.layer_types[i] == "full_attention"]
+        linear = [i for i in stage if self.layer_types[i] != "full_attention"]
+        if not full or not linear:
+            # NOTE: every stage's KV cache has the same groups (the engine keeps one block table per request and group)
+            missing = "full" if not full else "linear"
+            raise ValueError(f"pipeline_parallel_size={get_parallel_state().pp_size} gives layers {stage.start}.."
+                             f"{stage.stop - 1} of {type(self).__name__} no {missing}-attention layer; every pipeline "
+                             f"stage needs both kinds")
+        # kv_caches, per stage layer: the full-attention layers' paged caches, then the linear-attention layers' states
+        self.cache_of_layer = [full.index(i) if i in full else len(full) + linear.index(i) for i in stage]
         self.num_full_layers, self.num_linear_layers = len(full), len(linear)
 
     @staticmethod
@@ -141,7 +145,7 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     def kv_cache_spec(self) -> KVCacheSpec:
         """Keys and values of the full-attention layers; a conv and a delta state per slot of the linear ones."""
         cfg, layers = self.config, self.stage_layers
-        attention = layers[self.layer_types.index("full_attention")].self_attn.attn
+        attention = next(layer.self_attn.attn for layer in layers if isinstance(layer.self_attn, GatedAttention))
         linear = next(layer.self_attn.cfg for layer in layers if isinstance(layer.self_attn, GatedDeltaNet))  # rank's
         states = RecurrentStateSpec.gated_delta_net(self.num_linear_layers, linear.conv_dim, linear.conv_width,
                                                     linear.num_value_heads, linear.key_head_dim, linear.value_head_dim)

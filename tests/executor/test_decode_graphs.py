@@ -19,9 +19,8 @@ import torch
 from kvforge import LLM, SamplingParams
 from kvforge.executor.decode_graphs import CPP_WRAPPER_MAX_BATCH, inductor_options
 from kvforge.kernels.cpu.extension import cpu_kernels
-from tests.models.test_hybrid_vs_transformers import build_hybrid_model
 from tests.models.test_moe_vs_transformers import build_moe_model
-from tests.tiny_models import save_model, save_tokenizer
+from tests.tiny_models import build_hybrid_model, save_model, save_tokenizer
 
 needs_cpu_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="compiled CPU steps need the C++ CPU kernels")
 
@@ -156,15 +155,15 @@ def layer_groups_folder(request, tmp_path_factory) -> str:
 @needs_cpu_kernels
 def test_compiled_layer_groups_match_eager(layer_groups_folder: str) -> None:
     """A model of several layer groups compiles its decode step with every group's slot mapping and block tables (and
-    the requests' state slots) as inputs: 3 requests run in bucket 4, then 2 and 1 in bucket 2, whose padding rows
-    write no request's cache or state, with the eager engine's tokens and logprobs."""
+    the requests' state slots) as inputs: 3, then 2, then 1 request run in bucket 4, whose padding rows write no
+    request's cache or state, with the eager engine's tokens and logprobs (prompts past Gemma's window of 8)."""
     prompts = _prompts(3, 300)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (4, 7, 9)]
-    options = dict(kv_cache_memory="4MiB", compile_buckets=(2, 4), max_num_seqs=8)
+    options = dict(kv_cache_memory="4MiB", compile_buckets=(4,), max_num_seqs=8)
     llm, compiled = _generate(layer_groups_folder, prompts, params, **options)
     _, eager = _generate(layer_groups_folder, prompts, params, enforce_eager=True, **options)
     _assert_same(compiled, eager)
-    assert llm.engine.runner.decode_graphs.compiled_buckets == (2, 4)
+    assert llm.engine.runner.decode_graphs.compiled_buckets == (4,)
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_usable_blocks
 
 
@@ -209,6 +208,21 @@ def test_cuda_graphs_replay_the_eager_tokens(tiny_llama_dir) -> None:
     _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
     _assert_same(compiled, eager)
     assert llm.engine.runner.decode_graphs.compiled_buckets == (1, 2, 4, 8)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_of_layer_groups_replay_the_eager_tokens(layer_groups_folder: str) -> None:
+    """On a GPU a model of several layer groups (Gemma 3's windows, Qwen3.5's states) captures and replays its buckets
+    as well, the Triton kernels writing the padding rows' states into the padding slot."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm device")
+    prompts = _prompts(3, 300)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (4, 7, 9)]
+    options = dict(device="cuda", dtype="float32", kv_cache_memory="64MiB", compile_buckets=(2, 4), max_num_seqs=8)
+    llm, compiled = _generate(layer_groups_folder, prompts, params, **options)
+    _, eager = _generate(layer_groups_folder, prompts, params, enforce_eager=True, **options)
+    _assert_same(compiled, eager)
+    assert llm.engine.runner.decode_graphs.compiled_buckets == (2, 4)
 
 
 def _rounds_until_compiled(llm: LLM, prompts: list[dict], params: SamplingParams, bucket: int) -> list[tuple]:

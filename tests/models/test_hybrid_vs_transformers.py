@@ -144,3 +144,25 @@ def test_tensor_parallel_2(tiny_hybrid):
         assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_2(tmp_path):
+    """Two stages (Gloo, one process each) of a Qwen3.5 whose layers alternate linear and full attention, so that each
+    stage has both kinds: each keeps its own layers' KV cache, state slots and kept states. Transformers' tokens, and
+    the same again from prefix-cache hits."""
+    model = build_hybrid_model("qwen3_5", save_tokenizer(tmp_path),
+                               layer_types=["linear_attention", "full_attention"] * 2)
+    model.save_pretrained(tmp_path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0)[0, len(p) :]
+                .tolist() for p in prompts]  # fmt: skip
+    llm = LLM(str(tmp_path), kv_cache_memory="16MiB", kv_cache_dtype="float32", pipeline_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
+        again = _generate(llm, prompts)
+        assert [o.outputs[0].token_ids for o in again] == expected
+        assert [o.num_cached_tokens for o in again] == [0, 64, 144, 0, 32]
+    finally:
+        llm.shutdown()
