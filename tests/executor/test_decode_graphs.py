@@ -140,7 +140,8 @@ def test_compiled_families_match_eager(tiny_folder: str) -> None:
     assert llm.engine.runner.decode_graphs.compiled_buckets == ((1, 2, 4) if traced else ())
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3_5"])
+# NOTE: Gemma 3's compile (8 layers) is the longer one: slow; Qwen3.5's runs by default
+@pytest.fixture(scope="module", params=[pytest.param("gemma3", marks=pytest.mark.slow), "qwen3_5"])
 def layer_groups_folder(request, tmp_path_factory) -> str:
     """Gemma 3: a full-attention and sliding-window groups (window 8); Qwen3.5: full attention and linear-attention
     states."""
