@@ -96,20 +96,28 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
         self.layer_types = hf_config.get("layer_types") or [
             "full_attention" if (i + 1) % hf_config.get("full_attention_interval", 4) == 0 else "linear_attention"
             for i in range(num_layers)]  # fmt: skip
+        self._check_stages(num_layers)
         super().__init__(hf_config)
         # this stage's layers (every layer without pipeline parallelism)
         stage = range(self.start_layer, self.end_layer)
         full = [i for i in stage if self.layer_types[i] == "full_attention"]
         linear = [i for i in stage if self.layer_types[i] != "full_attention"]
-        if not full or not linear:
-            # NOTE: every stage's KV cache has the same groups (the engine keeps one block table per request and group)
-            missing = "full" if not full else "linear"
-            raise ValueError(f"pipeline_parallel_size={get_parallel_state().pp_size} gives layers {stage.start}.."
-                             f"{stage.stop - 1} of {type(self).__name__} no {missing}-attention layer; every pipeline "
-                             f"stage needs both kinds")
         # kv_caches, per stage layer: the full-attention layers' paged caches, then the linear-attention layers' states
         self.cache_of_layer = [full.index(i) if i in full else len(full) + linear.index(i) for i in stage]
         self.num_full_layers, self.num_linear_layers = len(full), len(linear)
+
+    def _check_stages(self, num_layers: int) -> None:
+        """Every pipeline stage has both kinds of layers (on every rank, so the engine's own raises the ValueError).
+        NOTE: every stage's KV cache has the same groups: the engine keeps one block table per request and group."""
+        state = get_parallel_state()
+        for pp_rank in range(state.pp_size):
+            start, end = state.layer_range(num_layers, pp_rank)
+            kinds = {"full" if self.layer_types[i] == "full_attention" else "linear" for i in range(start, end)}
+            if len(kinds) < 2:
+                missing = ({"full", "linear"} - kinds).pop()
+                raise ValueError(f"pipeline_parallel_size={state.pp_size} gives layers {start}..{end - 1} of "
+                                 f"{type(self).__name__} no {missing}-attention layer; every pipeline stage needs "
+                                 f"both kinds")
 
     @staticmethod
     def text_config(hf_config: dict) -> dict:

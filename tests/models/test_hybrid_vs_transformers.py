@@ -166,3 +166,8 @@ def test_pipeline_parallel_2(tmp_path):
         assert [o.num_cached_tokens for o in again] == [0, 64, 144, 0, 32]
     finally:
         llm.shutdown()
+    # the fixtures' layers (linear, full, linear, linear) leave the second stage no full-attention layer
+    uneven = tmp_path / "uneven"
+    build_hybrid_model("qwen3_5", save_tokenizer(uneven)).save_pretrained(uneven)
+    with pytest.raises(ValueError, match="gives layers 2..3 of Qwen3_5ForCausalLM no full-attention layer"):
+        LLM(str(uneven), kv_cache_memory="4MiB", pipeline_parallel_size=2)
