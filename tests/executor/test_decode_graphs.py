@@ -140,11 +140,12 @@ def test_compiled_families_match_eager(tiny_folder: str) -> None:
     assert llm.engine.runner.decode_graphs.compiled_buckets == ((1, 2, 4) if traced else ())
 
 
-# NOTE: Gemma 3's compile (8 layers) is the longer one: slow; Qwen3.5's runs by default
-@pytest.fixture(scope="module", params=[pytest.param("gemma3", marks=pytest.mark.slow), "qwen3_5"])
+# NOTE: Gemma 3's and GPT-OSS's compiles are the longer ones: slow; Qwen3.5's runs by default
+@pytest.fixture(scope="module", params=[pytest.param("gemma3", marks=pytest.mark.slow),
+                                        pytest.param("gpt_oss", marks=pytest.mark.slow), "qwen3_5"])
 def layer_groups_folder(request, tmp_path_factory) -> str:
-    """Gemma 3: a full-attention and sliding-window groups (window 8); Qwen3.5: full attention and linear-attention
-    states."""
+    """Gemma 3 and GPT-OSS: a full-attention and sliding-window groups (windows of 8; GPT-OSS's sinks); Qwen3.5: full
+    attention and linear-attention states."""
     folder = tmp_path_factory.mktemp(f"compiled-{request.param}")
     if request.param == "qwen3_5":
         build_hybrid_model("qwen3_5", save_tokenizer(folder)).save_pretrained(folder)
