@@ -91,6 +91,9 @@ class CacheConfig:
     gpu_memory_utilization: float = option(
         0.9, "share of GPU memory the engine may use when --kv-cache-memory is not given")
     enable_prefix_caching: bool = option(True, "turn off reuse of cached prompt prefixes", flag="--no-prefix-caching")
+    num_state_checkpoints: int = option(
+        8, "hybrid models (linear attention): how many linear-attention states at block boundaries the prefix cache "
+           "keeps, each as large as a running request's state (0: such models get no prefix-cache hits)", minimum=0)
     kv_cache_dtype: str = option(
         "auto", "KV cache storage: auto (float16 on the CPU, the model dtype on GPUs), float32 / float16 / bfloat16, "
                 "or int8 / fp8 (e4m3) codes with one scale per token and KV head: ~2x (vs 16-bit) more tokens",

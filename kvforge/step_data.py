@@ -48,6 +48,10 @@ class ScheduledRequest:
     banned_token_ids: list[int]  # stop tokens the sampler must not pick before min_tokens
     num_draft_tokens: int = 0  # the last num_draft_tokens of token_ids are drafts to verify
     draft_probs: np.ndarray | None = None  # [num_draft_tokens, vocab]: what they were drawn from (None: one-hot)
+    # a hybrid model's linear-attention state checkpoints (engine/state_checkpoints.py): the one the request's state
+    # slot takes before the step (a prefix-cache hit), and the one that takes a copy of the slot after it
+    load_state_from: int | None = None
+    save_state_to: int | None = None
 
 
 @dataclass(slots=True)

@@ -64,11 +64,12 @@ class ParallelState:
         """The global rank with this process's tensor-parallel index in stage pp_rank."""
         return pp_rank * self.tp_size + self.tp_rank
 
-    def layer_range(self, num_layers: int) -> tuple[int, int]:
-        """[start, end) of the decoder layers this rank's stage runs: as even a split as possible."""
+    def layer_range(self, num_layers: int, pp_rank: int | None = None) -> tuple[int, int]:
+        """[start, end) of the decoder layers this rank's stage (or stage pp_rank) runs: as even a split as possible."""
         if self.pp_size > num_layers:
             raise ValueError(f"pipeline_parallel_size={self.pp_size} exceeds the model's {num_layers} layers")
-        return self.pp_rank * num_layers // self.pp_size, (self.pp_rank + 1) * num_layers // self.pp_size
+        stage = self.pp_rank if pp_rank is None else pp_rank
+        return stage * num_layers // self.pp_size, (stage + 1) * num_layers // self.pp_size
 
     @property
     def sampler_rank(self) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 
 from kvforge.engine.block_pool import NULL_BLOCK_ID, BlockPool
+from kvforge.engine.state_checkpoints import StateCheckpoints
 from kvforge.layers.kv_cache_spec import LayerGroup
 
 
@@ -139,13 +140,16 @@ class RecurrentStateGroup:
     once with the request (later steps add no blocks to it).
 
     The slot is the smallest free one, so slot ids stay below the number of requests running at once (max_num_seqs,
-    the slots the runner allocates). NOTE: a prefix-cache hit would need the state after the hit's last token, which
-    no slot keeps: a hybrid model serves no prefix hits (longest_hit is 0) and recomputes every prompt."""
+    the slots the runner allocates). A prefix-cache hit needs the state after the hit's last block, which no slot
+    keeps: it comes from the group's checkpoints (engine/state_checkpoints.py), a hit of k blocks only where block
+    k - 1 has one; without checkpoints (num_checkpoints 0) there are no hits and every prompt is recomputed."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_checkpoints: int = 0) -> None:
         self.slots: dict[str, int] = {}
         self.free_slots: list[int] = []  # a heap of the slots given back below next_slot
         self.next_slot = 0
+        self.checkpoints = StateCheckpoints(num_checkpoints) if num_checkpoints else None
+        self.loads: dict[str, int] = {}  # request -> the checkpoint its slot takes before its first step
 
     @property
     def num_used_slots(self) -> int:
@@ -158,7 +162,9 @@ class RecurrentStateGroup:
         return 0
 
     def take_hit(self, request_id: str, hit: list[int]) -> None:
-        """No prefix hits (see the class's note)."""
+        """hit: [the checkpoint of the hit's last block] (none without a hit)."""
+        if hit:
+            self.loads[request_id] = hit[0]
 
     def allocate(self, request_id: str, num_tokens: int) -> None:
         if request_id in self.slots:
@@ -176,15 +182,20 @@ class RecurrentStateGroup:
         """The state is the request's until it ends."""
 
     def longest_hit(self, hashes: list[int], num_blocks: int) -> int:
-        return 0
+        """The longest prefix of at most num_blocks blocks whose last block has a checkpoint."""
+        if self.checkpoints is None:
+            return 0
+        return next((n for n in range(num_blocks, 0, -1) if self.checkpoints.find(hashes[n - 1]) is not None), 0)
 
     def hit_block_ids(self, hashes: list[int], num_blocks: int) -> list[int]:
-        return []
+        """[the checkpoint of block num_blocks - 1] (most recently used from now); [] for no hit."""
+        return [self.checkpoints.use(hashes[num_blocks - 1])] if num_blocks else []
 
     def register(self, request_id: str, hashes: list[int], first: int, num_full: int) -> None:
-        """No state is kept for the prefix cache (see the class's note)."""
+        """Checkpoints are saved by the steps that end on a block boundary (KVCacheManager.state_copies), not here."""
 
     def free(self, request_id: str) -> None:
+        self.loads.pop(request_id, None)
         slot = self.slots.pop(request_id, None)
         if slot is not None:
             heapq.heappush(self.free_slots, slot)
@@ -193,10 +204,12 @@ class RecurrentStateGroup:
 CacheGroup = FullAttentionGroup | RecurrentStateGroup
 
 
-def make_group(group_id: int, layers: LayerGroup, pool: BlockPool, block_size: int) -> CacheGroup:
-    """The manager's group for one LayerGroup of the model's KV cache spec."""
+def make_group(group_id: int, layers: LayerGroup, pool: BlockPool, block_size: int, num_state_checkpoints: int = 0
+               ) -> CacheGroup:
+    """The manager's group for one LayerGroup of the model's KV cache spec (num_state_checkpoints: a recurrent-state
+    group's checkpoints for the prefix cache)."""
     if layers.kind == "recurrent_state":
-        return RecurrentStateGroup()
+        return RecurrentStateGroup(num_state_checkpoints)
     if layers.kind == "sliding_window":
         return SlidingWindowGroup(group_id, pool, block_size, layers.sliding_window)
     assert layers.kind == "full_attention", f"no cache group for layers of kind {layers.kind!r}"

@@ -68,7 +68,8 @@ class LLMEngine:
             self.vocab_size = info.vocab_size
             num_blocks, block_size = self.executor.num_blocks, config.cache.block_size
             self.kv_cache_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                                                   info.layer_groups, config.scheduler.max_num_batched_tokens)
+                                                   info.layer_groups, config.scheduler.max_num_batched_tokens,
+                                                   config.cache.num_state_checkpoints)
             graphs = self.runner.decode_graphs
             speculation = _speculation(config, self.vocab_size, () if graphs is None else graphs.buckets)
             max_loras = config.lora.max_loras if config.lora.enable_lora else None

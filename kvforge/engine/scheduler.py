@@ -91,7 +91,7 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         threshold = self.config.long_prefill_token_threshold
-        return min(num_new, threshold) if threshold > 0 else num_new
+        return self.kv.cut_chunk(request, min(num_new, threshold) if threshold > 0 else num_new)
 
     def _preempt_newest(self, output: SchedulerOutput, busy: set[str]) -> Request:
         """Free the newest running request that is not in a step in flight (the caller is not)."""
@@ -116,6 +116,7 @@ class Scheduler:
                                                   request.num_prompt_tokens, request.sampling_params, request.lora))
         block_tables = self.kv.get_block_tables(request_id)  # NOTE: every group's table is equally long
         self.num_sent_blocks[request_id] = len(block_tables[0])
+        load_state_from, save_state_to = self.kv.state_copies(request, num_new, len(drafts.token_ids))
         output.scheduled.append(ScheduledRequest(
             request_id=request_id,
             token_ids=request.all_token_ids[start : start + num_new] + drafts.token_ids,
@@ -126,6 +127,8 @@ class Scheduler:
             banned_token_ids=self._banned_tokens(request),
             num_draft_tokens=len(drafts.token_ids),
             draft_probs=drafts.probs,
+            load_state_from=load_state_from,
+            save_state_to=save_state_to,
         ))
 
     @staticmethod
@@ -229,6 +232,9 @@ class Scheduler:
         aborted while the step was in flight are skipped."""
         result = StepResult()
         finished: dict[RequestStatus, list[str]] = {}
+        saved = [s.save_state_to for s in scheduler_output.scheduled if s.save_state_to is not None]
+        if saved:  # NOTE: those of requests aborted while the step was in flight too: the runner saved them
+            self.kv.states_saved(saved)
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None:  # aborted while its step was in flight

@@ -14,6 +14,12 @@ writes no cache slot and attends to nothing:
     slot_mapping     where their keys and values go           -1     (the cache write skips it)
     seq_lens         context lengths                          0      (attention outputs zeros)
     block_tables     [n, max_blocks] rows of the step         stale rows, never read (seq_len 0)
+    state_slot_ids   each sequence's recurrent-state slot      the padding slot (no request's)
+    has_initial_state  true (a decode continues its state)     false
+
+A model of several layer groups in its KV cache (sliding-window and full attention) has a slot mapping and block
+tables per group, padded as above; a hybrid model's linear-attention layers read and write their states in the slots
+of state_slot_ids, where padding rows use a slot of their own that no request holds (RecurrentStates.padding_slot).
 
 Each bucket's graph (model forward + LM head: fp32 logits [b, vocab]) is compiled with static shapes; norms,
 rotary, SiLU-and-mul and residual adds fuse, while the cache write, attention and quantized matmuls stay opaque ops.
@@ -85,7 +91,8 @@ def inductor_options(device: torch.device, cpp_wrapper: bool) -> dict[str, objec
 @dataclass(slots=True)
 class _StaticInputs:
     """One bucket's input buffers, which its graph reads every step: [bucket] rows (block_tables [bucket,
-    max_blocks_per_seq]), padding rows as allocated."""
+    max_blocks_per_seq]), padding rows as allocated; other_groups: groups 1..'s (slot_mapping, block_tables);
+    state_slot_ids and has_initial_state: a hybrid model's (None without linear-attention layers)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -93,42 +100,72 @@ class _StaticInputs:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
+    other_groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    state_slot_ids: torch.Tensor | None
+    has_initial_state: torch.Tensor | None
+    padding_state_slot: int | None
 
     @classmethod
-    def allocate(cls, bucket: int, max_blocks_per_seq: int, device: torch.device) -> _StaticInputs:
+    def allocate(cls, bucket: int, max_blocks_per_seq: int, device: torch.device, num_groups: int = 1,
+                 padding_state_slot: int | None = None) -> _StaticInputs:
+        def slots_and_tables() -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.full((bucket,), -1, dtype=torch.int64, device=device),
+                    torch.zeros(bucket, max_blocks_per_seq, dtype=torch.int32, device=device))
+
+        slot_mapping, block_tables = slots_and_tables()
+        states = padding_state_slot is not None
         return cls(
             input_ids=torch.zeros(bucket, dtype=torch.int64, device=device),
             positions=torch.zeros(bucket, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((bucket,), -1, dtype=torch.int64, device=device),
+            slot_mapping=slot_mapping,
             seq_lens=torch.zeros(bucket, dtype=torch.int32, device=device),
-            block_tables=torch.zeros(bucket, max_blocks_per_seq, dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=device))
+            block_tables=block_tables,
+            query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=device),
+            other_groups=tuple(slots_and_tables() for _ in range(num_groups - 1)),
+            state_slot_ids=torch.full((bucket,), padding_state_slot, dtype=torch.int32, device=device) if states
+            else None,
+            has_initial_state=torch.zeros(bucket, dtype=torch.bool, device=device) if states else None,
+            padding_state_slot=padding_state_slot)
 
     def metadata(self) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
-                                 seq_lens=self.seq_lens, block_tables=self.block_tables, decode_only=True)
+                                 seq_lens=self.seq_lens, block_tables=self.block_tables, decode_only=True,
+                                 other_groups=self.other_groups, state_slot_ids=self.state_slot_ids,
+                                 has_initial_state=self.has_initial_state)
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
         """The step's n rows, then padding (a previous step's rows may linger there)."""
-        num_seqs, width = input_ids.shape[0], metadata.block_tables.shape[1]
+        num_seqs = input_ids.shape[0]
         self.input_ids[:num_seqs].copy_(input_ids)
         self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
-        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
         self.input_ids[num_seqs:].zero_()
         self.positions[num_seqs:].zero_()
-        self.slot_mapping[num_seqs:].fill_(-1)
         self.seq_lens[num_seqs:].zero_()
+        groups = ((self.slot_mapping, self.block_tables), *self.other_groups)
+        step_groups = ((metadata.slot_mapping, metadata.block_tables), *metadata.other_groups)
+        for (slot_mapping, block_tables), (step_slots, step_tables) in zip(groups, step_groups, strict=True):
+            slot_mapping[:num_seqs].copy_(step_slots)
+            slot_mapping[num_seqs:].fill_(-1)
+            block_tables[:num_seqs, : step_tables.shape[1]].copy_(step_tables)
+        if self.state_slot_ids is not None:
+            self.state_slot_ids[:num_seqs].copy_(metadata.state_slot_ids)
+            self.state_slot_ids[num_seqs:].fill_(self.padding_state_slot)
+            self.has_initial_state[:num_seqs].copy_(metadata.has_initial_state)
+            self.has_initial_state[num_seqs:].zero_()
 
 
 class DecodeGraphs:
     """The compiled decode step of one model runner: `run` takes a decode-only step of at most
     `max_batch` sequences and returns its logits [num_seqs, vocab] once its bucket is compiled. `stepping()` wraps
-    every step of the runner (the compiles yield to it); `close()` stops the compiles."""
+    every step of the runner (the compiles yield to it); `close()` stops the compiles.
+
+    num_groups: the paged layer groups of the KV cache (a slot mapping and block tables each); padding_state_slot: a
+    hybrid model's state slot for padding rows (None without linear-attention layers)."""
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], buckets: tuple[int, ...],
-                 compile_after: int, max_blocks_per_seq: int, device: torch.device) -> None:
+                 compile_after: int, max_blocks_per_seq: int, device: torch.device, num_groups: int = 1,
+                 padding_state_slot: int | None = None) -> None:
         self.model = model
         self.compile_after = compile_after
         self._eager_steps = dict.fromkeys(buckets, 0)  # bucket -> decode steps it ran eagerly
@@ -136,7 +173,8 @@ class DecodeGraphs:
         self.buckets = buckets
         self.max_batch = buckets[-1]
         self.device = device
-        self._inputs = {b: _StaticInputs.allocate(b, max_blocks_per_seq, device) for b in buckets}
+        self._inputs = {b: _StaticInputs.allocate(b, max_blocks_per_seq, device, num_groups, padding_state_slot)
+                        for b in buckets}
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> its ready graph
         self._submitted: set[int] = set()  # buckets given to the compile thread, not swapped in yet
         self._compiler = CompileThread("kvforge-compile")

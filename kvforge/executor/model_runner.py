@@ -47,7 +47,7 @@ class ModelRunner:
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
         kv_cache_spec: KVCacheSpec | None = None, compilation: CompilationConfig | None = None,
         lora: LoRAPool | None = None,
-        num_state_slots: int = 0, max_draft_tokens: int = 0,
+        num_state_slots: int = 0, max_draft_tokens: int = 0, num_state_checkpoints: int = 0,
     ) -> None:
         self.model = model
         self.lora = lora  # the adapters' slots (their layers attached to the model), None without LoRA
@@ -63,7 +63,7 @@ class ModelRunner:
         self.recurrent_states = None
         if spec.recurrent_state is not None:
             self.recurrent_states = RecurrentStates(spec.recurrent_state, num_state_slots, max_draft_tokens, dtype,
-                                                    device)
+                                                    device, num_state_checkpoints)
             self.kv_caches += self.recurrent_states.layers
         self.sampler = Sampler()
         self.requests = RequestStates(device)
@@ -71,8 +71,10 @@ class ModelRunner:
         self.decode_graphs = None
         if compilation is not None:
             max_blocks_per_seq = min(num_blocks, -(-model.config.max_position // block_size))
+            padding_slot = None if self.recurrent_states is None else self.recurrent_states.padding_slot
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, compilation.compile_buckets,
-                                              compilation.compile_after, max_blocks_per_seq, device)
+                                              compilation.compile_after, max_blocks_per_seq, device,
+                                              self.num_paged_groups, padding_slot)
 
     def _prepare(self, output: SchedulerOutput) -> _Batch:
         scheduled = output.scheduled
@@ -140,16 +142,26 @@ class ModelRunner:
     def _recurrent_state_metadata(self, scheduled: list[ScheduledRequest], computed: np.ndarray, q_lens: np.ndarray,
                                   query_start_loc: np.ndarray) -> tuple | None:
         """A hybrid model's (state slot ids, has_initial_state, verification rows or None); before it, the states
-        of the previous step's verified drafts are committed."""
+        of the previous step's verified drafts are committed and the prefix-cache hits' slots take their checkpoints."""
         if self.recurrent_states is None:
             return None
         self.recurrent_states.commit_accepted(scheduled)
-        slot_ids = [self.requests[s.request_id].block_tables[-1][0] for s in scheduled]  # the last group's [slot]
+        slot_ids = self._state_slot_ids(scheduled)
+        self.recurrent_states.load_checkpoints(scheduled, slot_ids)
         rows = None
         if any(s.num_draft_tokens for s in scheduled):
             rows = self.recurrent_states.verification_rows(scheduled, slot_ids, q_lens, query_start_loc)
         to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         return to_device(np.array(slot_ids, dtype=np.int32)), to_device(computed > 0), rows
+
+    def _state_slot_ids(self, scheduled: list[ScheduledRequest]) -> list[int]:
+        return [self.requests[s.request_id].block_tables[-1][0] for s in scheduled]  # the last group's [slot]
+
+    def _save_states(self, scheduled: list[ScheduledRequest]) -> None:
+        """After a step (on every rank): the state checkpoints it saves take their requests' states."""
+        saving = [s for s in scheduled if s.save_state_to is not None]
+        if saving:
+            self.recurrent_states.save_checkpoints(saving, self._state_slot_ids(saving))
 
     def _allowed_token_bitmask(self, requests: list[ScheduledRequest],
                                grammar_bitmask: GrammarBitmask | None) -> torch.Tensor | None:
@@ -214,9 +226,11 @@ class ModelRunner:
         return None
 
     def _runs_compiled(self, batch: _Batch) -> bool:
-        """A decode-only step that a compiled bucket holds, with nothing asked of its hidden states."""
+        """A decode-only step that a compiled bucket holds, with nothing asked of its hidden states (nor drafts to
+        verify through linear-attention layers, a position at a time: those steps run eagerly)."""
         graphs = self.decode_graphs
         return (graphs is not None and batch.metadata.decode_only and not batch.prompt_rows
+                and batch.metadata.verification_rows is None
                 and graphs.bucket_for(batch.input_ids.shape[0]) is not None)
 
     def _stepping(self) -> AbstractContextManager[None]:
@@ -268,11 +282,12 @@ class ModelRunner:
             logits = graphs.run(batch.input_ids, batch.positions, batch.metadata)
             if result is not None:
                 result.warmup |= logits is None
+        hidden = self._forward(batch) if logits is None else None
+        self._save_states(output.scheduled)
         if logits is not None:
             if len(batch.sample_rows) < logits.shape[0]:
                 logits = logits[batch.sample_rows]
         else:
-            hidden = self._forward(batch)
             if hidden is None:
                 return
             if batch.prompt_rows:

@@ -22,16 +22,21 @@ from kvforge.step_data import ScheduledRequest
 
 
 class RecurrentStates:
-    """Per linear-attention layer, (conv_state, delta_state) of num_slots slots, and with max_draft_tokens > 0 their
-    scratch [max_draft_tokens + 1, num_slots, ...] after them (what the layer's cache tuple holds)."""
+    """Per linear-attention layer, (conv_state, delta_state) of num_slots slots and the padding slot, and with
+    max_draft_tokens > 0 their scratch [max_draft_tokens + 1, num_slots + 1, ...] after them (what the layer's cache
+    tuple holds). The padding slot (padding_slot, after the requests' slots) is the one the padding rows of a
+    compiled decode step read and write (executor/decode_graphs.py): no request's. checkpoints: num_checkpoints states
+    kept for prefix-cache hits (engine/state_checkpoints.py), per layer (conv_state, delta_state)."""
 
     def __init__(self, spec: RecurrentStateSpec, num_slots: int, max_draft_tokens: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_checkpoints: int = 0) -> None:
         assert num_slots > 0, "a model with linear-attention layers needs state slots"
         self.device = device
-        self.layers = spec.allocate(num_slots, dtype, device)
+        self.padding_slot = num_slots
+        self.layers = spec.allocate(num_slots + 1, dtype, device)
+        self.checkpoints = spec.allocate(num_checkpoints, dtype, device) if num_checkpoints else []
         if max_draft_tokens > 0:
-            scratch = spec.allocate(num_slots, dtype, device, copies=(max_draft_tokens + 1,))
+            scratch = spec.allocate(num_slots + 1, dtype, device, copies=(max_draft_tokens + 1,))
             self.layers = [state + extra for state, extra in zip(self.layers, scratch, strict=True)]
         # request id -> (its slot, num_computed_tokens at its verification step): the state to take from the scratch
         self.pending: dict[str, tuple[int, int]] = {}
@@ -39,6 +44,28 @@ class RecurrentStates:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.pending.pop(request_id, None)
+
+    def load_checkpoints(self, scheduled: list[ScheduledRequest], slot_ids: list[int]) -> None:
+        """Before a step: the slots of prefix-cache hits take their checkpoints' states."""
+        pairs = [(slot, s.load_state_from) for s, slot in zip(scheduled, slot_ids, strict=True)
+                 if s.load_state_from is not None]
+        if pairs:
+            self._copy(pairs, self.checkpoints, self.layers)
+
+    def save_checkpoints(self, scheduled: list[ScheduledRequest], slot_ids: list[int]) -> None:
+        """After a step: the checkpoints to save take the states of their requests' slots."""
+        pairs = [(s.save_state_to, slot) for s, slot in zip(scheduled, slot_ids, strict=True)
+                 if s.save_state_to is not None]
+        if pairs:
+            self._copy(pairs, self.layers, self.checkpoints)
+
+    def _copy(self, pairs: list[tuple[int, int]], source: list[tuple[torch.Tensor, ...]],
+              target: list[tuple[torch.Tensor, ...]]) -> None:
+        """Per (target index, source index) of pairs: every layer's conv and delta state."""
+        to_index, from_index = (torch.tensor(list(column), device=self.device) for column in zip(*pairs, strict=True))
+        for (source_conv, source_delta, *_), (target_conv, target_delta, *_) in zip(source, target, strict=True):
+            target_conv[to_index] = source_conv[from_index]
+            target_delta[to_index] = source_delta[from_index]
 
     def commit_accepted(self, scheduled: list[ScheduledRequest]) -> None:
         """Before a step: a request verified in its previous step takes the state after its accepted drafts."""

@@ -93,13 +93,20 @@ class Worker:
         max_num_seqs = self.config.scheduler.max_num_seqs
         limits = memory_limits(self.device, cache.gpu_memory_utilization)
         states = self.kv_cache_spec.recurrent_state
-        if states is not None:  # NOTE: the state slots (max_num_seqs, and their scratch) come out of the same memory
+        if states is not None:  # NOTE: the state slots (max_num_seqs and the padding slot, and their scratch) and the
+            # checkpoints of the prefix cache come out of the same memory
             copies = 1 + (self._max_draft_tokens() + 1 if self._max_draft_tokens() else 0)
-            state_bytes = copies * max_num_seqs * states.bytes_per_slot(self.loaded.dtype)
+            num_states = copies * (max_num_seqs + 1) + self._num_state_checkpoints()
+            state_bytes = num_states * states.bytes_per_slot(self.loaded.dtype)
             limits = [(f"{what} less {state_bytes / 2**20:.1f} MiB of linear-attention states",
                        max(limit - state_bytes, 0)) for what, limit in limits]
         return size_kv_cache(cache.kv_cache_memory, max_num_seqs, self.max_model_len, cache.block_size,
                              self.bytes_per_token, limits)
+
+    def _num_state_checkpoints(self) -> int:
+        """A hybrid model's linear-attention states kept for the prefix cache (none without prefix caching)."""
+        cache = self.config.cache
+        return cache.num_state_checkpoints if cache.enable_prefix_caching else 0
 
     def _max_draft_tokens(self) -> int:
         """The most drafts a request verifies in a step (0: no speculation)."""
@@ -111,7 +118,8 @@ class Worker:
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size,
                                   self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self.lora_pool,
                                   num_state_slots=self.config.scheduler.max_num_seqs,
-                                  max_draft_tokens=self._max_draft_tokens())
+                                  max_draft_tokens=self._max_draft_tokens(),
+                                  num_state_checkpoints=self._num_state_checkpoints())
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
 
@@ -143,13 +151,11 @@ class Worker:
 
     def _compilation(self) -> CompilationConfig | None:
         """How decode steps compile, or None (every step eager) when asked, under tensor or pipeline
-        parallelism (collectives run eagerly), with several layer groups in the KV cache (the compiled step's inputs
-        hold one block table per request), or when the ops do not trace (the CPU without its C++ kernels)."""
+        parallelism (collectives run eagerly), or when the ops do not trace (the CPU without its C++ kernels)."""
         compilation = self.config.compilation
         if compilation.enforce_eager:
             return None
         reason = ("tensor/pipeline parallelism" if get_parallel_state().world_size > 1
-                  else "layer groups in the KV cache" if len(self.kv_cache_spec.cache_groups()) > 1
                   else None if self.ops.traces else "ops that do not trace (no C++ CPU kernels)")
         if reason is not None:
             logger.info("decode steps run eagerly: %s", reason)

@@ -44,7 +44,9 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     starts, slots = query_start_loc.long(), slot_ids.long()
     initial = has_initial_state.bool()
     lens = starts[1:] - starts[:-1]
-    seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=x.device), lens)  # [num_tokens]
+    # NOTE: output_size: no host sync, so a compiled decode step traces through
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=x.device), lens,
+                                           output_size=x.shape[0])  # [num_tokens]
     position = torch.arange(x.shape[0], device=x.device) - starts[seq_of_token]
     xf, state = x.float(), conv_state.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if bias is None else bias.float().expand_as(xf)

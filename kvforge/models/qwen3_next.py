@@ -90,22 +90,34 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     checkpoint_renames = {".shared_expert.": ".shared_experts.", ".linear_attn.": ".self_attn."}
 
     def __init__(self, hf_config: dict) -> None:
-        state = get_parallel_state()
-        if state.pp_size > 1:
-            raise ValueError(f"{type(self).__name__} does not run under pipeline parallelism yet "
-                             f"(pipeline_parallel_size={state.pp_size}); use tensor parallelism")
         hf_config = self.text_config(hf_config)
         self.linear_config = GatedDeltaNetConfig.from_hf(hf_config)
         num_layers = hf_config["num_hidden_layers"]
         self.layer_types = hf_config.get("layer_types") or [
             "full_attention" if (i + 1) % hf_config.get("full_attention_interval", 4) == 0 else "linear_attention"
             for i in range(num_layers)]  # fmt: skip
+        self._check_stages(num_layers)
         super().__init__(hf_config)
-        full = [i for i, kind in enumerate(self.layer_types) if kind == "full_attention"]
-        linear = [i for i, kind in enumerate(self.layer_types) if kind != "full_attention"]
-        # kv_caches: the full-attention layers' paged caches, then the linear-attention layers' states
-        self.cache_of_layer = [full.index(i) if i in full else len(full) + linear.index(i) for i in range(num_layers)]
+        # this stage's layers (every layer without pipeline parallelism)
+        stage = range(self.start_layer, self.end_layer)
+        full = [i for i in stage if self.layer_types[i] == "full_attention"]
+        linear = [i for i in stage if self.layer_types[i] != "full_attention"]
+        # kv_caches, per stage layer: the full-attention layers' paged caches, then the linear-attention layers' states
+        self.cache_of_layer = [full.index(i) if i in full else len(full) + linear.index(i) for i in stage]
         self.num_full_layers, self.num_linear_layers = len(full), len(linear)
+
+    def _check_stages(self, num_layers: int) -> None:
+        """Every pipeline stage has both kinds of layers (on every rank, so the engine's own raises the ValueError).
+        NOTE: every stage's KV cache has the same groups: the engine keeps one block table per request and group."""
+        state = get_parallel_state()
+        for pp_rank in range(state.pp_size):
+            start, end = state.layer_range(num_layers, pp_rank)
+            kinds = {"full" if self.layer_types[i] == "full_attention" else "linear" for i in range(start, end)}
+            if len(kinds) < 2:
+                missing = ({"full", "linear"} - kinds).pop()
+                raise ValueError(f"pipeline_parallel_size={state.pp_size} gives layers {start}..{end - 1} of "
+                                 f"{type(self).__name__} no {missing}-attention layer; every pipeline stage needs "
+                                 f"both kinds")
 
     @staticmethod
     def text_config(hf_config: dict) -> dict:
@@ -141,7 +153,7 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     def kv_cache_spec(self) -> KVCacheSpec:
         """Keys and values of the full-attention layers; a conv and a delta state per slot of the linear ones."""
         cfg, layers = self.config, self.stage_layers
-        attention = layers[self.layer_types.index("full_attention")].self_attn.attn
+        attention = next(layer.self_attn.attn for layer in layers if isinstance(layer.self_attn, GatedAttention))
         linear = next(layer.self_attn.cfg for layer in layers if isinstance(layer.self_attn, GatedDeltaNet))  # rank's
         states = RecurrentStateSpec.gated_delta_net(self.num_linear_layers, linear.conv_dim, linear.conv_width,
                                                     linear.num_value_heads, linear.key_head_dim, linear.value_head_dim)

@@ -1,6 +1,7 @@
 """The recurrent-state group of the KV cache manager stepped by hand (a hybrid model: full attention and linear
 attention): one state slot per running request, taken when it is first scheduled, sent to the runner once, given back
-when it finishes, is aborted or is preempted (and taken again to recompute); no prefix hits; nothing leaks."""
+when it finishes, is aborted or is preempted (and taken again to recompute); prefix hits only where a checkpointed
+state exists (engine/state_checkpoints.py); nothing leaks."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 HYBRID = (LayerGroup("full_attention", (0,)), LayerGroup("recurrent_state", (1, 2, 3)))
 
 
-def _scheduler(num_blocks: int = 64, budget: int = 64, prefix: bool = True) -> Scheduler:
-    kv = KVCacheManager(num_blocks, 4, prefix, HYBRID)
+def _scheduler(num_blocks: int = 64, budget: int = 64, prefix: bool = True, checkpoints: int = 0) -> Scheduler:
+    kv = KVCacheManager(num_blocks, 4, prefix, HYBRID, num_state_checkpoints=checkpoints)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16), kv)
 
 
@@ -100,7 +101,16 @@ def test_a_preempted_request_gives_its_slot_back_and_takes_one_again_to_recomput
     assert _slots(scheduler) == {} and scheduler.kv.num_free_blocks == 4
 
 
-def test_no_prefix_hits_for_a_hybrid_model():
+def _run(scheduler: Scheduler) -> list[SchedulerOutput]:
+    """Every step until no request is left."""
+    outputs = []
+    while scheduler.num_unfinished:
+        outputs.append(scheduler.schedule())
+        _update(scheduler, outputs[-1])
+    return outputs
+
+
+def test_no_prefix_hits_without_state_checkpoints():
     """No slot keeps the state after a cached prefix: the same prompt again is recomputed whole."""
     scheduler = _scheduler()
     prompt = list(range(13))
@@ -111,3 +121,63 @@ def test_no_prefix_hits_for_a_hybrid_model():
     assert output.scheduled[0].num_computed_tokens == 0 and len(output.scheduled[0].token_ids) == 13
     _update(scheduler, output)
     assert request.num_cached_tokens == 0 and _slots(scheduler) == {}
+
+
+def test_a_prompt_keeps_its_state_at_its_last_block_boundary_and_a_repeat_hits_it():
+    """A 13-token prompt (blocks of 4) runs in chunks of 12 and 1: after the first, its slot is copied into checkpoint
+    0; the same prompt later takes 12 tokens from the cache, its slot loaded from that checkpoint; nothing leaks."""
+    scheduler = _scheduler(checkpoints=2)
+    prompt = list(range(13))
+    _add(scheduler, "a", prompt, max_tokens=2)
+    first, *rest = _run(scheduler)
+    (a,) = first.scheduled
+    assert (len(a.token_ids), a.load_state_from, a.save_state_to) == (12, None, 0)
+    assert [len(s.token_ids) for o in rest for s in o.scheduled] == [1, 1]  # the last prompt token, then a decode
+    assert all(s.save_state_to is None for o in rest for s in o.scheduled)
+    request = _add(scheduler, "b", prompt, max_tokens=1)
+    output = scheduler.schedule()
+    (b,) = output.scheduled
+    assert (b.num_computed_tokens, len(b.token_ids), b.load_state_from, b.save_state_to) == (12, 1, 0, None)
+    assert request.num_cached_tokens == 12 and scheduler.kv.stats().num_prefix_hit_tokens == 12
+    _update(scheduler, output)
+    assert _slots(scheduler) == {} and scheduler.kv.num_free_blocks == 63
+
+
+def test_a_checkpoint_serves_hits_only_after_the_step_that_saves_it():
+    """Two prompts sharing 8 tokens in one step: the second cannot load a state the first has not computed yet."""
+    scheduler = _scheduler(checkpoints=2)
+    _add(scheduler, "a", list(range(9)), max_tokens=1)
+    _add(scheduler, "b", list(range(9)), max_tokens=1)
+    output = scheduler.schedule()
+    assert [(s.num_computed_tokens, s.load_state_from) for s in output.scheduled] == [(0, None), (0, None)]
+    # NOTE: the KV blocks of a's first 8 tokens are cached already: b stops there too, its save a repeat of a's
+    assert [(len(s.token_ids), s.save_state_to) for s in output.scheduled] == [(8, 0), (8, None)]
+
+
+def test_the_first_request_sharing_a_cached_prefix_keeps_the_state_there_for_the_next():
+    """a and b share 8 tokens (two blocks), then differ: b finds a's KV blocks but no state after them, so its chunk
+    stops at 8 and keeps it; c, sharing the same 8 tokens, then hits them."""
+    scheduler = _scheduler(checkpoints=2)
+    shared = list(range(8))
+    _add(scheduler, "a", shared + [20, 21, 22, 23, 24], max_tokens=1)
+    _run(scheduler)  # a keeps the state after 12 tokens
+    _add(scheduler, "b", shared + [30, 31, 32, 33, 34], max_tokens=1)
+    output = scheduler.schedule()
+    (b,) = output.scheduled
+    assert (b.num_computed_tokens, len(b.token_ids), b.save_state_to) == (0, 8, 1)
+    _update(scheduler, output)
+    _run(scheduler)
+    request = _add(scheduler, "c", shared + [40, 41], max_tokens=1)
+    (c,) = scheduler.schedule().scheduled
+    assert (c.num_computed_tokens, c.load_state_from) == (8, 1) and request.num_cached_tokens == 8
+
+
+def test_the_least_recently_used_checkpoint_is_reused():
+    """One checkpoint: the second prompt's state takes it, and the first prompt is no longer a hit."""
+    scheduler = _scheduler(checkpoints=1)
+    for request_id, prompt in (("a", list(range(5))), ("b", list(range(50, 55)))):
+        _add(scheduler, request_id, prompt, max_tokens=1)
+        outputs = _run(scheduler)
+        assert outputs[0].scheduled[0].save_state_to == 0
+    _add(scheduler, "again", list(range(5)), max_tokens=1)
+    assert scheduler.schedule().scheduled[0].num_computed_tokens == 0

@@ -20,7 +20,7 @@ from kvforge import LLM, SamplingParams
 from kvforge.executor.decode_graphs import CPP_WRAPPER_MAX_BATCH, inductor_options
 from kvforge.kernels.cpu.extension import cpu_kernels
 from tests.models.test_moe_vs_transformers import build_moe_model
-from tests.tiny_models import save_model, save_tokenizer
+from tests.tiny_models import build_hybrid_model, save_model, save_tokenizer
 
 needs_cpu_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="compiled CPU steps need the C++ CPU kernels")
 
@@ -140,6 +140,35 @@ def test_compiled_families_match_eager(tiny_folder: str) -> None:
     assert llm.engine.runner.decode_graphs.compiled_buckets == ((1, 2, 4) if traced else ())
 
 
+# NOTE: Gemma 3's and GPT-OSS's compiles are the longer ones: slow; Qwen3.5's runs by default
+@pytest.fixture(scope="module", params=[pytest.param("gemma3", marks=pytest.mark.slow),
+                                        pytest.param("gpt_oss", marks=pytest.mark.slow), "qwen3_5"])
+def layer_groups_folder(request, tmp_path_factory) -> str:
+    """Gemma 3 and GPT-OSS: a full-attention and sliding-window groups (windows of 8; GPT-OSS's sinks); Qwen3.5: full
+    attention and linear-attention states."""
+    folder = tmp_path_factory.mktemp(f"compiled-{request.param}")
+    if request.param == "qwen3_5":
+        build_hybrid_model("qwen3_5", save_tokenizer(folder)).save_pretrained(folder)
+    else:
+        save_model(folder, request.param)
+    return str(folder)
+
+
+@needs_cpu_kernels
+def test_compiled_layer_groups_match_eager(layer_groups_folder: str) -> None:
+    """A model of several layer groups compiles its decode step with every group's slot mapping and block tables (and
+    the requests' state slots) as inputs: 3, then 2, then 1 request run in bucket 4, whose padding rows write no
+    request's cache or state, with the eager engine's tokens and logprobs (prompts past Gemma's window of 8)."""
+    prompts = _prompts(3, 300)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (4, 7, 9)]
+    options = dict(kv_cache_memory="4MiB", compile_buckets=(4,), max_num_seqs=8)
+    llm, compiled = _generate(layer_groups_folder, prompts, params, **options)
+    _, eager = _generate(layer_groups_folder, prompts, params, enforce_eager=True, **options)
+    _assert_same(compiled, eager)
+    assert llm.engine.runner.decode_graphs.compiled_buckets == (4,)
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_usable_blocks
+
+
 @needs_cpu_kernels
 def test_the_kernels_build_keys_the_compiled_steps_on_the_cpu_only() -> None:
     """Inductor's cache keys a graph on its code, which names an op but not the build of it: the build's name joins
@@ -181,6 +210,21 @@ def test_cuda_graphs_replay_the_eager_tokens(tiny_llama_dir) -> None:
     _, eager = _generate(folder, prompts, params, enforce_eager=True, **options)
     _assert_same(compiled, eager)
     assert llm.engine.runner.decode_graphs.compiled_buckets == (1, 2, 4, 8)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_of_layer_groups_replay_the_eager_tokens(layer_groups_folder: str) -> None:
+    """On a GPU a model of several layer groups (Gemma 3's windows, Qwen3.5's states) captures and replays its buckets
+    as well, the Triton kernels writing the padding rows' states into the padding slot."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm device")
+    prompts = _prompts(3, 300)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (4, 7, 9)]
+    options = dict(device="cuda", dtype="float32", kv_cache_memory="64MiB", compile_buckets=(2, 4), max_num_seqs=8)
+    llm, compiled = _generate(layer_groups_folder, prompts, params, **options)
+    _, eager = _generate(layer_groups_folder, prompts, params, enforce_eager=True, **options)
+    _assert_same(compiled, eager)
+    assert llm.engine.runner.decode_graphs.compiled_buckets == (2, 4)
 
 
 def _rounds_until_compiled(llm: LLM, prompts: list[dict], params: SamplingParams, bucket: int) -> list[tuple]:

@@ -1,6 +1,6 @@
 """Tiny random hybrid models (Gated DeltaNet + gated attention): Qwen3-Next, Qwen3.5 dense and Qwen3.5 MoE, kvforge
 against transformers in float32: logits, greedy tokens across several 64-token chunks of the delta rule, chunked
-prefill, preemption, and the state slots given back."""
+prefill, preemption, prefix-cache hits from kept states, and the state slots given back."""
 
 from __future__ import annotations
 
@@ -46,14 +46,25 @@ def _assert_all_given_back(llm: LLM) -> None:
     assert llm.engine.kv_cache_manager.groups[-1].num_used_slots == 0
 
 
-def test_logits_and_greedy(tiny_hybrid):
+def test_logits_greedy_and_prefix_hits(tiny_hybrid):
+    """Then prefix-cache hits: the prompts again start from the states kept at their last block boundaries (blocks of
+    16); two prompts sharing 100 tokens with the 150-token one: the first keeps the state after the 96 tokens of
+    shared blocks, the second starts from a copy of it. Every time transformers' tokens."""
     folder, model, prompts, expected = tiny_hybrid
     llm = LLM(str(folder), kv_cache_memory="16MiB", kv_cache_dtype="float32")
     assert_logits_match(llm, model, prompts[:3])
     assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
-    again = _generate(llm, prompts)  # no prefix hits for a hybrid model: every prompt is recomputed, the same
+    again = _generate(llm, prompts)
     assert [o.outputs[0].token_ids for o in again] == expected
-    assert all(o.num_cached_tokens == 0 for o in again)
+    assert [o.num_cached_tokens for o in again] == [0, 64, 144, 0, 32]
+    rng = random.Random(1)
+    sharing = [prompts[2][:100] + [rng.randrange(3, model.config.vocab_size) for _ in range(12)] for _ in range(2)]
+    outputs = [_generate(llm, [prompt])[0] for prompt in sharing]  # one after the other
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0)[0, len(p) :]
+        .tolist() for p in sharing]  # fmt: skip
+    assert [o.num_cached_tokens for o in outputs] == [0, 96]
+    assert llm.engine.cache_stats().num_prefix_hit_tokens == 64 + 144 + 32 + 96
     _assert_all_given_back(llm)
 
 
@@ -133,3 +144,30 @@ def test_tensor_parallel_2(tiny_hybrid):
         assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_2(tmp_path):
+    """Two stages (Gloo, one process each) of a Qwen3.5 whose layers alternate linear and full attention, so that each
+    stage has both kinds: each keeps its own layers' KV cache, state slots and kept states. Transformers' tokens, and
+    the same again from prefix-cache hits."""
+    model = build_hybrid_model("qwen3_5", save_tokenizer(tmp_path),
+                               layer_types=["linear_attention", "full_attention"] * 2)
+    model.save_pretrained(tmp_path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0)[0, len(p) :]
+                .tolist() for p in prompts]  # fmt: skip
+    llm = LLM(str(tmp_path), kv_cache_memory="16MiB", kv_cache_dtype="float32", pipeline_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
+        again = _generate(llm, prompts)
+        assert [o.outputs[0].token_ids for o in again] == expected
+        assert [o.num_cached_tokens for o in again] == [0, 64, 144, 0, 32]
+    finally:
+        llm.shutdown()
+    # the fixtures' layers (linear, full, linear, linear) leave the second stage no full-attention layer
+    uneven = tmp_path / "uneven"
+    build_hybrid_model("qwen3_5", save_tokenizer(uneven)).save_pretrained(uneven)
+    with pytest.raises(ValueError, match="gives layers 2..3 of Qwen3_5ForCausalLM no full-attention layer"):
+        LLM(str(uneven), kv_cache_memory="4MiB", pipeline_parallel_size=2)
