@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -73,7 +74,9 @@ class LLMEngine:
             graphs = self.runner.decode_graphs
             speculation = _speculation(config, self.vocab_size, () if graphs is None else graphs.buckets)
             max_loras = config.lora.max_loras if config.lora.enable_lora else None
-            self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, speculation, max_loras)
+            # NOTE: a hybrid model's state slots may run fewer requests than max_num_seqs (Worker.kv_cache_size)
+            scheduling = dataclasses.replace(config.scheduler, max_num_seqs=self.executor.kv_cache_size.max_num_seqs)
+            self.scheduler = Scheduler(scheduling, self.kv_cache_manager, speculation, max_loras)
             self.in_flight: deque[SchedulerOutput] = deque()
             self.max_model_len = min(info.max_model_len, self.kv_cache_manager.capacity_tokens)
             self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)

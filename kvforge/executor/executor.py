@@ -78,7 +78,7 @@ class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config, resolve_device(config.device))
         self.kv_cache_size = agree_kv_cache_size(self.worker, ParallelState())
-        self.worker.init_cache(self.num_blocks)
+        self.worker.init_cache(self.kv_cache_size)
         self._results: deque[ModelRunnerOutput] = deque()
 
     def submit(self, output: SchedulerOutput) -> None:

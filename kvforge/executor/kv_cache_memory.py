@@ -28,10 +28,12 @@ def blocks_needed(max_num_seqs: int, max_model_len: int, block_size: int) -> int
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSize:
-    """The cache's blocks (the null block included) and what set their number, in words for the log."""
+    """The cache's blocks (the null block included) and what set their number, in words for the log; and the most
+    requests that may run at once (max_num_seqs, or fewer where a hybrid model's state slots would not fit)."""
 
     num_blocks: int
     limit: str
+    max_num_seqs: int
 
 
 def memory_limits(device: torch.device, gpu_memory_utilization: float) -> list[tuple[str, int]]:
@@ -66,4 +68,4 @@ def size_kv_cache(requested: int | None, max_num_seqs: int, max_model_len: int, 
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens ({bytes_per_token} bytes a "
                          f"token) within {limit}; at least 2 are needed")
-    return KVCacheSize(num_blocks, limit)
+    return KVCacheSize(num_blocks, limit, max_num_seqs)

@@ -74,7 +74,7 @@ def run_worker(rank: int, config: EngineConfig, init_method: str, local_rank: in
     torch.manual_seed(config.seed)
     with building_with(state):
         worker = Worker(config, device)
-        worker.init_cache(agree_kv_cache_size(worker, state).num_blocks)
+        worker.init_cache(agree_kv_cache_size(worker, state))
     while True:
         kind, payload = recv_object(state, 0, TAG_COMMAND)
         if kind == _SHUTDOWN:
@@ -116,7 +116,7 @@ class DistributedExecutor(Executor):
             with building_with(self.state):
                 self.worker = Worker(config, device)
                 self.kv_cache_size = self._guarded(agree_kv_cache_size, self.worker, self.state)
-                self.worker.init_cache(self.num_blocks)
+                self.worker.init_cache(self.kv_cache_size)
         except BaseException:
             self.shutdown()
             raise

@@ -93,15 +93,33 @@ class Worker:
         max_num_seqs = self.config.scheduler.max_num_seqs
         limits = memory_limits(self.device, cache.gpu_memory_utilization)
         states = self.kv_cache_spec.recurrent_state
-        if states is not None:  # NOTE: the state slots (max_num_seqs and the padding slot, and their scratch) and the
-            # checkpoints of the prefix cache come out of the same memory
-            copies = 1 + (self._max_draft_tokens() + 1 if self._max_draft_tokens() else 0)
-            num_states = copies * (max_num_seqs + 1) + self._num_state_checkpoints()
-            state_bytes = num_states * states.bytes_per_slot(self.loaded.dtype)
+        if states is not None:  # NOTE: the state slots (a running request's and the padding slot, and their scratch)
+            # and the checkpoints of the prefix cache come out of the same memory
+            slot_bytes = states.bytes_per_slot(self.loaded.dtype)
+            per_request = (1 + (self._max_draft_tokens() + 1 if self._max_draft_tokens() else 0)) * slot_bytes
+            fixed = per_request + self._num_state_checkpoints() * slot_bytes
+            max_num_seqs = self._requests_whose_states_fit(max_num_seqs, per_request, fixed, limits)
+            state_bytes = fixed + max_num_seqs * per_request
             limits = [(f"{what} less {state_bytes / 2**20:.1f} MiB of linear-attention states",
                        max(limit - state_bytes, 0)) for what, limit in limits]
         return size_kv_cache(cache.kv_cache_memory, max_num_seqs, self.max_model_len, cache.block_size,
                              self.bytes_per_token, limits)
+
+    def _requests_whose_states_fit(self, max_num_seqs: int, per_request: int, fixed: int,
+                                   limits: list[tuple[str, int]]) -> int:
+        """max_num_seqs, or fewer: a hybrid model's states take at most half of the smallest memory limit (by
+        default the rest is the KV blocks'; a --kv-cache-memory asked for is the blocks' alone, as for any model)."""
+        what, budget = min(limits, key=lambda limit: limit[1])
+        fits = (budget // 2 - fixed) // per_request
+        if fits < 1:
+            raise ValueError(f"a running request's linear-attention states ({per_request / 2**20:.1f} MiB) and "
+                             f"{fixed / 2**20:.1f} MiB of padding slot and prefix-cache checkpoints "
+                             f"(--num-state-checkpoints) do not fit in half of {what} ({budget / 2**20:.0f} MiB)")
+        if fits < max_num_seqs:
+            logger.info("at most %d requests run at once (not max_num_seqs %d): each holds %.1f MiB of "
+                        "linear-attention states, which take at most half of %s", fits, max_num_seqs,
+                        per_request / 2**20, what)
+        return min(max_num_seqs, fits)
 
     def _num_state_checkpoints(self) -> int:
         """A hybrid model's linear-attention states kept for the prefix cache (none without prefix caching)."""
@@ -113,11 +131,11 @@ class Worker:
         spec = self.config.speculative
         return 0 if spec.speculative_method is None else spec.num_speculative_tokens
 
-    def init_cache(self, num_blocks: int) -> None:
+    def init_cache(self, size: KVCacheSize) -> None:
         compilation = self._compilation()
-        self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size,
+        self.runner = ModelRunner(self.loaded.model, size.num_blocks, self.config.cache.block_size,
                                   self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self.lora_pool,
-                                  num_state_slots=self.config.scheduler.max_num_seqs,
+                                  num_state_slots=size.max_num_seqs,
                                   max_draft_tokens=self._max_draft_tokens(),
                                   num_state_checkpoints=self._num_state_checkpoints())
         if compilation is not None and compilation.compile_at_start:
@@ -194,11 +212,13 @@ def max_decode_rows(config: EngineConfig) -> int:
 
 
 def agree_kv_cache_size(worker: Worker, state: ParallelState) -> KVCacheSize:
-    """Every rank must index the same block ids: take the smallest block count of all ranks."""
+    """Every rank must index the same block ids and run the same requests: take the smallest block count and
+    request count of all ranks."""
     size = worker.kv_cache_size()
     if state.world_size == 1:
         return size
-    count = torch.tensor([size.num_blocks], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=state.cpu_group)
-    num_blocks = int(count.item())
-    return size if num_blocks == size.num_blocks else KVCacheSize(num_blocks, "another rank's limit")
+    counts = torch.tensor([size.num_blocks, size.max_num_seqs], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=state.cpu_group)
+    num_blocks, max_num_seqs = (int(count) for count in counts.tolist())
+    limit = size.limit if num_blocks == size.num_blocks else "another rank's limit"
+    return KVCacheSize(num_blocks, limit, max_num_seqs)

@@ -33,8 +33,8 @@ def run_profiled_worker(rank: int, config, init_method: str, local_rank: int, lo
     state: dict = {}
 
     class ProfiledWorker(multiproc.Worker):
-        def init_cache(self, num_blocks: int) -> None:
-            super().init_cache(num_blocks)
+        def init_cache(self, size) -> None:
+            super().init_cache(size)
             install_runner(installed, self.runner, batch_is_step=True)
             install_collectives(installed)
             state["runner"] = self.runner

@@ -7,10 +7,11 @@ import logging
 
 import pytest
 
-from kvforge import LLM
+from kvforge import LLM, SamplingParams
 from kvforge.executor import kv_cache_memory
 from kvforge.executor.kv_cache_memory import size_kv_cache
 from kvforge.loader.memory_fit import WORKING_SET, available_memory
+from tests.tiny_models import build_hybrid_model, save_tokenizer
 
 MiB, GiB = 2**20, 2**30
 LIMITS = [("the budget", 2 * GiB), ("the memory free", 20 * GiB)]
@@ -69,3 +70,27 @@ def test_the_default_model_keeps_its_93184_tokens(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.INFO, logger="kvforge.engine.llm_engine"), LLM(enforce_eager=True) as llm:
         assert llm.engine.kv_cache_manager.capacity_tokens == 93184
     assert "set by the CPU's default budget of 2 GiB" in caplog.text
+
+
+def test_a_hybrid_models_states_bound_the_requests_that_run_at_once(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A running request of a hybrid model holds a slot of linear-attention states: by default max_num_seqs (256)
+    slots would not fit, so the engine runs as many requests at once as fit in half the memory, and says so; every
+    request still gets its tokens. Where not one fits, the error names the states' size."""
+    build_hybrid_model("qwen3_5", save_tokenizer(tmp_path)).save_pretrained(tmp_path)
+    prompts = [[5 + i, 9, 300, 41, 7 + i] for i in range(5)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with LLM(str(tmp_path), enforce_eager=True, kv_cache_memory="4MiB", max_num_seqs=8) as probe:
+        worker = probe.engine.executor.worker
+        slot = worker.kv_cache_spec.recurrent_state.bytes_per_slot(worker.loaded.dtype)
+        expected = [o.outputs[0].token_ids for o in probe.generate(prompts, params)]
+    fixed = slot * (1 + 8)  # the padding slot and the 8 checkpoints of the prefix cache
+    monkeypatch.setattr(kv_cache_memory, "available_memory", lambda: WORKING_SET + 2 * (fixed + 3 * slot) + slot)
+    with caplog.at_level(logging.INFO, logger="kvforge.executor.worker"), \
+            LLM(str(tmp_path), enforce_eager=True) as llm:
+        assert llm.engine.scheduler.config.max_num_seqs == 3
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert "at most 3 requests run at once (not max_num_seqs 256)" in caplog.text
+    monkeypatch.setattr(kv_cache_memory, "available_memory", lambda: WORKING_SET + 2 * fixed)
+    with pytest.raises(ValueError, match="linear-attention states .* do not fit in half of the memory free"):
+        LLM(str(tmp_path), enforce_eager=True)
