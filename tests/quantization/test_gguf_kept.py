@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from kvforge.kernels.cpu.quant_panels import panels_available
+from kvforge.layers.float_linear import FloatFormat
 from kvforge.llm import LLM
 from kvforge.loader.gguf import load_gguf
 from kvforge.quantization.gguf_quants import GGUFMethod
@@ -92,12 +93,12 @@ def tiny_llms(tiny_path: Path) -> tuple[LLM, LLM]:
 def test_layers_get_the_kept_bits(tiny_llms: tuple[LLM, LLM]) -> None:
     layer = tiny_llms[1].engine.local_model.layers[0]
     methods = {
-        name: module.quant_method
+        name: module.format
         for name, module in [("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
                              ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)]
     }  # fmt: skip
     assert {k: m.bits for k, m in methods.items() if isinstance(m, GGUFMethod)} == {"qkv": 8, "o": 4, "down": 8}
-    assert methods["gate_up"] is None  # an F16 shard: the layer stays float
+    assert isinstance(methods["gate_up"], FloatFormat)  # an F16 shard: the layer stays float
     assert layer.mlp.gate_up_proj.weight.dtype == torch.float32  # its F16 shard widened too (with a warning)
 
 
@@ -139,7 +140,7 @@ def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
     dense = LLM(quantization="none", **ENGINE)
     kept = LLM(**ENGINE)  # a GGUF file keeps its blocks by default
     model = kept.engine.local_model
-    assert all(isinstance(layer.mlp.down_proj.quant_method, GGUFMethod) for layer in model.layers)
+    assert all(isinstance(layer.mlp.down_proj.format, GGUFMethod) for layer in model.layers)
     # the linear layers go from 465 MiB of float32 to ~1.1 bytes per weight
     assert weight_bytes(kept) < 0.45 * weight_bytes(dense)
     text = "The lighthouse keeper climbed the stairs every evening to light the lamp before the ships came."
