@@ -93,8 +93,10 @@ class Linear(nn.Module):
         param.data[start : start + size].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
-        y = self.kernel.apply(rows).reshape(*x.shape[:-1], self.out_features)
+        if x.dim() == 2:  # [num_tokens, in_features], as the models call it
+            y = self.kernel.apply(x)
+        else:
+            y = self.kernel.apply(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         return y if self.lora is None else self.lora(x, y)  # NOTE: before a row-parallel layer's all-reduce
 
 
