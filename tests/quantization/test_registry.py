@@ -35,17 +35,19 @@ def _loaded_layer(weight_format, weight: torch.Tensor, bias: torch.Tensor) -> Li
 @pytest.mark.parametrize("option", [None, *ONLINE_METHODS])
 def test_each_format_from_the_registry_runs_through_the_one_interface(option: str | None):
     generator = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(64, 128, generator=generator), torch.randn(64, generator=generator)
+    weight = torch.randn(64, 128, generator=generator)
+    bias = 20 * torch.randn(64, generator=generator)  # as large as the products: a kernel that drops it fails
     config = None if option is None else QuantConfig.online(option)
     weight_format = None if config is None else format_entry(config).make(config, True)
     layer = _loaded_layer(weight_format, weight, bias)
     kernel = layer.kernel
     assert isinstance(layer.format, FloatFormat if option is None else type(weight_format))
     x = torch.randn(2, 3, 128, generator=generator)  # leading dims are kept
-    expected = x @ weight.t() + bias
+    product = x @ weight.t()
     out = layer(x)
-    assert out.shape == expected.shape
-    assert (out - expected).abs().max() <= (1e-5 if option is None else 0.1) * expected.abs().max()
+    assert out.shape == product.shape
+    # the quantization step of 4-bit codes (and int8 activations where the kernel rounds them) is up to ~10%
+    assert (out - (product + bias)).abs().max() <= (1e-5 if option is None else 0.15) * product.abs().max()
     float_bytes = weight.nbytes + bias.nbytes
     if config is None:
         assert kernel.weight_bytes() == float_bytes
