@@ -102,6 +102,22 @@ def test_layers_get_the_kept_bits(tiny_llms: tuple[LLM, LLM]) -> None:
     assert layer.mlp.gate_up_proj.weight.dtype == torch.float32  # its F16 shard widened too (with a warning)
 
 
+def test_a_gguf_type_is_kept_by_its_one_block_layout_entry(
+    tiny_path: Path, tiny_llms: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Which GGUF types stay quantized is one table, BLOCK_LAYOUTS (a type's layout and decoder): without Q4_1's
+    entry, the layers with a Q4_1 shard (o, and qkv through k) load float and say so; nothing else changes."""
+    from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS
+
+    monkeypatch.delitem(BLOCK_LAYOUTS, Q.Q4_1)
+    without = LLM(str(tiny_path), **ENGINE).engine.local_model.layers[0]
+    assert "type Q4_1 (" in caplog.text and "have no kept kernel" in caplog.text
+    assert [without.self_attn.qkv_proj.kernel.name, without.self_attn.o_proj.kernel.name] == ["float", "float"]
+    assert isinstance(without.mlp.down_proj.format, GGUFMethod)  # Q8_0 has its entry
+    with_entry = tiny_llms[1].engine.local_model.layers[0]
+    assert isinstance(with_entry.self_attn.o_proj.format, GGUFMethod) and with_entry.self_attn.o_proj.format.bits == 4
+
+
 def test_tiny_model_logits_and_tokens_match_the_dequantized_load(tiny_llms: tuple[LLM, LLM]) -> None:
     dense, kept = tiny_llms
     token_ids = np.random.default_rng(1).integers(0, len(TOKENS) - 2, 40).tolist()
