@@ -67,10 +67,15 @@ class ModelConfig:
         check_options(self)
 
     @property
+    def keeps_gguf_blocks_only(self) -> bool:
+        """quantization="gguf": the model must be a GGUF file, whose quantized weights stay quantized."""
+        return self.quantization == "gguf"
+
+    @property
     def keeps_gguf_blocks(self) -> bool:
         """A GGUF file's quantized weights stay quantized: by default (no quantization asked for, dtype auto) or
         on request ("gguf")."""
-        return self.quantization == "gguf" or (self.quantization is None and self.dtype == "auto")
+        return self.keeps_gguf_blocks_only or (self.quantization is None and self.dtype == "auto")
 
     @property
     def online_quantization(self) -> str | None:

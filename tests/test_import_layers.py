@@ -20,7 +20,7 @@ NEVER_IMPORTS = {
     "executor": {"engine", "server", "router", "llm"},
     "spec_decode": {"engine", "executor", "server", "router", "llm"},
     "kernels": {"layers", "models", "quantization", "loader", "engine", "executor", "server", "router", "llm"},
-    "layers": {"models", "loader", "engine", "executor", "server", "router", "llm"},
+    "layers": {"models", "quantization", "loader", "engine", "executor", "server", "router", "llm"},
     "models": {"loader", "engine", "executor", "server", "router", "llm"},
     "engine": {"server", "router", "llm"},
     "structured_output": {"engine", "executor", "server", "router", "llm"},
@@ -93,3 +93,16 @@ def test_layers_import_downwards_only():
             if target.split(".")[1] in NEVER_IMPORTS.get(package, ()):
                 wrong.append(f"{name} imports {target}")
     assert not wrong, wrong
+
+
+def test_layers_name_no_quantization_module_even_for_type_hints():
+    """The layers own the linear-kernel interface (layers/linear_kernel.py) and the formats implement it: no module of
+    kvforge.layers imports kvforge.quantization, not even under `if TYPE_CHECKING:` (a cycle in the types that the
+    runtime graph above does not see)."""
+    named = []
+    for path in sorted((ROOT / "layers").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                       else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            named += [f"{path.name} imports {m}" for m in modules if m.startswith("kvforge.quantization")]
+    assert not named, named

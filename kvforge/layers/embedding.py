@@ -5,11 +5,14 @@ The vocabulary is padded to a multiple of tp; rank r holds rows [r * V_local, (r
     embedding   each rank looks up the ids in its range (zeros elsewhere); an all-reduce sums them
     LM head     each rank scores its rows; a gather concatenates the logits on the rank that samples
 
-The rows may stay quantized as the checkpoint stores them (`load_quantized`, e.g. a GGUF file's Q8_0
-embedding): the head then runs through the weight-only GEMV, and a lookup dequantizes only the rows it gathers.
+The rows may stay quantized as the checkpoint stores them (`keep_kernel`, given by quantization/vocab_rows.py, e.g. a
+GGUF file's Q8_0 embedding): the head then runs through the weight-only GEMV, and a lookup dequantizes only the rows
+it gathers.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +21,15 @@ from torch import nn
 from kvforge.distributed.communicator import tp_all_reduce, tp_gather
 from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.kernels.cpu.dense_gemv import dense_linear
-from kvforge.kernels.ops import current_ops
-from kvforge.quantization.quantized_weight import QuantizedWeight
-from kvforge.quantization.weight_only_kernels import PanelArena, WeightOnlyKernel, select_kernel
+from kvforge.layers.linear_kernel import LinearKernel, WeightArena
+
+
+class RowKernel(LinearKernel, Protocol):
+    """A kernel that also gathers rows of its weight (an embedding lookup that dequantizes only those rows)."""
+
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows W[ids] [len(ids), K] float32."""
+        ...
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,11 +45,10 @@ class VocabParallelEmbedding(nn.Module):
         self.num_local = -(-vocab_size // state.tp_size)
         self.start = state.tp_rank * self.num_local
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
-        self.kernel: WeightOnlyKernel | None = None  # the rows kept quantized, in place of weight
-        self.weight_arena: PanelArena | None = None  # where the kernel's packed rows go (set by the loader)
+        self.kernel: RowKernel | None = None  # the rows kept quantized, in place of weight
+        self.weight_arena: WeightArena | None = None  # where the kernel's packed rows go (set by the loader)
         self.dense_gemv = False  # the float head's rows through the CPU GEMV and oneDNN (set at load)
         self.onednn_weight: torch.Tensor | None = None  # the weight packed for oneDNN (set with dense_gemv)
-        self.ops = current_ops()
         self.dtype = self.weight.dtype  # of the rows looked up (the weight may be kept in 16 bits, or quantized)
 
     def load(self, tensor: torch.Tensor) -> None:
@@ -52,26 +60,18 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data.zero_()
         self.weight.data[: rows.shape[0]].copy_(rows)
 
-    def load_quantized(self, weight: QuantizedWeight) -> None:
-        """Keep this rank's rows of the full [vocab_size, hidden] quantized tensor as they are (the float
-        weight is dropped): padding rows get code 0, scale 0 and zero point 0."""
-        if tuple(weight.codes.shape) != (self.vocab_size, self.hidden_size) or weight.perm is not None:
-            raise ValueError(f"quantized embedding of shape {tuple(weight.codes.shape)}, expected "
-                             f"{(self.vocab_size, self.hidden_size)} in input order")
+    def local_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [V_local, ...] of a tensor over the whole vocabulary [vocab_size, ...], padding rows
+        zero."""
         pad = self.start + self.num_local - self.vocab_size
+        local = full[self.start : self.start + self.num_local]
+        return local if pad <= 0 else torch.cat([local, local.new_zeros(min(pad, self.num_local), *full.shape[1:])])
 
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            local = t[self.start : self.start + self.num_local]
-            return local if pad <= 0 else torch.cat([local, local.new_zeros(min(pad, self.num_local), t.shape[1])])
-
-        self.keep_quantized(QuantizedWeight(rows(weight.codes), rows(weight.scales), rows(weight.zeros), weight.bits))
-
-    def keep_quantized(self, local: QuantizedWeight) -> None:
-        """Replace the float weight with this rank's rows [V_local, hidden], quantized."""
-        device, dtype = self.weight.device, self.weight.dtype
+    def keep_kernel(self, kernel: RowKernel) -> None:
+        """Replace the float weight with kernel, holding this rank's rows [V_local, hidden] (quantized)."""
+        self.dtype = self.weight.dtype
         del self.weight
-        self.kernel = select_kernel(local, device, dtype, self.ops, needs_rows=True, arena=self.weight_arena)
-        self.dtype = dtype
+        self.kernel = kernel
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:

@@ -8,27 +8,22 @@ ones hold one rank's slice of the checkpoint matrix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from kvforge.distributed.communicator import tp_all_reduce
 from kvforge.distributed.parallel_state import get_parallel_state
-from kvforge.kernels.cpu.dense_gemv import dense_linear
-
-if TYPE_CHECKING:
-    from kvforge.quantization.linear_method import LinearMethod
-    from kvforge.quantization.weight_only_kernels import PanelArena
+from kvforge.layers.float_linear import FloatFormat
+from kvforge.layers.linear_kernel import LinearFormat, LinearKernel, WeightArena
 
 
 class Linear(nn.Module):
     """y = x W^T + b. Merged layers stack several checkpoint matrices along the output dimension;
     `shard_sizes` names the row count of each, and `load_shard` fills one of them.
 
-    A quantized layer hands its weight to a LinearMethod (`set_quant_method`), which creates, loads and
-    multiplies it; the float path is F.linear, or on the CPU the C++ GEMV for a few rows and oneDNN on a packed
-    copy of the weight above them (dense_gemv and onednn_weight, set at load by `use_dense_gemv`)."""
+    The layer's format (layers/linear_kernel.py; float until `set_format` gives it another, before loading) says which
+    checkpoint tensors it loads; once they are all in, the format turns them into the layer's kernel, which every
+    forward calls, whatever the format."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -38,25 +33,24 @@ class Linear(nn.Module):
         self.out_features = sum(shard_sizes)
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
-        self.quant_method: LinearMethod | None = None
-        self.kernel: nn.Module | None = None  # the quant method's kernel object, holding the weight (set at load)
-        self.weight_arena: PanelArena | None = None  # where the kernel's packed weight goes (set by the loader)
-        self.register_buffer("w_perm", None, persistent=False)  # a weight-only method's input order (GPTQ act-order)
-        # (parameter, shard) filled while a quant method waits for them all; None once it has converted them
+        self.format: LinearFormat = FloatFormat()
+        self.kernel: LinearKernel | None = None  # the format's kernel, holding the weight (prepared at load)
+        self.weight_arena: WeightArena | None = None  # where a kernel's packed weight goes (set by the loader)
+        # the float weight's dtype and device, which a format that replaces it creates its tensors on
+        self.param_dtype, self.param_device = self.weight.dtype, self.weight.device
+        # (parameter, shard) filled until the format has turned them into the kernel; None once it has
         self.loaded_shards: set[tuple[str, int]] | None = set()
-        self.dense_gemv = False
-        self.onednn_weight: torch.Tensor | None = None  # the weight packed for oneDNN (set at load with dense_gemv)
         self.lora: nn.Module | None = None  # LoRA adapters' slots, adding each row's update (lora/layer.py)
 
-    def set_quant_method(self, method: LinearMethod) -> None:
-        """Before loading: let method replace the float weight with its own tensors."""
+    def set_format(self, weight_format: LinearFormat) -> None:
+        """Before loading: let the format replace the float weight with its own tensors."""
         self.param_dtype, self.param_device = self.weight.dtype, self.weight.device
-        self.quant_method = method
-        method.create_weights(self)
+        self.format = weight_format
+        weight_format.create_weights(self)
 
     def checkpoint_axes(self, param_name: str) -> tuple[int | None, int | None]:
         """(output-feature axis, input-feature axis) of a checkpoint tensor of this layer; None: absent."""
-        axes = None if self.quant_method is None else self.quant_method.checkpoint_axes(param_name)
+        axes = self.format.checkpoint_axes(param_name)
         return axes if axes is not None else _FLOAT_AXES.get(param_name, (0, None))
 
     def checkpoint_slice(self, param_name: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -65,16 +59,13 @@ class Linear(nn.Module):
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
         tensor = self.checkpoint_slice(param_name, shard, tensor)
-        if self.quant_method is not None:
-            if not self.quant_method.load_shard(self, param_name, shard, tensor):
-                self.load_into(param_name, shard, tensor)
-            self._process_when_loaded(param_name, shard)
-            return
-        self.load_into(param_name, shard, tensor)
+        if not self.format.load_shard(self, param_name, shard, tensor):
+            self.load_into(param_name, shard, tensor)
+        self._process_when_loaded(param_name, shard)
 
     def _process_when_loaded(self, param_name: str, shard: int) -> None:
-        """Convert the checkpoint tensors to the method's runtime layout as soon as every shard of every one is
-        in, so a load holds one layer's checkpoint tensors at a time, not the model's."""
+        """Prepare the kernel as soon as every shard of every checkpoint tensor is in, so a load holds one layer's
+        checkpoint tensors at a time, not the model's."""
         if self.loaded_shards is None:
             raise ValueError(f"checkpoint has a second {param_name} (shard {shard}) for a layer already converted")
         self.loaded_shards.add((param_name, shard))
@@ -83,9 +74,9 @@ class Linear(nn.Module):
             self.process_weights_after_loading()
 
     def process_weights_after_loading(self) -> None:
-        """Once: the quant method's conversion of the loaded checkpoint tensors."""
-        if self.quant_method is not None and self.loaded_shards is not None:
-            self.quant_method.process_weights_after_loading(self)
+        """Once: the format's kernel, prepared from the loaded checkpoint tensors."""
+        if self.loaded_shards is not None:
+            self.kernel = self.format.prepare_kernel(self)
             self.loaded_shards = None
 
     def load_into(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
@@ -102,10 +93,10 @@ class Linear(nn.Module):
         param.data[start : start + size].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is None:
-            y = dense_linear(x, self.weight, self.bias, self.dense_gemv, self.onednn_weight)
+        if x.dim() == 2:  # [num_tokens, in_features], as the models call it
+            y = self.kernel.apply(x)
         else:
-            y = self.quant_method.apply(self, x)
+            y = self.kernel.apply(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         return y if self.lora is None else self.lora(x, y)  # NOTE: before a row-parallel layer's all-reduce
 
 

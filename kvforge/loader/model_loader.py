@@ -26,12 +26,13 @@ from kvforge.loader.safetensors_dir import (
 )
 from kvforge.models.registry import resolve_model_class
 from kvforge.quantization import (
+    checkpoint_tensors,
+    format_entry,
     process_weights_after_loading,
     quantize_model,
     quantize_vocab_rows,
     resolve_quant_config,
 )
-from kvforge.quantization.fp8 import fp8_checkpoint_tensors
 from kvforge.quantization.gguf_quants import keep_16bit, keep_gguf_quantized
 from kvforge.quantization.weight_only_kernels import PanelArena, pack_into
 from kvforge.tokenizer import Tokenizer
@@ -93,18 +94,19 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
 
         checkpoint = load_gguf(str(path), torch.float32, keep_quantized=keep_gguf)
         hf_config, tokenizer = checkpoint.config, checkpoint.tokenizer
+        model_class = resolve_model_class(hf_config, runner)
         weights = iter(checkpoint.tensors.items())
     else:
-        if config.quantization == "gguf":
+        if config.keeps_gguf_blocks_only:
             raise ValueError(f"quantization='gguf' keeps a .gguf file's quantized tensors; {str(path)!r} is a folder")
         hf_config = read_hf_config(path)
-        resolve_model_class(hf_config, runner)  # an unknown architecture fails before anything else is read
+        model_class = resolve_model_class(hf_config, runner)  # an unknown architecture fails before anything else
         tokenizer = Tokenizer.from_dir(str(path))
         hf_config = _with_classifier_token_ids(hf_config, tokenizer)
         weights = None
-    model_class = resolve_model_class(hf_config, runner)
     pooler = read_pooler_config(path, model_class.is_causal) if runner == "pooling" else None
     quant_config = resolve_quant_config(hf_config, config.online_quantization)
+    from_float = "quantization_config" not in hf_config  # a float checkpoint, quantized (if at all) at load time
     dtype = resolve_dtype(config.dtype, hf_config, device)
     huge_pages = config.huge_pages and device.type == "cpu" and huge_pages_offered()
     arena = None
@@ -121,7 +123,7 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
             if arena is not None:
                 pack_into(model, arena)
             if quant_config is not None:
-                quantize_model(model, quant_config, from_float="quantization_config" not in hf_config)
+                quantize_model(model, quant_config, from_float)
             if keep_gguf:
                 keep_16bit(model, checkpoint.half_dtypes, vocab=config.quantize_lm_head)
                 weights = keep_gguf_quantized(model, checkpoint.tensors, checkpoint.quantized,
@@ -130,11 +132,11 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
         torch.set_default_dtype(default_dtype)
     if weights is None:
         weights = iterate_safetensors(safetensors_files(path), dtype)
-        if quant_config is not None and quant_config.method == "fp8" and "quantization_config" in hf_config:
-            weights = fp8_checkpoint_tensors(weights)
+        if quant_config is not None:
+            weights = checkpoint_tensors(quant_config, from_float, weights)
     model.load_weights(_releasing_freed_memory(weights))
     process_weights_after_loading(model)
-    if config.quantize_lm_head and quant_config is not None and quant_config.method == "rtn":
+    if config.quantize_lm_head and quant_config is not None and format_entry(quant_config).quantizes_vocab:
         quantize_vocab_rows(model)
     use_dense_gemv(model)
     if huge_pages:

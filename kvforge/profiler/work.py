@@ -1,8 +1,9 @@
 """FLOPs and bytes of each op class in one batch, from the shapes: the modules' sizes and the batch's
 token counts (plain ints from the SchedulerOutput, no device reads).
 
-    GEMM y[M, N] = x[M, K] W^T     2 M N K FLOPs; W's stored bytes + M (K + N) activation bytes
-                                   (M: the batch's tokens; the LM head: the rows that sample)
+    GEMM y[M, N] = x[M, K] W^T     a linear layer's kernel says its FLOPs per row (2 N K) and the bytes of its
+                                   weight as stored (layers/linear_kernel.py); + M (K + N) activation bytes
+                                   (M: the batch's tokens; the LM head: the rows that sample, 2 M N K FLOPs)
     attention, per layer/sequence  4 heads head_dim FLOPs per (query, key) pair, as the planner's
                                    decode_attn_flops; a query chunk of q after c cached tokens has
                                    q c + q (q + 1) / 2 pairs (causal); bytes: its context's K and V once
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvforge.layers.linear import Linear
 from kvforge.profiler.op_classes import ATTENTION, resolve
 from kvforge.profiler.ranges import module_class
 
@@ -43,6 +45,7 @@ class LinearShape:
     out_features: int  # N
     in_features: int  # K
     weight_bytes: int  # as stored (quantized weights count their codes and scales)
+    flops_per_row: int  # of one row of x
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +81,7 @@ class Inventory:
 
 
 def _stored_bytes(module: nn.Module) -> int:
-    """Bytes a layer stores: its own tensors and its quantized kernel's (a submodule of a Linear)."""
+    """Bytes a module stores: its own tensors and its submodules'."""
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
@@ -94,8 +97,9 @@ def build_inventory(model: nn.Module, kv_caches: list, dtype: torch.dtype) -> In
     for name, module in model.named_modules():
         label = module_class(name, module) if name else None
         kind = type(module).__name__
-        if kind.endswith("Linear") and label is not None:
-            shape = LinearShape(label, module.out_features, module.in_features, _stored_bytes(module))
+        if isinstance(module, Linear) and label is not None:
+            kernel = module.kernel
+            shape = LinearShape(label, module.out_features, module.in_features, kernel.weight_bytes(), kernel.flops(1))
             inventory.linears.append(shape)
             if name.endswith("gate_up_proj"):
                 inventory.activation_widths.append(module.out_features // 2)
@@ -113,7 +117,8 @@ def build_inventory(model: nn.Module, kv_caches: list, dtype: torch.dtype) -> In
                                            experts.local_intermediate, _stored_bytes(experts)))
     head = getattr(model, "lm_head", None)
     if head is not None:
-        inventory.lm_head = LinearShape("gemm.lm_head", head.num_local, head.hidden_size, _stored_bytes(head))
+        inventory.lm_head = LinearShape("gemm.lm_head", head.num_local, head.hidden_size, _stored_bytes(head),
+                                        2 * head.num_local * head.hidden_size)
     return inventory
 
 
@@ -133,7 +138,7 @@ def step_kind(kinds: list[str]) -> str:
 
 def _gemm(work: dict[str, Work], shape: LinearShape, rows: int, act: int) -> None:
     work.setdefault(shape.label, Work()).add(
-        2 * rows * shape.out_features * shape.in_features,
+        rows * shape.flops_per_row,
         shape.weight_bytes + rows * (shape.in_features + shape.out_features) * act)
 
 

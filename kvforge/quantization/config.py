@@ -17,6 +17,8 @@ ONLINE_METHODS = {
     "fp8": ("fp8", 8, -1, True),
 }
 CHECKPOINT_METHODS = ("gptq", "awq", "w8a8", "fp8", "mxfp4")
+# Every method (a key of quantization/registry.py's LINEAR_FORMATS) -> the code widths it takes
+METHOD_BITS = {"gptq": (4, 8), "awq": (4,), "w8a8": (8,), "fp8": (8,), "mxfp4": (4,), "rtn": (4, 8)}
 FP8_ACTIVATION_SCHEMES = ("dynamic", "static")
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores zero points minus one; v2 stores them as they are
 
@@ -38,11 +40,9 @@ class QuantConfig:
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.method not in (*CHECKPOINT_METHODS, "rtn"):
-            raise ValueError(
-                f"quantization method must be one of {(*CHECKPOINT_METHODS, 'rtn')}, got {self.method!r}"
-            )
-        allowed_bits = (4,) if self.method in ("awq", "mxfp4") else (8,) if self.method in ("w8a8", "fp8") else (4, 8)
+        if self.method not in METHOD_BITS:
+            raise ValueError(f"quantization method must be one of {tuple(METHOD_BITS)}, got {self.method!r}")
+        allowed_bits = METHOD_BITS[self.method]
         if self.bits not in allowed_bits:
             raise ValueError(f"{self.method} supports bits in {allowed_bits}, got {self.bits}")
         if self.group_size != -1 and (self.group_size < 16 or self.group_size & (self.group_size - 1)):

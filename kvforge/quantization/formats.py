@@ -26,6 +26,7 @@ from kvforge.quantization.quantized_weight import QuantizedWeight
 
 if TYPE_CHECKING:
     from kvforge.layers.linear import Linear
+    from kvforge.quantization.config import QuantConfig
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its group of 8
 
@@ -127,6 +128,10 @@ class GPTQMethod(_PackedMethod):
         super().__init__(bits, group_size)
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0
 
+    @classmethod
+    def from_config(cls, config: QuantConfig, from_float: bool) -> GPTQMethod:
+        return cls(config.bits, config.group_size, config.checkpoint_format)
+
     def create_weights(self, layer: Linear) -> None:
         num_groups, out_features, in_features = self.num_groups(layer), layer.out_features, layer.in_features
         drop_parameters(layer, "weight")
@@ -165,6 +170,10 @@ class GPTQMethod(_PackedMethod):
 
 
 class AWQMethod(_PackedMethod):
+    @classmethod
+    def from_config(cls, config: QuantConfig, from_float: bool) -> AWQMethod:
+        return cls(config.bits, config.group_size)
+
     def create_weights(self, layer: Linear) -> None:
         num_groups, out_features, in_features = self.num_groups(layer), layer.out_features, layer.in_features
         drop_parameters(layer, "weight")

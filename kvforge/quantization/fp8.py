@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from kvforge.layers.linear_kernel import KernelModule
 from kvforge.platforms import current_platform
 from kvforge.quantization.linear_method import LinearMethod, drop_parameters
 
 if TYPE_CHECKING:
     from kvforge.layers.linear import Linear
+    from kvforge.quantization.config import QuantConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -73,17 +74,19 @@ def fp8_scaled_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, un
     return (out * x_scales * scales).to(x.dtype)
 
 
-class Fp8DequantKernel(nn.Module):
+class Fp8DequantKernel(KernelModule):
     """The weight dequantized to the activation dtype at each call, then F.linear (the CPU, older GPUs)."""
 
     name = "dequant"
 
-    def prepare(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        self.register_buffer("codes", codes.contiguous(), persistent=False)  # [N, K] float8_e4m3fn
-        self.register_buffer("scales", scales.contiguous(), persistent=False)  # [N] float32
+    def prepare(self, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """weights: (codes [N, K] float8_e4m3fn, scales [N] float32)."""
+        codes, scales = weights
+        self.register_buffer("codes", codes.contiguous(), persistent=False)
+        self.register_buffer("scales", scales.contiguous(), persistent=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantize_fp8(self.codes, self.scales, x.dtype))
+        return self.biased(F.linear(x, dequantize_fp8(self.codes, self.scales, x.dtype)))
 
 
 class Fp8ScaledMMKernel(Fp8DequantKernel):
@@ -91,15 +94,16 @@ class Fp8ScaledMMKernel(Fp8DequantKernel):
 
     name = "scaled_mm"
 
-    def prepare(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    def prepare(self, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
+        codes, scales = weights
         # NOTE: the MI300 multiplies its own e4m3 variant (Platform.fp8_dtype), not the checkpoints' e4m3fn
         if current_platform().fp8_dtype == torch.float8_e4m3fnuz:
             codes, scales = to_fnuz(codes, scales)
-        super().prepare(codes, scales)
+        super().prepare((codes, scales))
         self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_scaled_mm(x, self.codes, self.scales, self.unit_scale)
+        return self.biased(fp8_scaled_mm(x, self.codes, self.scales, self.unit_scale))
 
 
 def select_fp8_kernel(device: torch.device, out_features: int, in_features: int) -> Fp8DequantKernel:
@@ -141,6 +145,10 @@ class Fp8Method(LinearMethod):
     def __init__(self, from_float: bool) -> None:
         self.from_float = from_float
 
+    @classmethod
+    def from_config(cls, config: QuantConfig, from_float: bool) -> Fp8Method:
+        return cls(from_float)
+
     def create_weights(self, layer: Linear) -> None:
         if self.from_float:
             return
@@ -151,18 +159,13 @@ class Fp8Method(LinearMethod):
         scales = torch.zeros(layer.out_features, dtype=torch.float32, device=device)
         layer.register_parameter("weight_scale", torch.nn.Parameter(scales, requires_grad=False))
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def prepare_kernel(self, layer: Linear) -> Fp8DequantKernel:
         if self.from_float:
             codes, scales = quantize_fp8(layer.weight.data)
         else:
             codes, scales = layer.weight.data, layer.weight_scale.data.float()
         drop_parameters(layer, *[n for n, _ in layer.named_parameters(recurse=False) if n != "bias"])
         kernel = select_fp8_kernel(layer.param_device, layer.out_features, layer.in_features)
-        kernel.prepare(codes, scales)
-        layer.kernel = kernel.to(layer.param_device)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        out = layer.kernel.apply(x.reshape(-1, x.shape[-1]))  # [num_tokens, out_features]
-        if layer.bias is not None:
-            out = out + layer.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        kernel.prepare((codes, scales))
+        kernel.bind(layer.out_features, layer.in_features, layer.bias)
+        return kernel.to(layer.param_device)

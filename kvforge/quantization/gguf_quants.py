@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kvforge.quantization import quantizable_linears
+from kvforge.layers.float_linear import FloatFormat
 from kvforge.quantization.gguf_blocks import BlockLayout
 from kvforge.quantization.linear_method import WeightOnlyMethod, drop_parameters
+from kvforge.quantization.quantizable import quantizable_linears
 from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards
+from kvforge.quantization.vocab_rows import load_quantized_rows
 
 if TYPE_CHECKING:
     from kvforge.layers.linear import Linear
@@ -112,7 +114,7 @@ def keep_gguf_quantized(
             continue
         shard_layouts = [layouts[name] for name in shards.values()]
         bits, group_size = max(lay.bits for lay in shard_layouts), min(lay.group_size for lay in shard_layouts)
-        layer.set_quant_method(GGUFMethod(bits, group_size))
+        layer.set_format(GGUFMethod(bits, group_size))
         kept_names.update(shards.values())
     if len(kept_names) < len(layouts):
         logger.info("%d GGUF tensors share a layer with float ones and are dequantized",
@@ -133,7 +135,7 @@ def keep_16bit(model: nn.Module, half_dtypes: Mapping[str, torch.dtype], vocab: 
     widened = 0
     for layer_name, shards in shards_of.items():
         layer = linears.get(layer_name)
-        if (layer is not None and layer.quant_method is None and len(shards) == len(layer.shard_sizes)
+        if (layer is not None and isinstance(layer.format, FloatFormat) and len(shards) == len(layer.shard_sizes)
                 and len(set(shards.values())) == 1):
             _in_dtype(layer, shards[0])
         else:
@@ -172,7 +174,7 @@ def _keep_vocab_quantized(model: nn.Module, kept: Mapping[str, QuantizedWeight])
             weight = kept[name]
             for module in modules:
                 if module is not None:
-                    module.load_quantized(weight)
+                    load_quantized_rows(module, weight)
             taken.add(name)
         elif name in kept:
             taken.add(name)

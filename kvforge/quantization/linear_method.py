@@ -1,14 +1,14 @@
-"""The interface between Linear and a quantization method, and the weight-only (W4A16, W8A16) runtime.
+"""The base of the quantized formats (layers/linear_kernel.py's LinearFormat), and the weight-only (W4A16, W8A16)
+ones' way to their kernel.
 
-A method owns a Linear's weight from construction to matmul:
+A format owns a Linear's weight from construction to its kernel:
 
     create_weights(layer)                 register parameters in the checkpoint's layout
-    load_shard(layer, name, shard, t)     fill one shard of a (merged) layer; False: Linear's float path
-    process_weights_after_loading(layer)  convert to the runtime layout, drop the checkpoint tensors
-    apply(layer, x)                       y = x W^T + b
+    load_shard(layer, name, shard, t)     fill one shard of a (merged) layer; False: the layer's row-wise copy
+    prepare_kernel(layer)                 the kernel prepared from the loaded tensors, which are dropped
 
-Weight-only methods end in the same runtime whatever the checkpoint format: a QuantizedWeight handed
-to `install_weight_only`, which picks the fastest kernel object for the layer's device once
+Weight-only formats end in the same runtime whatever the checkpoint format: a QuantizedWeight handed to
+`select_kernel`, which picks the fastest kernel object for the layer's device once
 (quantization/weight_only_kernels.py).
 """
 
@@ -20,20 +20,22 @@ import torch
 
 from kvforge.kernels.ops import current_ops
 from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards, quantize_rtn
-from kvforge.quantization.weight_only_kernels import select_kernel
+from kvforge.quantization.weight_only_kernels import WeightOnlyKernel, select_kernel
 
 if TYPE_CHECKING:
     from kvforge.layers.linear import Linear
+    from kvforge.layers.linear_kernel import LinearKernel
+    from kvforge.quantization.config import QuantConfig
 
 
 class LinearMethod:
-    """Base of every quantization method; the float weight path is Linear's own."""
+    """Base of every quantized format; the float one is layers/float_linear.py."""
 
     def create_weights(self, layer: Linear) -> None:
         """Replace the float weight with the checkpoint's tensors (default: keep the float weight)."""
 
     def load_shard(self, layer: Linear, param_name: str, shard: int, tensor: torch.Tensor) -> bool:
-        """Load a tensor this method owns; False hands it to Linear's float loading."""
+        """Load a tensor this format owns; False hands it to the layer's row-wise copy."""
         return False
 
     def checkpoint_axes(self, param_name: str) -> tuple[int | None, int | None] | None:
@@ -41,10 +43,7 @@ class LinearMethod:
         slicing; None: laid out like the float weight ([N, K]) or a per-output vector ([N])."""
         return None
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        raise NotImplementedError
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def prepare_kernel(self, layer: Linear) -> LinearKernel:
         raise NotImplementedError
 
 
@@ -54,17 +53,13 @@ class WeightOnlyMethod(LinearMethod):
     def to_quantized_weight(self, layer: Linear) -> QuantizedWeight | RowShards:
         raise NotImplementedError
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        install_weight_only(layer, self.to_quantized_weight(layer))
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
-        if layer.w_perm is not None:
-            rows = rows[:, layer.w_perm]
-        out = layer.kernel.apply(rows)
-        if layer.bias is not None:
-            out = out + layer.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+    def prepare_kernel(self, layer: Linear) -> WeightOnlyKernel:
+        """The fastest kernel for the layer's device, holding the weight in its layout; the checkpoint's tensors
+        are dropped."""
+        weight = self.to_quantized_weight(layer)
+        drop_parameters(layer, *[name for name, _ in layer.named_parameters(recurse=False) if name != "bias"])
+        return select_kernel(weight, layer.param_device, layer.param_dtype, current_ops(), arena=layer.weight_arena,
+                             bias=layer.bias)
 
 
 class RTNMethod(WeightOnlyMethod):
@@ -73,6 +68,10 @@ class RTNMethod(WeightOnlyMethod):
 
     def __init__(self, bits: int, group_size: int, sym: bool) -> None:
         self.bits, self.group_size, self.sym = bits, group_size, sym
+
+    @classmethod
+    def from_config(cls, config: QuantConfig, from_float: bool) -> RTNMethod:
+        return cls(config.bits, config.group_size, config.sym)
 
     def to_quantized_weight(self, layer: Linear) -> QuantizedWeight:
         in_features = layer.weight.shape[1]
@@ -83,12 +82,3 @@ class RTNMethod(WeightOnlyMethod):
 def drop_parameters(layer: Linear, *names: str) -> None:
     for name in names:
         delattr(layer, name)
-
-
-def install_weight_only(layer: Linear, weight: QuantizedWeight | RowShards) -> None:
-    """Store weight in the layout of the fastest kernel for the layer's device, drop the float weight."""
-    device, dtype = layer.param_device, layer.param_dtype
-    drop_parameters(layer, *[name for name, _ in layer.named_parameters(recurse=False) if name != "bias"])
-    perm = weight.perm if isinstance(weight, QuantizedWeight) else None  # a merged layer's shards: input order
-    layer.register_buffer("w_perm", None if perm is None else perm.to(device), persistent=False)
-    layer.kernel = select_kernel(weight, device, dtype, current_ops(), arena=layer.weight_arena)

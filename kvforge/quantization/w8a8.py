@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kvforge.kernels.cpu import packed_gemm
 from kvforge.kernels.int8_gemm import INT8_MAX, quantize_per_token_ref
 from kvforge.kernels.ops import OpTable, current_ops
+from kvforge.layers.linear_kernel import KernelModule
 from kvforge.quantization.linear_method import LinearMethod, drop_parameters
 
 if TYPE_CHECKING:
     from kvforge.layers.linear import Linear
+    from kvforge.quantization.config import QuantConfig
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +38,10 @@ class W8A8Method(LinearMethod):
 
     def __init__(self, from_float: bool, smoothquant: bool = False) -> None:
         self.from_float, self.smoothquant = from_float, smoothquant
+
+    @classmethod
+    def from_config(cls, config: QuantConfig, from_float: bool) -> W8A8Method:
+        return cls(from_float, config.smoothquant)
 
     def create_weights(self, layer: Linear) -> None:
         if self.from_float:
@@ -64,7 +69,7 @@ class W8A8Method(LinearMethod):
         layer.smooth_factor.data.copy_(tensor)
         return True
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def prepare_kernel(self, layer: Linear) -> Int8Kernel:
         if self.from_float:
             codes, scales = quantize_weight_int8(layer.weight.data)
             inv_smooth = None
@@ -72,35 +77,31 @@ class W8A8Method(LinearMethod):
             codes, scales = layer.weight.data, layer.weight_scale.data.float()
             inv_smooth = 1.0 / layer.smooth_factor.data.float() if self.smoothquant else None
         drop_parameters(layer, *[n for n, _ in layer.named_parameters(recurse=False) if n != "bias"])
-        layer.register_buffer(
-            "inv_smooth", None if inv_smooth is None else inv_smooth.to(layer.param_dtype), persistent=False
-        )
         ops = current_ops()
         on_cpu = layer.param_device.type == "cpu" and ops.backend == "torch"
         kernel = CpuInt8Kernel() if on_cpu else Int8GemmKernel(ops)
-        kernel.prepare(codes, scales)
-        layer.kernel = kernel.to(layer.param_device)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [num_tokens, in_features]
-        if layer.inv_smooth is not None:
-            rows = rows * layer.inv_smooth
-        out = layer.kernel.apply(rows)
-        if layer.bias is not None:
-            out = out + layer.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        kernel.prepare((codes, scales, None if inv_smooth is None else inv_smooth.to(layer.param_dtype)))
+        kernel.bind(layer.out_features, layer.in_features, layer.bias)
+        return kernel.to(layer.param_device)
 
 
-class Int8Kernel(nn.Module):
-    """Base: int8 weight codes and their per-row scales; apply(x) quantizes x per token and multiplies."""
+class Int8Kernel(KernelModule):
+    """Base: int8 weight codes and their per-row scales; apply(x) divides x by the smoothing factors (SmoothQuant),
+    quantizes it per token and multiplies (`multiply`)."""
 
-    name = ""
-
-    def prepare(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        self.register_buffer("codes", codes.contiguous(), persistent=False)  # [N, K] int8
-        self.register_buffer("scales", scales.contiguous(), persistent=False)  # [N] float32
+    def prepare(self, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> None:
+        """weights: (codes [N, K] int8, scales [N] float32, 1 / smooth_factor [K] or None)."""
+        codes, scales, inv_smooth = weights
+        self.register_buffer("codes", codes.contiguous(), persistent=False)
+        self.register_buffer("scales", scales.contiguous(), persistent=False)
+        self.register_buffer("inv_smooth", inv_smooth, persistent=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inv_smooth is not None:
+            x = x * self.inv_smooth
+        return self.biased(self.multiply(x))
+
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -113,7 +114,7 @@ class Int8GemmKernel(Int8Kernel):
         super().__init__()
         self.int8_gemm = ops.int8_gemm
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
         x_codes, token_scales = quantize_per_token_ref(x)  # [M, K] int8, [M]
         return self.int8_gemm(x_codes, self.codes, token_scales, self.scales, x.dtype)
 
@@ -127,7 +128,7 @@ class CpuInt8Kernel(Int8Kernel):
 
     name = "cpu"
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
         x_codes, token_scales = quantize_per_token_ref(x)
         if x_codes.shape[0] <= packed_gemm.INT8PACK_MAX_TOKENS and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
             out = torch.ops.aten._weight_int8pack_mm(x_codes.to(torch.bfloat16), self.codes,

@@ -1,10 +1,12 @@
 """The kernels a weight-only layer (W8A16, W4A16, GGUF kept) multiplies with, as objects chosen once at load.
 
-Each kernel is a small module holding the weight in the layout it streams best:
+Each kernel is a small module holding the weight in the layout it streams best, a LinearKernel
+(layers/linear_kernel.py):
 
     prepare(weight, arena)   QuantizedWeight -> its own buffers (the codes as stored, repacked for the kernel; a
                              layout interleaved by part goes into the loader's PanelArena)
-    apply(x)           x [M, K] float -> x W^T [M, N] in x's dtype
+    apply(x)           x [M, K] float -> x W^T + b [M, N] in x's dtype (x's columns in the weight's order first,
+                       for GPTQ act-order); `multiply` is each kernel's own product
     gather_rows(ids)   rows W[ids] [len(ids), K] float32 (an embedding lookup that dequantizes only those rows)
 
     panels     the C++ AVX-512 VNNI kernel (kernels/cpu/quant_panels.py): 4-, 6- and 8-bit codes, any zero points,
@@ -32,15 +34,15 @@ from kvforge.kernels.cpu.quant_gemv import pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panel_rows
 from kvforge.kernels.ops import OpTable
 from kvforge.kernels.quant_gemm import dequantize_ref, pack_codes
+from kvforge.layers.linear_kernel import KernelModule, WeightArena
 from kvforge.loader.huge_pages import HUGE_PAGE, arena_offsets, huge_page_arena
 from kvforge.platforms.zeroed_memory import zeroed_memory
 from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards
 
 
-class WeightOnlyKernel(nn.Module):
+class WeightOnlyKernel(KernelModule):
     """Base: a quantized weight [N, K] in one kernel's layout."""
 
-    name = ""
     code_bits = (4, 8)  # the widths of codes its layout stores (6-bit codes are given to the others as 8-bit ones)
     takes_row_shards = False  # prepare takes a merged layer's RowShards as they are (the others get them stacked)
 
@@ -54,11 +56,21 @@ class WeightOnlyKernel(nn.Module):
         """An empty kernel, to prepare (dtype: the layer's float type)."""
         return cls()
 
-    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("perm", None, persistent=False)  # [K] int64: x's columns in the weight's order
+
+    def prepare(self, weight: QuantizedWeight, arena: WeightArena | None = None) -> None:
         """Repack weight into this kernel's buffers (arena: where a layout interleaved by part is placed)."""
         raise NotImplementedError
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x[:, self.perm]
+        return self.biased(self.multiply(x))
+
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (columns in the weight's order) times the weight: [M, N] in x's dtype."""
         raise NotImplementedError
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -79,7 +91,7 @@ class PanelKernel(WeightOnlyKernel):
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
         return _on_cpu(device, ops) and packed_gemm.panels_eligible(weight)
 
-    def prepare(self, weight: QuantizedWeight | RowShards, arena: PanelArena | None = None) -> None:
+    def prepare(self, weight: QuantizedWeight | RowShards, arena: WeightArena | None = None) -> None:
         shards = weight.shards if isinstance(weight, RowShards) else [weight]
         self.bits, self.out_features = weight.bits, sum(shard.codes.shape[0] for shard in shards)
         packed, self.factor = pack_panels(*([getattr(shard, name) for shard in shards]
@@ -87,7 +99,7 @@ class PanelKernel(WeightOnlyKernel):
                                           weight.bits, place=None if arena is None else arena.place)
         self.register_buffer("weight", packed, persistent=False)
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
         return panel_linear(x, self.weight, self.factor, self.bits, self.out_features)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -160,14 +172,14 @@ class NativeKernel(WeightOnlyKernel):
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
         return _on_cpu(device, ops) and packed_gemm.native_eligible(weight)
 
-    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
+    def prepare(self, weight: QuantizedWeight, arena: WeightArena | None = None) -> None:
         self.bits = weight.bits
         codes, scales, offsets = pack_weight(weight.codes, weight.scales, weight.zeros, weight.bits)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("offsets", offsets, persistent=False)
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: int8 activations in the GEMV (up to GEMV_MAX_TOKENS rows): 1.4-2.4x faster per call than fp32 x
         # (warm, one thread), and the default model's mean perplexity over the shipped texts moves by 0.2%
         # (15.233 -> 15.263 with every row through the GEMV); greedy answers can flip at near-ties.
@@ -184,12 +196,12 @@ class Int8PackKernel(WeightOnlyKernel):
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
         return _on_cpu(device, ops) and packed_gemm.int8pack_eligible(weight)
 
-    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
+    def prepare(self, weight: QuantizedWeight, arena: WeightArena | None = None) -> None:
         codes, scales = packed_gemm.prepack_int8(weight)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
         return packed_gemm.int8pack_linear(x, self.codes, self.scales)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -205,13 +217,13 @@ class Int4PackKernel(WeightOnlyKernel):
     def fits(cls, weight: QuantizedWeight, device: torch.device, ops: OpTable, needs_rows: bool) -> bool:
         return _on_cpu(device, ops) and not needs_rows and packed_gemm.int4pack_eligible(weight)
 
-    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
+    def prepare(self, weight: QuantizedWeight, arena: WeightArena | None = None) -> None:
         self.group_size = weight.group_size
         packed, scales_zeros = packed_gemm.prepack_int4(weight)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
         return packed_gemm.int4pack_linear(x, self.packed, self.scales_zeros, self.group_size)
 
 
@@ -230,7 +242,7 @@ class GenericKernel(WeightOnlyKernel):
     def build(cls, ops: OpTable, dtype: torch.dtype) -> WeightOnlyKernel:
         return cls(ops, dtype)
 
-    def prepare(self, weight: QuantizedWeight, arena: PanelArena | None = None) -> None:
+    def prepare(self, weight: QuantizedWeight, arena: WeightArena | None = None) -> None:
         self.bits = weight.bits
         self.register_buffer("codes", pack_codes(weight.codes, weight.bits), persistent=False)
         self.register_buffer("scales", weight.scales.to(self.dtype).contiguous(), persistent=False)
@@ -239,7 +251,7 @@ class GenericKernel(WeightOnlyKernel):
         zeros_dtype = self.dtype if torch.equal(weight.zeros, weight.zeros.round()) else torch.float32
         self.register_buffer("zeros", weight.zeros.to(zeros_dtype).contiguous(), persistent=False)
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.quant_gemm(x, self.codes, self.scales, self.zeros, self.bits)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -253,28 +265,34 @@ WEIGHT_ONLY_KERNELS: tuple[type[WeightOnlyKernel], ...] = (
 
 
 def select_kernel(weight: QuantizedWeight | RowShards, device: torch.device, dtype: torch.dtype, ops: OpTable,
-                  needs_rows: bool = False, arena: PanelArena | None = None) -> WeightOnlyKernel:
+                  needs_rows: bool = False, arena: WeightArena | None = None,
+                  bias: nn.Parameter | None = None) -> WeightOnlyKernel:
     """The first of WEIGHT_ONLY_KERNELS that takes weight on device, prepared (into arena where its layout goes
-    there) and moved there. needs_rows: the weight is also looked up by row (a tied embedding). A merged layer's
-    RowShards go as they are to a kernel that takes them, else stacked into one weight."""
+    there) and moved there, adding bias (a layer's). needs_rows: the weight is also looked up by row (a tied
+    embedding). A merged layer's RowShards go as they are to a kernel that takes them, else stacked into one
+    weight."""
     if isinstance(weight, RowShards):
         leading = itertools.takewhile(lambda k: k.takes_row_shards, WEIGHT_ONLY_KERNELS)  # before one that stacks
         outline = weight.outline()
         kernel_class = next((k for k in leading if weight.bits in k.code_bits and k.fits(outline, device, ops,
                                                                                              needs_rows)), None)
         if kernel_class is not None:
-            return _prepared(kernel_class, weight, device, dtype, ops, arena)
+            return _prepared(kernel_class, weight, device, dtype, ops, arena, bias)
         weight = weight.stacked()
 
     def stored(kernel_class: type[WeightOnlyKernel]) -> QuantizedWeight:  # the weight as its layout stores it
         return weight if weight.bits in kernel_class.code_bits else weight.widened()
 
     kernel_class = next(k for k in WEIGHT_ONLY_KERNELS if k.fits(stored(k), device, ops, needs_rows))
-    return _prepared(kernel_class, stored(kernel_class), device, dtype, ops, arena)
+    return _prepared(kernel_class, stored(kernel_class), device, dtype, ops, arena, bias)
 
 
 def _prepared(kernel_class: type[WeightOnlyKernel], weight: QuantizedWeight | RowShards, device: torch.device,
-              dtype: torch.dtype, ops: OpTable, arena: PanelArena | None) -> WeightOnlyKernel:
+              dtype: torch.dtype, ops: OpTable, arena: WeightArena | None,
+              bias: nn.Parameter | None) -> WeightOnlyKernel:
     kernel = kernel_class.build(ops, dtype)
     kernel.prepare(weight, arena)
+    shards = weight.shards if isinstance(weight, RowShards) else [weight]
+    kernel.bind(sum(shard.codes.shape[0] for shard in shards), shards[0].codes.shape[1], bias)
+    kernel.perm = None if isinstance(weight, RowShards) else weight.perm  # a merged layer's shards: input order
     return kernel.to(device)

@@ -11,6 +11,7 @@ import torch
 from kvforge import LLM, SamplingParams
 from kvforge.executor.kv_cache_memory import size_kv_cache
 from kvforge.layers.kv_cache_spec import KVCacheSpec
+from kvforge.layers.linear import Linear
 from kvforge.models.registry import resolve_model_class
 from tests.tiny_models import assert_logits_match, save_tokenizer
 
@@ -164,8 +165,8 @@ def test_deepseek_quantized_at_load(tmp_path, quantization: str):
     tokens = list(range(5, 45))
     want = LLM(str(tmp_path), kv_cache_memory="4MiB").engine.score(tokens)
     llm = LLM(str(tmp_path), kv_cache_memory="4MiB", quantization=quantization)
-    methods = {name.rsplit(".", 1)[-1]: module.quant_method for name, module in llm.engine.local_model.named_modules()
-               if hasattr(module, "quant_method")}  # fmt: skip
-    assert methods["kv_b_proj"] is None and methods["q_b_proj"] is not None and methods["o_proj"] is not None
+    kernels = {name.rsplit(".", 1)[-1]: module.kernel.name for name, module in llm.engine.local_model.named_modules()
+               if isinstance(module, Linear)}  # fmt: skip
+    assert kernels["kv_b_proj"] == "float" and kernels["q_b_proj"] != "float" and kernels["o_proj"] != "float"
     got = llm.engine.score(tokens)
     assert 0 < (got - want).abs().max().item() < 0.05 * want.abs().max().item()

@@ -39,8 +39,8 @@ def test_awq_order_puts_column_order_i_in_nibble_i() -> None:
 def _converted_weights(layer: Linear) -> list[QuantizedWeight]:
     """The QuantizedWeight the layer's method converts its checkpoint tensors into, once the last shard is in."""
     seen: list[QuantizedWeight] = []
-    convert = layer.quant_method.to_quantized_weight
-    layer.quant_method.to_quantized_weight = lambda layer: seen.append(convert(layer)) or seen[-1]
+    convert = layer.format.to_quantized_weight
+    layer.format.to_quantized_weight = lambda layer: seen.append(convert(layer)) or seen[-1]
     return seen
 
 
@@ -50,7 +50,7 @@ def _gptq_layer(
     """A merged Linear loaded from per-shard GPTQ tensors; returns it, the expected float weight and the weight its
     method converted."""
     layer = Linear(in_features, shards)
-    layer.set_quant_method(GPTQMethod(bits, group_size, fmt))
+    layer.set_format(GPTQMethod(bits, group_size, fmt))
     converted = _converted_weights(layer)
     num_groups = in_features // group_size
     expected = []
@@ -89,7 +89,7 @@ def test_gptq_checkpoint_dequantizes_exactly(bits: int, fmt: str, act_order: boo
 def test_awq_checkpoint_dequantizes_exactly() -> None:
     torch.manual_seed(0)
     layer = Linear(64, [16, 32])
-    layer.set_quant_method(AWQMethod(4, 32))
+    layer.set_format(AWQMethod(4, 32))
     converted = _converted_weights(layer)
     expected = []
     for shard, rows in enumerate([16, 32]):
@@ -105,7 +105,7 @@ def test_awq_checkpoint_dequantizes_exactly() -> None:
 
 def test_gptq_shards_with_different_g_idx_are_rejected() -> None:
     layer = Linear(64, [16, 16])
-    layer.set_quant_method(GPTQMethod(4, 32))
+    layer.set_format(GPTQMethod(4, 32))
     layer.load_shard("g_idx", 0, torch.arange(64, dtype=torch.int32) // 32)
     with pytest.raises(ValueError, match="different g_idx"):
         layer.load_shard("g_idx", 1, torch.arange(64, dtype=torch.int32).flip(0) // 32)

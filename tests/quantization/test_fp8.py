@@ -43,7 +43,7 @@ def test_quantize_error_is_within_e4m3_precision() -> None:
 def _layer(method: Fp8Method, weight: torch.Tensor, bias: torch.Tensor) -> Linear:
     half = weight.shape[0] // 2
     layer = Linear(weight.shape[1], [half, half], bias=True)
-    layer.set_quant_method(method)
+    layer.set_format(method)
     for shard in range(2):
         layer.load_shard("weight", shard, weight[shard * half : (shard + 1) * half])
         layer.load_shard("bias", shard, bias[shard * half : (shard + 1) * half])
@@ -78,7 +78,7 @@ def test_dequant_path_in_bfloat16() -> None:
     weight, x = torch.randn(32, 64), torch.randn(5, 64)
     layer = Linear(64, [32])
     layer.weight.data.copy_(weight)
-    layer.set_quant_method(Fp8Method(from_float=True))
+    layer.set_format(Fp8Method(from_float=True))
     layer.process_weights_after_loading()
     out = layer(x.bfloat16())
     assert out.dtype == torch.bfloat16
@@ -166,7 +166,7 @@ def test_layer_on_the_gpu() -> None:
     weight, x = torch.randn(256, 512), torch.randn(7, 512)
     layer = Linear(512, [256]).cuda().to(torch.bfloat16)
     layer.weight.data.copy_(weight)
-    layer.set_quant_method(Fp8Method(from_float=True))
+    layer.set_format(Fp8Method(from_float=True))
     layer.process_weights_after_loading()
     supported = current_platform().has_native_fp8
     assert layer.kernel.name == ("scaled_mm" if supported else "dequant")

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from kvforge.kernels.cpu.quant_panels import panels_available
+from kvforge.layers.float_linear import FloatFormat
 from kvforge.llm import LLM
 from kvforge.loader.gguf import load_gguf
 from kvforge.quantization.gguf_quants import GGUFMethod
@@ -92,13 +93,29 @@ def tiny_llms(tiny_path: Path) -> tuple[LLM, LLM]:
 def test_layers_get_the_kept_bits(tiny_llms: tuple[LLM, LLM]) -> None:
     layer = tiny_llms[1].engine.local_model.layers[0]
     methods = {
-        name: module.quant_method
+        name: module.format
         for name, module in [("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
                              ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)]
     }  # fmt: skip
     assert {k: m.bits for k, m in methods.items() if isinstance(m, GGUFMethod)} == {"qkv": 8, "o": 4, "down": 8}
-    assert methods["gate_up"] is None  # an F16 shard: the layer stays float
+    assert isinstance(methods["gate_up"], FloatFormat)  # an F16 shard: the layer stays float
     assert layer.mlp.gate_up_proj.weight.dtype == torch.float32  # its F16 shard widened too (with a warning)
+
+
+def test_a_gguf_type_is_kept_by_its_one_block_layout_entry(
+    tiny_path: Path, tiny_llms: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Which GGUF types stay quantized is one table, BLOCK_LAYOUTS (a type's layout and decoder): without Q4_1's
+    entry, the layers with a Q4_1 shard (o, and qkv through k) load float and say so; nothing else changes."""
+    from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS
+
+    monkeypatch.delitem(BLOCK_LAYOUTS, Q.Q4_1)
+    without = LLM(str(tiny_path), **ENGINE).engine.local_model.layers[0]
+    assert "type Q4_1 (" in caplog.text and "have no kept kernel" in caplog.text
+    assert [without.self_attn.qkv_proj.kernel.name, without.self_attn.o_proj.kernel.name] == ["float", "float"]
+    assert isinstance(without.mlp.down_proj.format, GGUFMethod)  # Q8_0 has its entry
+    with_entry = tiny_llms[1].engine.local_model.layers[0]
+    assert isinstance(with_entry.self_attn.o_proj.format, GGUFMethod) and with_entry.self_attn.o_proj.format.bits == 4
 
 
 def test_tiny_model_logits_and_tokens_match_the_dequantized_load(tiny_llms: tuple[LLM, LLM]) -> None:
@@ -139,7 +156,7 @@ def test_default_model_kept_quantized_answers_the_same_in_less_memory() -> None:
     dense = LLM(quantization="none", **ENGINE)
     kept = LLM(**ENGINE)  # a GGUF file keeps its blocks by default
     model = kept.engine.local_model
-    assert all(isinstance(layer.mlp.down_proj.quant_method, GGUFMethod) for layer in model.layers)
+    assert all(isinstance(layer.mlp.down_proj.format, GGUFMethod) for layer in model.layers)
     # the linear layers go from 465 MiB of float32 to ~1.1 bytes per weight
     assert weight_bytes(kept) < 0.45 * weight_bytes(dense)
     text = "The lighthouse keeper climbed the stairs every evening to light the lamp before the ships came."

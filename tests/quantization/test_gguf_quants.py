@@ -77,7 +77,7 @@ def test_merged_layer_computes_with_the_gguf_weights(num_tokens: int, shard_type
     weights = [decode_blocks(data, q, (64, 128)) for data, q in zip(shards, shard_types)]
     bits = max(w.bits for w in weights)
     layer = Linear(128, [64, 64], bias=True)
-    layer.set_quant_method(GGUFMethod(bits))
+    layer.set_format(GGUFMethod(bits))
     bias = torch.randn(128)
     for shard, weight in enumerate(weights):
         for name in ("codes", "scales", "zeros"):
@@ -127,7 +127,7 @@ def test_q4_1_layer_on_the_gpu_keeps_float_zero_points() -> None:
     values[:, :32] += 5.0  # all-positive blocks: zero points far below the codes
     data = quantize(values, Q.Q4_1)
     layer = Linear(256, [64]).cuda().to(torch.bfloat16)
-    layer.set_quant_method(GGUFMethod(4))
+    layer.set_format(GGUFMethod(4))
     weight = decode_blocks(data, Q.Q4_1, (64, 256))
     for name in ("codes", "scales", "zeros"):
         layer.load_shard(name, 0, getattr(weight, name))

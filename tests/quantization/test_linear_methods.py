@@ -15,7 +15,7 @@ from tests.kernels.cpu.test_quant_gemv_cpu import cpu_kernel_name
 
 def _layer(method, weight: torch.Tensor, bias: torch.Tensor) -> Linear:
     layer = Linear(weight.shape[1], [weight.shape[0] // 2, weight.shape[0] // 2], bias=True)
-    layer.set_quant_method(method)
+    layer.set_format(method)
     half = weight.shape[0] // 2
     for shard in range(2):
         layer.load_shard("weight", shard, weight[shard * half : (shard + 1) * half])
@@ -76,7 +76,8 @@ def test_w8a8_error_is_bounded_by_weight_and_activation_steps(num_tokens: int) -
 
 def test_float_linear_is_untouched() -> None:
     layer = Linear(8, [4])
-    assert layer.quant_method is None
-    torch.nn.init.normal_(layer.weight)
+    weight = torch.randn(4, 8)
+    layer.load_shard("weight", 0, weight)  # the layer's last checkpoint tensor: its kernel is prepared
+    assert layer.kernel.name == "float" and layer.kernel.weight is layer.weight  # the layer's own, not a copy
     x = torch.randn(2, 8)
-    assert torch.equal(layer(x), x @ layer.weight.t())
+    assert torch.equal(layer(x), x @ weight.t())

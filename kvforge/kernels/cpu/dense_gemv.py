@@ -59,11 +59,11 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
 
 
 def use_dense_gemv(model: nn.Module) -> None:
-    """Route the rows of the model's float32 CPU layers (Linear, the float LM head: modules with `dense_gemv` and
-    `onednn_weight` attributes) through the GEMV and oneDNN, where the AVX2 extension is built; elsewhere they keep
-    F.linear. Those whose weight is kept in 16 bits take half_gemv.py's GEMV, and get no packed copy. NOTE: the
-    packed copy of each float32 weight is memory beside the weight itself (the GEMV reads the row-major one): it
-    doubles a float32 model's weights, for 1.4-1.6x faster layers at 8-64 rows (table above).
+    """Route the rows of the model's float32 CPU layers (a float Linear's kernel, the float LM head: modules with
+    `dense_gemv` and `onednn_weight` attributes) through the GEMV and oneDNN, where the AVX2 extension is built;
+    elsewhere they keep F.linear. Those whose weight is kept in 16 bits take half_gemv.py's GEMV, and get no packed
+    copy. NOTE: the packed copy of each float32 weight is memory beside the weight itself (the GEMV reads the row-major
+    one): it doubles a float32 model's weights, for 1.4-1.6x faster layers at 8-64 rows (table above).
     Code that later writes a weight in place calls `drop_packed_weights` first."""
     layers = [module for module in model.modules() if hasattr(module, "dense_gemv") and _fits(module)]
     heads = {id(module.lm_head) for module in model.modules() if getattr(module, "lm_head", None) is not None}

@@ -1,4 +1,4 @@
-"""The CPU's quantized GEMMs, and which one a weight-only layer gets (install_weight_only):
+"""The CPU's quantized GEMMs, and which one a weight-only layer gets (select_kernel):
 
     panels    the C++ kernel of csrc/quant_panels.cpp (kvforge/kernels/cpu/quant_panels.py), on AVX-512 VNNI
               machines: 4-, 6- and 8-bit codes, any zero points, 16 weight rows interleaved per panel, activations

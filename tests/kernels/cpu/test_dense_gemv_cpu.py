@@ -18,6 +18,7 @@ from kvforge.kernels.cpu.dense_gemv import (
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available
 from kvforge.layers.embedding import VocabParallelEmbedding
 from kvforge.layers.linear import Linear
+from kvforge.quantization import process_weights_after_loading
 
 needs_avx2 = pytest.mark.skipif(not native_kernels_available(), reason="the AVX2 build of the CPU kernels")
 
@@ -74,14 +75,20 @@ def test_bias_leading_dims_and_rows_past_the_gemv_take_f_linear_results():
         _close(dense_linear(x, weight, bias, gemv=True), F.linear(x, weight, bias))
 
 
+def _loaded(model: torch.nn.Module) -> None:
+    """The end of a load: each Linear's kernel prepared from its weight, then the CPU paths turned on."""
+    process_weights_after_loading(model)
+    use_dense_gemv(model)
+
+
 @needs_avx2
 def test_loaded_layers_and_float_head_use_the_gemv():
     model = torch.nn.ModuleList([Linear(64, [32, 16], bias=True), VocabParallelEmbedding(100, 64)])
     for param in model.parameters():
         param.data.normal_()
-    use_dense_gemv(model)
+    _loaded(model)
     linear, head = model
-    assert linear.dense_gemv and head.dense_gemv
+    assert linear.kernel.dense_gemv and head.dense_gemv
     x = torch.randn(3, 64)
     _close(linear(x), F.linear(x, linear.weight, linear.bias))
     _close(head.compute_logits(x), F.linear(x, head.weight))
@@ -92,8 +99,8 @@ def test_a_model_run_in_16_bits_keeps_f_linear():
     activations): F.linear in bfloat16, no packed copy."""
     model = torch.nn.ModuleList([Linear(64, [32]).to(torch.bfloat16)])
     model[0].weight.data.normal_()
-    use_dense_gemv(model)
-    assert model[0].onednn_weight is None
+    _loaded(model)
+    assert model[0].kernel.onednn_weight is None
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(model[0](x), F.linear(x, model[0].weight))
 
@@ -115,9 +122,9 @@ def test_packed_weight_matches_f_linear_eager_and_compiled():
     model = torch.nn.ModuleList([Linear(64, [40], bias=True)])
     for param in model.parameters():
         param.data.normal_()
-    use_dense_gemv(model)
+    _loaded(model)
     linear = model[0]
-    assert linear.onednn_weight is not None and linear.onednn_weight.is_mkldnn
+    assert linear.kernel.onednn_weight is not None and linear.kernel.onednn_weight.is_mkldnn
     compiled = torch.compile(lambda t: linear(t * 2) + 1, fullgraph=True)
     for rows in (DENSE_GEMV_MAX_TOKENS + 1, 64, 300):
         x = torch.randn(rows, 64)

@@ -118,16 +118,18 @@ def test_linear_with_a_16_bit_weight_runs_in_float32(dtype):
     weight = torch.randn(64, 96).to(dtype)
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
     layer.bias.data.normal_()
+    layer.process_weights_after_loading()  # the end of a load: the float kernel, then the CPU paths
     use_dense_gemv(layer)
-    assert layer.weight.dtype == dtype and layer.onednn_weight is None
-    assert layer.dense_gemv == native_kernels_available()
+    assert layer.weight.dtype == dtype and layer.kernel.onednn_weight is None
+    assert layer.kernel.dense_gemv == native_kernels_available()
     for rows in (1, 4, HALF_GEMV_MAX_TOKENS + 3):
         x = torch.randn(rows, 96)
-        if _rounds_x(dtype, rows, layer.dense_gemv):
+        if _rounds_x(dtype, rows, layer.kernel.dense_gemv):
             _close_to_bf16_product(layer(x), x, weight, layer.bias)
         else:
             _close(layer(x), F.linear(x, weight.float(), layer.bias))
-    assert dense_linear(x.to(dtype), weight, None, layer.dense_gemv).dtype == dtype  # a model run in its own dtype
+    gemv = layer.kernel.dense_gemv
+    assert dense_linear(x.to(dtype), weight, None, gemv).dtype == dtype  # a model run in its own dtype
 
 
 _IN_THE_AVX2_BUILD = """

@@ -124,7 +124,7 @@ def test_linear_runs_the_kernel_on_its_dequantized_weight(bits: int, group_size:
         weight.perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(num_rows)
     layer = Linear(in_features, [num_rows], bias=True)
-    layer.set_quant_method(_GivenWeight(weight))
+    layer.set_format(_GivenWeight(weight))
     layer.load_shard("bias", 0, bias)
     layer.process_weights_after_loading()
     assert layer.kernel.name == cpu_kernel_name() and not hasattr(layer, "weight")

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The same benchmarks at two commits, side by side on one quiet machine: single-stream decode (kvforge bench latency,
+# 128 + 128 tokens) and 64 streams (kvforge bench throughput, 128 + 128), for the default GGUF file kept quantized,
+# float32, and float32 quantized at load time (w8a16, w4a16, w8a8, fp8). The two commits take turns, twice, so a
+# drift of the machine shows as a difference between the rounds, not between the commits.
+# Usage: bash scripts/bench_before_after.sh [BEFORE_REV (default main)] [AFTER_REV (default HEAD)] [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+before=${1:-main}
+after=${2:-HEAD}
+out=${3:-results/before_after}
+python=${PYTHON:-$PWD/.venv/bin/python}
+mkdir -p "$out"
+lscpu | grep -E "Model name|^CPU\(s\)|Flags" > "$out/machine.txt"
+for name in before after; do
+  rev=$([ "$name" = before ] && echo "$before" || echo "$after")
+  dir="$out/tree_$name"
+  [ -d "$dir" ] || git worktree add --detach "$dir" "$rev"
+  cp kvforge/kernels/cpu/_kernels_*.so "$dir/kvforge/kernels/cpu/" 2>/dev/null || true  # else the first use builds them
+  git -C "$dir" rev-parse HEAD > "$out/${name}_commit.txt"
+done
+greedy='import json, sys
+from kvforge import LLM, SamplingParams
+kwargs = json.loads(sys.argv[1])
+outputs = LLM(kv_cache_memory="256MiB", **kwargs).generate(
+    ["Write a short story about a lighthouse keeper.", "List three prime numbers and explain why."],
+    SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+print(json.dumps([o.outputs[0].token_ids for o in outputs]))'
+rm -f "$out"/*_greedy.txt
+for kwargs in '{}' '{"dtype": "float32"}' '{"quantization": "w8a16"}' '{"quantization": "w4a16"}' \
+              '{"quantization": "w8a8"}' '{"quantization": "fp8"}'; do
+  for name in before after; do
+    (cd "$out/tree_$name" && PYTHONPATH=$PWD "$python" -c "$greedy" "$kwargs") > "$out/${name}_greedy.txt.part"
+    echo "$kwargs $(cat "$out/${name}_greedy.txt.part")" >> "$out/${name}_greedy.txt"
+  done
+done
+rm -f "$out"/*_greedy.txt.part
+if cmp -s "$out/before_greedy.txt" "$out/after_greedy.txt"; then echo "greedy tokens: the same"; else
+  echo "greedy tokens DIFFER:"; diff "$out/before_greedy.txt" "$out/after_greedy.txt" || true; fi
+formats=("--quantization gguf" "--dtype float32" "--quantization w8a16" "--quantization w4a16" "--quantization w8a8"
+         "--quantization fp8")
+for round in 1 2; do
+  for format in "${formats[@]}"; do
+    tag=$(echo "$format" | awk '{print $2}')
+    for name in before after; do
+      dir="$out/tree_$name"
+      # shellcheck disable=SC2086
+      (cd "$dir" && PYTHONPATH=$PWD "$python" -m kvforge.cli bench latency --input-len 128 --output-len 128 \
+        --num-requests 3 --kv-cache-memory 256MiB $format --json "../${name}_latency_${tag}_${round}.json")
+      # shellcheck disable=SC2086
+      (cd "$dir" && PYTHONPATH=$PWD "$python" -m kvforge.cli bench throughput --num-prompts 64 --input-len 128 128 \
+        --output-len 128 $format --json "../${name}_throughput_${tag}_${round}.json")
+    done
+  done
+done
+echo "results in $out"
