@@ -25,7 +25,7 @@ class PoolingExecutor:
         self.device = resolve_device(config.device)
         self.ops, loaded = load_with_ops(config, self.device, runner="pooling")
         self.loaded: LoadedModel | None = loaded
-        self.runner: PoolingRunner | None = PoolingRunner(loaded.model, loaded.pooler, self.device)
+        self.runner: PoolingRunner | None = PoolingRunner(loaded.model, loaded.pooler, self.device, loaded.dtype)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -15,8 +15,9 @@ class PoolingRunner:
     """Owns a pooling model: each step's flat batch of whole sequences, attended within each sequence (causal for a
     decoder), pooled, and turned into each request's embedding or class probabilities."""
 
-    def __init__(self, model: nn.Module, pooler: PoolerConfig, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, pooler: PoolerConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
+        self.dtype = dtype
         self.pooler = pooler
         self.device = device
         self.no_kv_caches = [None] * model.config.num_layers
@@ -29,7 +30,7 @@ class PoolingRunner:
         starts = np.repeat(np.cumsum(lens) - lens, lens)
         positions = np.arange(int(lens.sum())) - starts  # [num_tokens]: each token's index in its input
         input_ids = np.fromiter((t for ids in step.token_ids for t in ids), dtype=np.int64, count=len(positions))
-        metadata = WholeSequenceMetadata.build(lens.tolist(), self.model.is_causal, self.device)
+        metadata = WholeSequenceMetadata.build(lens.tolist(), self.model.is_causal, self.device, self.dtype)
         to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         token_types = {}
         if self.model.takes_token_types:

@@ -50,22 +50,25 @@ class WholeSequenceMetadata:
     Sequences of different lengths are gathered into padded rows once per layer:
 
         token_rows  [num_seqs, max_len]  flat row of each sequence's token j (0 past the sequence's end)
-        valid       [num_seqs, max_len]  whether token j exists
-        mask        [num_seqs, 1, max_len, max_len]  query i may see key j (padding queries see key 0 onwards,
-                                         so no row is empty; their outputs are dropped)
+        valid_rows  [num_tokens]  where each token of the flat batch is in the padded rows, flattened (s * max_len + j)
+        mask        [num_seqs, 1, max_len, max_len]  added to the scores: 0 where query i may see key j, -inf
+                                         elsewhere (padding queries see key 0 onwards, so no row is empty; their
+                                         outputs are dropped), in the model's dtype
 
-    Sequences of one length (one sequence, say) are a view of the flat batch: token_rows, valid and mask are None.
+    Sequences of one length (one sequence, say) are a view of the flat batch: token_rows, valid_rows and mask are
+    None.
     """
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int64
     num_seqs: int
     causal: bool
     token_rows: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
+    valid_rows: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, seq_lens: list[int], causal: bool, device: torch.device) -> WholeSequenceMetadata:
+    def build(cls, seq_lens: list[int], causal: bool, device: torch.device,
+              dtype: torch.dtype) -> WholeSequenceMetadata:
         lens = np.asarray(seq_lens, dtype=np.int64)
         starts = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=starts[1:])
@@ -79,7 +82,9 @@ class WholeSequenceMetadata:
         if causal:
             mask = mask & (columns[None, :] <= columns[:, None])[None, None]
         metadata.token_rows = to_device(np.where(valid, starts[:-1, None] + columns[None, :], 0))
-        metadata.valid, metadata.mask = to_device(valid), to_device(mask)
+        # NOTE: additive, once a step: SDPA turned a boolean mask into this in every layer (~9% of a BERT step)
+        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(torch.from_numpy(~mask), float("-inf"))
+        metadata.valid_rows, metadata.mask = to_device(np.flatnonzero(valid)), additive.to(device)
         return metadata
 
 
@@ -137,7 +142,7 @@ class Attention(nn.Module):
         else:  # [num_seqs, heads, max_len, head_dim], gathered in one index_select of the three side by side
             # NOTE: a row index of each of q, k, v (strided views of one qkv output) took 2-3x as long as this
             parts = (query, key, value)
-            packed = torch.cat([t.reshape(t.shape[0], -1) for t in parts], dim=1)
+            packed = _side_by_side(parts)
             gathered = packed.index_select(0, rows.flatten()).view(*rows.shape, -1)
             widths = [t.shape[1] * t.shape[2] for t in parts]
             padded = [piece.view(*rows.shape, *t.shape[1:]).transpose(1, 2)
@@ -147,4 +152,20 @@ class Attention(nn.Module):
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         if rows is None:
             return out.transpose(1, 2).reshape(query.shape[0], self.num_heads, -1)
-        return out.transpose(1, 2)[metadata.valid]
+        # NOTE: an index_select of precomputed rows; a boolean mask of the valid ones waited on its nonzero()
+        return out.transpose(1, 2).reshape(-1, *out.shape[1::2]).index_select(0, metadata.valid_rows)
+
+
+def _side_by_side(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Tensors [num_tokens, heads, head_dim] as one [num_tokens, total width]: a view where they are adjacent
+    slices of each row of one buffer (a merged qkv projection's output), else a copy.
+    NOTE: the copy (torch.cat) of a merged projection's q, k, v took ~10% of a BERT pooling step"""
+    first = parts[0]
+    width = sum(t.shape[1] * t.shape[2] for t in parts)
+    offset, row_stride = first.storage_offset(), first.stride(0)
+    for t in parts:
+        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset
+                or t.stride() != (row_stride, t.shape[2], 1) or row_stride < width):
+            return torch.cat([t.reshape(t.shape[0], -1) for t in parts], dim=1)
+        offset += t.shape[1] * t.shape[2]
+    return first.as_strided((first.shape[0], width), (row_stride, 1))

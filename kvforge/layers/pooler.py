@@ -40,11 +40,9 @@ def pool(hidden: torch.Tensor, query_start_loc: torch.Tensor, pooling_type: str)
         return hidden[starts].float()
     if pooling_type == "last":
         return hidden[ends - 1].float()
-    lens = ends - starts
-    seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)
-    sums = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    sums.index_add_(0, seq_of_token, hidden.float())
-    return sums / lens[:, None].float()
+    # NOTE: a segment reduction; index_add_ of each token's row into its sequence's gave the same sums and took
+    # 50-70x as long on the CPU (~115 ms at 64 sentences, 1900 tokens, 384 wide, 2 threads)
+    return torch.segment_reduce(hidden.float(), "mean", lengths=ends - starts)
 
 
 def pooled_outputs(pooled: torch.Tensor, params: list[PoolingParams], config: PoolerConfig,
