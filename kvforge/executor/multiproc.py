@@ -71,7 +71,6 @@ def run_worker(rank: int, config: EngineConfig, init_method: str, local_rank: in
     _share_cpu_threads(device, local_world)
     state = init_parallel_state(rank, config.parallel.tensor_parallel_size,
                                 config.parallel.pipeline_parallel_size, init_method, device)
-    torch.manual_seed(config.seed)
     with building_with(state):
         worker = Worker(config, device)
         worker.init_cache(agree_kv_cache_size(worker, state))

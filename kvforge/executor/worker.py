@@ -137,7 +137,7 @@ class Worker:
                                   self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self.lora_pool,
                                   num_state_slots=size.max_num_seqs,
                                   max_draft_tokens=self._max_draft_tokens(),
-                                  num_state_checkpoints=self._num_state_checkpoints())
+                                  num_state_checkpoints=self._num_state_checkpoints(), seed=self.config.seed)
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvforge.build_scope import BuildScope
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kvforge.kernels.cache_write import reshape_and_cache_cpu, reshape_and_cache_ref, reshape_and_cache_triton
 from kvforge.kernels.causal_conv1d import causal_conv1d_ref, causal_conv1d_triton
@@ -402,23 +402,11 @@ def op_table(backend: str | None = None) -> OpTable:
     return TRITON_OPS if select_backend(backend) == "triton" else _cpu_ops()
 
 
-_building: OpTable | None = None  # the table of the model being built, inside building_with_ops
-
-
-def current_ops() -> OpTable:
-    """The ops of what is being built now (the platform's choice outside `building_with_ops`)."""
-    return _building if _building is not None else op_table()
-
-
-@contextmanager
-def building_with_ops(table: OpTable) -> Iterator[OpTable]:
-    """Build a model (its layers capture `current_ops()`) with table."""
-    global _building
-    previous, _building = _building, table
-    try:
-        yield table
-    finally:
-        _building = previous
+# The table a model is built with (`building_with_ops(table)`: its layers capture `current_ops()`); the platform's
+# choice outside.
+OPS = BuildScope("op table", op_table)
+current_ops = OPS.current
+building_with_ops = OPS.building_with
 
 
 __all__ = ["TORCH_OPS", "TRITON_OPS", "OpTable", "building_with_ops", "current_ops", "op_table"]

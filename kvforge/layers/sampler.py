@@ -33,6 +33,8 @@ class SamplingBatch:
     # is constrained; an unconstrained row is all ones)
     allowed_token_bitmask: torch.Tensor | None = None
     logit_biases: list[dict[int, float] | None] | None = None
+    generator: torch.Generator | None = None  # the engine's: rows without a generator of their own draw from it
+    # (None: torch's default generator, for batches made by hand)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -124,11 +126,12 @@ def filter_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs if mask is None else probs * mask
 
 
-def draw_uniforms(counts: list[int], generators: list[torch.Generator | None], device: torch.device
-                  ) -> torch.Tensor:
+def draw_uniforms(counts: list[int], generators: list[torch.Generator | None], device: torch.device,
+                  default: torch.Generator | None = None) -> torch.Tensor:
     """counts[i] uniform numbers for row i, concatenated: rows with their own generator draw theirs from it,
-    so a seeded request gives the same tokens whatever else is in the batch."""
-    uniform = torch.rand(sum(counts), device=device)
+    so a seeded request gives the same tokens whatever else is in the batch; the others from default (the engine's
+    generator)."""
+    uniform = torch.rand(sum(counts), device=device, generator=default)
     start = 0
     for count, generator in zip(counts, generators):
         if generator is not None and count:
@@ -144,9 +147,10 @@ def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return token_ids.squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _sample(probs: torch.Tensor, generators: list[torch.Generator | None],
+            default: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row by inverting its CDF at one uniform number (see draw_uniforms)."""
-    return invert_cdf(probs, draw_uniforms([1] * probs.shape[0], generators, probs.device))
+    return invert_cdf(probs, draw_uniforms([1] * probs.shape[0], generators, probs.device, default))
 
 
 def _gather_logprobs(
@@ -209,7 +213,7 @@ class Sampler:
         token_ids = greedy_ids
         if probs is not None:
             temperatures = torch.tensor(batch.temperatures, device=logits.device)
-            token_ids = torch.where(temperatures == 0.0, greedy_ids, _sample(probs, batch.generators))
+            token_ids = torch.where(temperatures == 0.0, greedy_ids, _sample(probs, batch.generators, batch.generator))
         logprobs = None
         if any(k is not None for k in batch.num_logprobs):
             logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)
