@@ -59,7 +59,7 @@ class Worker:
         # kernels (GPUs, or the interpreter) read the query dtype
         widening = device.type == "cpu" and self.attention_backend == "torch"
         self.kv_cache_spec = self.loaded.model.kv_cache_spec.with_kv_cache_dtype(
-            config.cache.kv_cache_dtype, self.loaded.dtype, widening)
+            config.cache.kv_cache_dtype, self.loaded.dtype, widening, self.ops.platform)
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         max_position = self.loaded.model.config.max_position
         self.max_model_len = min(config.model.max_model_len or max_position, max_position)

@@ -32,6 +32,7 @@ from kvforge.kernels.moe_lora import (
 from kvforge.kernels.triton_compat import cdiv, require_triton
 from kvforge.kernels.tuning import gemm_tiles
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from kvforge.platforms import Platform
 
 
 def fused_moe_ref(
@@ -160,6 +161,8 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     lora: ExpertLoRA | None = None,
+    *,
+    platform: Platform | None = None,
 ) -> torch.Tensor:
     """fused_moe_ref in Triton, with no host sync: moe_align, grouped GEMM (w13), silu_and_mul, grouped
     GEMM (w2) with the routing weights, then the sum over each token's top_k pairs in fp32. With lora, the
@@ -172,7 +175,7 @@ def fused_moe_triton(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
-    tiles = gemm_tiles(cdiv(num_pairs, num_experts))  # rows per expert on an even routing
+    tiles = gemm_tiles(cdiv(num_pairs, num_experts), platform)  # rows per expert on an even routing
     sorted_pair_ids, block_expert_ids = moe_align(topk_ids, num_experts, tiles.block_m)
     # NOTE: zeroed: rows of pairs routed to other ranks' experts are never written, then still activated.
     gate_up = torch.zeros((num_pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)

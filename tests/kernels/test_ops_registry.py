@@ -14,6 +14,7 @@ from kvforge.kernels.cpu.layer_ops import rms_norm_cpu
 from kvforge.kernels.cpu.paged_attention import paged_attention_cpu
 from kvforge.kernels.rms_norm import rms_norm_ref
 from kvforge.platforms import backend as backend_module
+from kvforge.platforms import current_platform
 from tests.kernels.attention_batches import make_paged_batch
 
 
@@ -29,7 +30,10 @@ def test_cpu_default_binds_the_torch_paths_directly() -> None:
 
 def test_op_table_per_backend(device: torch.device) -> None:
     triton_ops, torch_ops = ops.op_table("triton"), ops.op_table("torch")
-    assert triton_ops.paged_attention is torch.ops.kvforge.paged_attention
+    # bound to the platform they were made for (the current one here): its launches read that one's tiles
+    assert triton_ops.platform == current_platform() == torch_ops.platform
+    assert triton_ops.paged_attention.func is torch.ops.kvforge.paged_attention
+    assert triton_ops.paged_attention.keywords == {"platform": current_platform().launch_key}
     assert torch_ops.rms_norm in (rms_norm_ref, rms_norm_cpu)
     x = torch.randn(3, 64, device=device)
     weight = torch.randn(64, device=device)
