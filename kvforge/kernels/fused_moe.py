@@ -184,7 +184,7 @@ def fused_moe_triton(
         slots = pair_slots(lora, topk_ids)
         pairs = hidden.repeat_interleave(top_k, dim=0)  # [num_pairs, hidden]: pair p reads token p // top_k
         gate_up = add_expert_lora_triton(gate_up, pairs, lora.a13, lora.b13, slots)
-    act = silu_and_mul_triton(gate_up)
+    act = silu_and_mul_triton(gate_up, platform=platform)
     down = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     pair_weights = topk_weights.reshape(-1).float()
     launch_grouped_gemm(down, act, w2, pair_weights, sorted_pair_ids, block_expert_ids, 1, tiles)
