@@ -42,8 +42,8 @@ def test_two_engines_launch_with_the_tiles_of_the_platform_each_was_built_for(ti
     its op table captures it when the model is built. Two engines built for an H100's and an MI300's tables launch,
     in turns, every kernel with their own, and both give the torch backend's tokens."""
     folder = str(tiny_llama_dir[0])
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(5, 22))}]  # the prefill kernel, then decodes
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 10))}]  # the prefill kernel, then a decode
     options = dict(device="cpu", kv_cache_memory="4MiB", enforce_eager=True)
     expected = [o.outputs[0].token_ids for o in LLM(folder, attention_backend="torch", **options).generate(prompts,
                                                                                                            params)]
