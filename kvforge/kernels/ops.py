@@ -217,16 +217,16 @@ def _fused_moe_triton_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: 
 @torch.library.custom_op("kvforge::mxfp4_moe", mutates_args=())
 def _mxfp4_moe_op(
     hidden: Tensor, w13_blocks: Tensor, w13_scales: Tensor, w13_bias: Tensor, w2_blocks: Tensor, w2_scales: Tensor,
-    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float,
+    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float, platform: str = "",
 ) -> Tensor:  # fmt: skip
     return mxfp4_moe_triton(hidden, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias, topk_weights,
-                            topk_ids, alpha, limit)  # fmt: skip
+                            topk_ids, alpha, limit, platform=launch_platform(platform))  # fmt: skip
 
 
 @_mxfp4_moe_op.register_fake
 def _(
     hidden: Tensor, w13_blocks: Tensor, w13_scales: Tensor, w13_bias: Tensor, w2_blocks: Tensor, w2_scales: Tensor,
-    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float,
+    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float, platform: str = "",
 ) -> Tensor:  # fmt: skip
     return hidden.new_empty(hidden.shape)
 
@@ -411,10 +411,10 @@ def _cpu_ops() -> OpTable:
                                silu_and_mul=silu_and_mul_cpu)
 
 
-# The ops whose Triton launches read the platform (tiles, device size, fp8), each taking its launch key; the LoRA
-# kernels' fixed blocks read none.
+# The ops whose Triton launches read the platform (tiles, device size, fp8), each taking its launch key; the LoRA,
+# gated delta rule and causal conv1d kernels' fixed blocks and warps read none.
 _PLATFORM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "reshape_and_cache",
-                 "paged_attention", "paged_decode", "quant_gemm", "int8_gemm", "fused_moe", "mla_decode")
+                 "paged_attention", "paged_decode", "quant_gemm", "int8_gemm", "fused_moe", "mxfp4_moe", "mla_decode")
 
 
 @functools.cache
