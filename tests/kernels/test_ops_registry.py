@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -38,6 +39,20 @@ def test_op_table_per_backend(device: torch.device) -> None:
     x = torch.randn(3, 64, device=device)
     weight = torch.randn(64, device=device)
     torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+
+
+def test_every_op_that_takes_a_platform_is_bound_to_the_tables() -> None:
+    """An engine's Triton table calls each custom op whose schema takes a platform with its platform's launch key, so
+    that no launch falls back to the process's platform."""
+    table = ops.op_table("triton")
+    for field in dataclasses.fields(ops.OpTable):
+        op = getattr(ops.TRITON_OPS, field.name)
+        if not isinstance(op, torch._ops.OpOverloadPacket):
+            continue
+        takes_platform = any(arg.name == "platform" for arg in op.default._schema.arguments)
+        bound = getattr(table, field.name)
+        assert getattr(bound, "keywords", {}).get("platform") == (
+            current_platform().launch_key if takes_platform else None), field.name
 
 
 def test_layers_capture_the_table_they_are_built_with() -> None:

@@ -36,7 +36,7 @@ FAMILIES = {
 # what stays float32 in a model of any dtype: the rope tables, the routers (their logits pick the experts), the
 # attention sinks and GPT-OSS's expert biases (float32 in the checkpoints)
 _FLOAT32 = ("cos_sin_cache", "mlp.gate.weight", "mlp.gate.bias", "e_score_correction_bias", "attn.sinks",
-            "experts.gate_up_proj_bias", "experts.down_proj_bias")
+            "experts.gate_up_proj_bias", "experts.down_proj_bias")  # fmt: skip
 
 
 @pytest.fixture
