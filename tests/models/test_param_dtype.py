@@ -29,7 +29,7 @@ FAMILIES = {
     "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=32)),
     "GptOssForCausalLM": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                                                sliding_window=32)),
-    "Qwen3NextForCausalLM": ("Qwen3NextConfig", dict(_MOE, _HYBRID)),
+    "Qwen3NextForCausalLM": ("Qwen3NextConfig", {**_MOE, **_HYBRID}),
     "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", _HYBRID),
     "BertForSequenceClassification": ("BertConfig", dict(num_labels=2, max_position_embeddings=64)),
 }  # fmt: skip
