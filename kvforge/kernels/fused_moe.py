@@ -183,12 +183,12 @@ def fused_moe_triton(
     if lora is not None:
         slots = pair_slots(lora, topk_ids)
         pairs = hidden.repeat_interleave(top_k, dim=0)  # [num_pairs, hidden]: pair p reads token p // top_k
-        gate_up = add_expert_lora_triton(gate_up, pairs, lora.a13, lora.b13, slots)
+        gate_up = add_expert_lora_triton(gate_up, pairs, lora.a13, lora.b13, slots, platform)
     act = silu_and_mul_triton(gate_up, platform=platform)
     down = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     pair_weights = topk_weights.reshape(-1).float()
     launch_grouped_gemm(down, act, w2, pair_weights, sorted_pair_ids, block_expert_ids, 1, tiles)
     if lora is not None:
-        update = add_expert_lora_triton(torch.zeros_like(down), act, lora.a2, lora.b2, slots)
+        update = add_expert_lora_triton(torch.zeros_like(down), act, lora.a2, lora.b2, slots, platform)
         down = down + update * pair_weights.unsqueeze(1)
     return down.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

@@ -249,22 +249,22 @@ def _(
 
 
 @torch.library.custom_op("kvforge::lora_shrink", mutates_args=())
-def _lora_shrink_op(x: Tensor, a: Tensor, slots: Tensor) -> Tensor:
-    return lora_shrink_triton(x, a, slots)
+def _lora_shrink_op(x: Tensor, a: Tensor, slots: Tensor, platform: str = "") -> Tensor:
+    return lora_shrink_triton(x, a, slots, platform=launch_platform(platform))
 
 
 @_lora_shrink_op.register_fake
-def _(x: Tensor, a: Tensor, slots: Tensor) -> Tensor:
+def _(x: Tensor, a: Tensor, slots: Tensor, platform: str = "") -> Tensor:
     return x.new_empty((x.shape[0], a.shape[1]))
 
 
 @torch.library.custom_op("kvforge::lora_expand", mutates_args=())
-def _lora_expand_op(h: Tensor, b: Tensor, slots: Tensor, y: Tensor) -> Tensor:
-    return lora_expand_triton(h, b, slots, y)
+def _lora_expand_op(h: Tensor, b: Tensor, slots: Tensor, y: Tensor, platform: str = "") -> Tensor:
+    return lora_expand_triton(h, b, slots, y, platform=launch_platform(platform))
 
 
 @_lora_expand_op.register_fake
-def _(h: Tensor, b: Tensor, slots: Tensor, y: Tensor) -> Tensor:
+def _(h: Tensor, b: Tensor, slots: Tensor, y: Tensor, platform: str = "") -> Tensor:
     return y.new_empty(y.shape)
 
 
@@ -411,10 +411,11 @@ def _cpu_ops() -> OpTable:
                                silu_and_mul=silu_and_mul_cpu)
 
 
-# The ops whose Triton launches read the platform (tiles, device size, fp8), each taking its launch key; the LoRA,
-# gated delta rule and causal conv1d kernels' fixed blocks and warps read none.
+# The ops whose Triton launches read the platform (tiles, device size, fp8, LoRA's segmenting threshold), each taking
+# its launch key; the gated delta rule and causal conv1d kernels' fixed blocks and warps read none.
 _PLATFORM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "reshape_and_cache",
-                 "paged_attention", "paged_decode", "quant_gemm", "int8_gemm", "fused_moe", "mxfp4_moe", "mla_decode")
+                 "paged_attention", "paged_decode", "quant_gemm", "int8_gemm", "fused_moe", "mxfp4_moe", "mla_decode",
+                 "lora_shrink", "lora_expand")
 
 
 @functools.cache
