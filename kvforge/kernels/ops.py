@@ -209,9 +209,9 @@ def _(
 
 
 def _fused_moe_triton_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                         lora: ExpertLoRA | None = None) -> Tensor:
+                         lora: ExpertLoRA | None = None, platform: str = "") -> Tensor:
     """The fused_moe custom op with the experts' LoRA slots (a tuple of tensors) as its last arguments."""
-    return torch.ops.kvforge.fused_moe(hidden, w13, w2, topk_weights, topk_ids, *(lora or ()))
+    return torch.ops.kvforge.fused_moe(hidden, w13, w2, topk_weights, topk_ids, *(lora or ()), platform=platform)
 
 
 @torch.library.custom_op("kvforge::mxfp4_moe", mutates_args=())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 
@@ -47,9 +48,12 @@ def test_every_op_that_takes_a_platform_is_bound_to_the_tables() -> None:
     table = ops.op_table("triton")
     for field in dataclasses.fields(ops.OpTable):
         op = getattr(ops.TRITON_OPS, field.name)
-        if not isinstance(op, torch._ops.OpOverloadPacket):
+        if isinstance(op, torch._ops.OpOverloadPacket):  # a custom op, or a function in front of one
+            takes_platform = any(arg.name == "platform" for arg in op.default._schema.arguments)
+        elif callable(op):
+            takes_platform = "platform" in inspect.signature(op).parameters
+        else:
             continue
-        takes_platform = any(arg.name == "platform" for arg in op.default._schema.arguments)
         bound = getattr(table, field.name)
         assert getattr(bound, "keywords", {}).get("platform") == (
             current_platform().launch_key if takes_platform else None), field.name
