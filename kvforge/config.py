@@ -281,5 +281,5 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    seed: int = option(0, "seed of torch's global generator (per-request seeds are a sampling parameter)",
+    seed: int = option(0, "seed of the engine's sampling generator (per-request seeds are a sampling parameter)",
                        cli=False)

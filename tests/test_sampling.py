@@ -24,6 +24,24 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
     assert _tokens(other_seed) != _tokens(alone)
 
 
+def test_an_engine_samples_from_its_own_generator_and_leaves_torchs_alone(tiny_llm, tiny_llama_dir):
+    """Building a second engine and sampling with it leave torch's global random state as it was; the requests
+    without a seed draw from the engine's generator (seeded with its `seed`), so a new engine of the same seed
+    samples the same tokens, whatever torch's global generator did before, and seeded requests repeat."""
+    from kvforge import LLM
+
+    unseeded, seeded = (SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=seed)
+                        for seed in (None, 1234))
+    state = torch.get_rng_state()
+    engines = [LLM(str(tiny_llama_dir[0]), kv_cache_memory="4MiB", enforce_eager=True, seed=3) for _ in range(2)]
+    first = _tokens(engines[0].generate(PROMPTS, unseeded))
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(99)  # moves torch's global generator, which no engine reads
+    assert _tokens(engines[1].generate(PROMPTS, unseeded)) == first
+    assert _tokens(engines[0].generate(PROMPTS, unseeded)) != first  # its generator went on
+    assert _tokens(engines[1].generate(PROMPTS, seeded)) == _tokens(tiny_llm.generate(PROMPTS, seeded))
+
+
 def test_n_samples_differ_and_reproduce(tiny_llm):
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
     first, again = tiny_llm.generate(PROMPTS[:1], params)[0], tiny_llm.generate(PROMPTS[:1], params)[0]

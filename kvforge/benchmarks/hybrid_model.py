@@ -43,8 +43,9 @@ def save_hybrid_model(folder: Path, num_layers: int, seed: int = 0) -> None:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
     config = transformers.Qwen3_5TextConfig(num_hidden_layers=num_layers, layer_types=layer_types, **SHAPE)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    with torch.random.fork_rng(devices=[]):  # transformers draws the weights from torch's global generator
+        torch.manual_seed(seed)
+        model = transformers.Qwen3_5ForCausalLM(config).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     save_tokenizer(folder, SHAPE["vocab_size"])

@@ -9,7 +9,7 @@ the ranks with the same tensor-parallel index form a pipeline group:
                     pipeline group {0, 2}, {1, 3}
 
 One process holds one rank. Layers, runners and workers read the state they are built under
-(`get_parallel_state`) once, at construction, and keep it; outside `building_with` that is a world of
+(`get_parallel_state`, a BuildScope) once, at construction, and keep it; outside `building_with` that is a world of
 one (tp = pp = 1) where every collective is a no-op, so single-device code never touches
 torch.distributed, and a single-device engine can live beside a distributed one.
 """
@@ -17,13 +17,13 @@ torch.distributed, and a single-device engine can live beside a distributed one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from kvforge.build_scope import BuildScope
 
 logger = logging.getLogger(__name__)
 
@@ -77,23 +77,11 @@ class ParallelState:
         return (self.pp_size - 1) * self.tp_size
 
 
-_state = ParallelState()
-
-
-def get_parallel_state() -> ParallelState:
-    """The state of what is being built now (a world of one outside `building_with`)."""
-    return _state
-
-
-@contextmanager
-def building_with(state: ParallelState) -> Iterator[ParallelState]:
-    """Build a rank's model, runner and worker under state."""
-    global _state
-    previous, _state = _state, state
-    try:
-        yield state
-    finally:
-        _state = previous
+_WORLD_OF_ONE = ParallelState()
+# The state a rank's model, runner and worker are built under (`building_with(state)`); a world of one outside.
+PARALLEL = BuildScope("parallel state", lambda: _WORLD_OF_ONE)
+get_parallel_state = PARALLEL.current
+building_with = PARALLEL.building_with
 
 
 def distributed_backend(device: torch.device) -> str:

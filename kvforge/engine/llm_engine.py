@@ -57,7 +57,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.is_shut_down = True  # NOTE: until the engine is whole: an __init__ that fails leaves __del__ nothing to do
         self.config = config
-        torch.manual_seed(config.seed)
         self.executor = create_executor(config)
         try:
             info = self.executor.model_info

@@ -30,7 +30,6 @@ class PoolingEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.is_shut_down = True  # NOTE: until the engine is whole (see LLMEngine)
         self.config = config
-        torch.manual_seed(config.seed)
         self.executor = PoolingExecutor(config)
         loaded = self.executor.loaded
         model_config = loaded.model.config

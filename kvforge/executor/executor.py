@@ -19,7 +19,7 @@ from kvforge.distributed.parallel_state import ParallelState
 from kvforge.executor.device import resolve_device
 from kvforge.executor.kv_cache_memory import KVCacheSize
 from kvforge.executor.model_info import ModelInfo
-from kvforge.executor.worker import Worker, agree_kv_cache_size
+from kvforge.executor.worker import RankProfiler, Worker, agree_kv_cache_size
 from kvforge.lora.request import LoRARequest
 from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
@@ -54,6 +54,13 @@ class Executor:
         """Read and check an adapter on this process's rank before a request uses it (the other ranks read theirs
         on its first step); ValueError naming a bad adapter."""
         self.worker.load_lora(lora)
+
+    def start_profile(self, profiler: RankProfiler) -> None:
+        """Every other rank's worker records its batches with profiler (Worker.start_profile) until stop_profile; the
+        engine's own rank is profiled where the engine is stepped. In-process: there is no other rank."""
+
+    def stop_profile(self) -> None:
+        """Stop the other ranks' profilers (start_profile); each writes out what it recorded."""
 
     def submit(self, output: SchedulerOutput) -> None:
         raise NotImplementedError

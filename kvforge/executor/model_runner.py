@@ -47,7 +47,7 @@ class ModelRunner:
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
         kv_cache_spec: KVCacheSpec | None = None, compilation: CompilationConfig | None = None,
         lora: LoRAPool | None = None,
-        num_state_slots: int = 0, max_draft_tokens: int = 0, num_state_checkpoints: int = 0,
+        num_state_slots: int = 0, max_draft_tokens: int = 0, num_state_checkpoints: int = 0, seed: int = 0,
     ) -> None:
         self.model = model
         self.lora = lora  # the adapters' slots (their layers attached to the model), None without LoRA
@@ -66,7 +66,7 @@ class ModelRunner:
                                                     device, num_state_checkpoints)
             self.kv_caches += self.recurrent_states.layers
         self.sampler = Sampler()
-        self.requests = RequestStates(device)
+        self.requests = RequestStates(device, seed)  # seed: of the engine's generator
         # decode steps of up to the largest bucket run compiled (compilation None: every step eagerly)
         self.decode_graphs = None
         if compilation is not None:
@@ -193,6 +193,7 @@ class ModelRunner:
             num_logprobs=[p.logprobs for p in params],
             allowed_token_bitmask=self._allowed_token_bitmask(requests, grammar_bitmask),
             logit_biases=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
+            generator=self.requests.engine_generator,
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch) -> dict[str, tuple[int, list[RawLogprobs]]]:

@@ -43,12 +43,13 @@ from kvforge.distributed.parallel_state import building_with, init_parallel_stat
 from kvforge.executor.device import resolve_device
 from kvforge.executor.executor import Executor
 from kvforge.executor.rank_process import RankArgs, start_rank
-from kvforge.executor.worker import Worker, agree_kv_cache_size
+from kvforge.executor.worker import RankProfiler, Worker, agree_kv_cache_size
 from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 _EXECUTE, _SCORE, _SHUTDOWN = "execute", "score", "shutdown"
+_START_PROFILE, _STOP_PROFILE = "start_profile", "stop_profile"  # the payload of a start: the RankProfiler
 
 
 def rank_device(config: DeviceConfig, local_rank: int) -> torch.device:
@@ -71,7 +72,6 @@ def run_worker(rank: int, config: EngineConfig, init_method: str, local_rank: in
     _share_cpu_threads(device, local_world)
     state = init_parallel_state(rank, config.parallel.tensor_parallel_size,
                                 config.parallel.pipeline_parallel_size, init_method, device)
-    torch.manual_seed(config.seed)
     with building_with(state):
         worker = Worker(config, device)
         worker.init_cache(agree_kv_cache_size(worker, state))
@@ -79,10 +79,17 @@ def run_worker(rank: int, config: EngineConfig, init_method: str, local_rank: in
         kind, payload = recv_object(state, 0, TAG_COMMAND)
         if kind == _SHUTDOWN:
             break
-        result = worker.execute(payload) if kind == _EXECUTE else worker.score(payload)
-        if rank == state.sampler_rank:
-            send_object(state, result, 0, TAG_RESULT)
+        if kind == _START_PROFILE:
+            worker.start_profile(payload)
+        elif kind == _STOP_PROFILE:
+            worker.stop_profile()
+        else:
+            result = worker.execute(payload) if kind == _EXECUTE else worker.score(payload)
+            if rank == state.sampler_rank:
+                send_object(state, result, 0, TAG_RESULT)
     wait_for_sends()
+    # NOTE: before the process group goes: a profiler that saw Gloo collectives crashes the exit after it
+    worker.stop_profile()
     leave_world()
 
 
@@ -197,9 +204,17 @@ class DistributedExecutor(Executor):
             raise RuntimeError(f"distributed engine failed: {dead} ({err})") from err
 
     # ---- steps ------------------------------------------------------------------------------
-    def _broadcast(self, kind: str, output: SchedulerOutput) -> None:
+    def _broadcast(self, kind: str, output: SchedulerOutput | RankProfiler | None) -> None:
         for rank in range(1, self.world_size):
             send_object(self.state, (kind, output), rank, TAG_COMMAND)
+
+    def start_profile(self, profiler: RankProfiler) -> None:
+        """Every other rank's worker records its batches with (its copy of) profiler, from its next command on."""
+        self._guarded(self._broadcast, _START_PROFILE, profiler)
+
+    def stop_profile(self) -> None:
+        """Every other rank's worker stops its profiler, which writes out what it recorded."""
+        self._guarded(self._broadcast, _STOP_PROFILE, None)
 
     def _step(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         self._broadcast(_EXECUTE, output)

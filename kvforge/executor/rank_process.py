@@ -52,8 +52,6 @@ def start_rank(args: RankArgs) -> subprocess.Popen:
 def main() -> None:
     from kvforge.executor.multiproc import run_worker
 
-    if os.environ.get("KVFORGE_PROFILE_RANKS"):  # under `kvforge profile`: this rank records its timeline too
-        from kvforge.profiler.ranks import run_profiled_worker as run_worker
     args: RankArgs = pickle.load(sys.stdin.buffer)
     run_worker(args.rank, args.config, args.init_method, args.local_rank, args.local_world)
 

@@ -10,7 +10,9 @@ comes back as a NewRequest).
     block_tables  per layer group, append-only: each step extends them with the step's new_block_ids
 
 A seeded request's generator outlives a preemption (it is dropped when the request finishes), so its
-samples do not depend on whether it was preempted.
+samples do not depend on whether it was preempted. The other requests draw from the engine's generator
+(`engine_generator`, seeded with the engine's seed), never from torch's global one: two engines in one process
+do not draw from (or reseed) each other's.
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ class RequestState:
 class RequestStates:
     """The runner's requests by id; `update(output)` applies a step's changes before it runs."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
+        self.engine_generator = torch.Generator(device).manual_seed(seed)
         self.states: dict[str, RequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,17 @@ from kvforge.lora.request import LoRARequest
 from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+class RankProfiler(Protocol):
+    """A hook that records a worker's batches (`kvforge profile`'s, for the ranks other than the engine's): passed to
+    the worker by its executor (Worker.start_profile), never patched in."""
+
+    def start(self, worker: Worker) -> None:
+        """Start recording worker's batches (its runner is built)."""
+
+    def stop(self, worker: Worker) -> None:
+        """Stop recording and write out what was recorded (before the rank leaves its process group)."""
 
 
 def load_with_ops(config: EngineConfig, device: torch.device, kv_cache_bytes: int = 0,
@@ -59,7 +71,7 @@ class Worker:
         # kernels (GPUs, or the interpreter) read the query dtype
         widening = device.type == "cpu" and self.attention_backend == "torch"
         self.kv_cache_spec = self.loaded.model.kv_cache_spec.with_kv_cache_dtype(
-            config.cache.kv_cache_dtype, self.loaded.dtype, widening)
+            config.cache.kv_cache_dtype, self.loaded.dtype, widening, self.ops.platform)
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         max_position = self.loaded.model.config.max_position
         self.max_model_len = min(config.model.max_model_len or max_position, max_position)
@@ -67,6 +79,7 @@ class Worker:
         # model take gigabytes)
         self.lora_pool = self._lora_pool()
         self.runner: ModelRunner | None = None
+        self.profiler: RankProfiler | None = None  # recording this rank's batches, between start and stop_profile
 
     @property
     def model_info(self) -> ModelInfo:
@@ -137,7 +150,7 @@ class Worker:
                                   self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self.lora_pool,
                                   num_state_slots=size.max_num_seqs,
                                   max_draft_tokens=self._max_draft_tokens(),
-                                  num_state_checkpoints=self._num_state_checkpoints())
+                                  num_state_checkpoints=self._num_state_checkpoints(), seed=self.config.seed)
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
 
@@ -157,6 +170,19 @@ class Worker:
             raise ValueError(f"LoRA adapter {lora.name!r} given to an engine without LoRA: make it with "
                              f"enable_lora=True")
         self.runner.lora.load(lora)
+
+    def start_profile(self, profiler: RankProfiler) -> None:
+        """Record this rank's batches with profiler until stop_profile (after init_cache)."""
+        if self.profiler is not None:
+            raise RuntimeError("this worker is already being profiled: stop_profile() first")
+        profiler.start(self)
+        self.profiler = profiler
+
+    def stop_profile(self) -> None:
+        """Stop the profiler started by start_profile, which writes out what it recorded (none running: nothing)."""
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.stop(self)
 
     def shutdown(self) -> None:
         """Stop this rank's compiles in the background and release the model, its KV cache and its compiled graphs;

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from kvforge.kernels.triton_compat import cdiv, jit, next_power_of_2, require_triton, tl
 from kvforge.kernels.tuning import kernel_tuning
 from kvforge.kernels.validation import FLOAT_DTYPES, check_matches, check_tensor
+from kvforge.platforms import Platform
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -28,8 +29,10 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, d, stride_x, stride_o, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu_and_mul_ref in Triton. x: [..., 2 * d]; out: optional contiguous [..., d] buffer."""
+def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None,
+                        platform: Platform | None = None) -> torch.Tensor:
+    """silu_and_mul_ref in Triton. x: [..., 2 * d]; out: optional contiguous [..., d] buffer; platform: whose tuning
+    table (None: the current platform's)."""
     require_triton()
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x must be [..., 2 * d], got {tuple(x.shape)}")
@@ -42,8 +45,8 @@ def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> 
     rows = x.reshape(-1, 2 * d)
     if rows.shape[0] == 0 or d == 0:
         return out
-    block = min(next_power_of_2(d), kernel_tuning().rows.activation_block)
+    block = min(next_power_of_2(d), kernel_tuning(platform).rows.activation_block)
     _silu_and_mul_kernel[(rows.shape[0], cdiv(d, block))](
-        out, rows, d, rows.stride(0), d, BLOCK=block, num_warps=kernel_tuning().rows.num_warps(block)
+        out, rows, d, rows.stride(0), d, BLOCK=block, num_warps=kernel_tuning(platform).rows.num_warps(block)
     )
     return out

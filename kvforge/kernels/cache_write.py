@@ -15,7 +15,7 @@ from kvforge.kernels.kv_quant import (
 from kvforge.kernels.triton_compat import jit, next_power_of_2, require_triton, tl
 from kvforge.kernels.tuning import kernel_tuning
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_kv_scales, check_same_device, check_tensor
-from kvforge.platforms import current_platform
+from kvforge.platforms import Platform, current_platform
 
 
 def reshape_and_cache_ref(
@@ -124,12 +124,15 @@ def reshape_and_cache_triton(
     slot_mapping: torch.Tensor,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    *,
+    platform: Platform | None = None,
 ) -> None:
     """reshape_and_cache_ref in Triton: one program per token, slot offsets in int64; a quantized cache
-    gets each head's codes and scale from the same program."""
+    gets each head's codes and scale from the same program. platform: whose tuning table and fp8 (None: the
+    current platform's)."""
     require_triton()
     quantized = check_kv_scales(key_cache, key_scale, value_scale)
-    check_triton_code_dtype(key_cache.dtype, current_platform())
+    check_triton_code_dtype(key_cache.dtype, platform if platform is not None else current_platform())
     num_kv_heads, head_dim = key_cache.shape[2:]
     check_tensor("value_cache", value_cache, shape=tuple(key_cache.shape), dtypes=(key_cache.dtype,))
     check_tensor("key", key, shape=(None, num_kv_heads, head_dim), dtypes=FLOAT_DTYPES)
@@ -155,5 +158,5 @@ def reshape_and_cache_triton(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
         PAGE_SIZE=key_cache.shape[1], QUANTIZED=quantized, CODE_MAX=CODE_MAX.get(key_cache.dtype, 1.0),
         ROUND=key_cache.dtype == torch.int8, FP8_UNIT=FP8_UNIT.get(key_cache.dtype, 1.0),
-        num_warps=kernel_tuning().rows.num_warps(block_h * block_d),
+        num_warps=kernel_tuning(platform).rows.num_warps(block_h * block_d),
     )  # fmt: skip

@@ -32,6 +32,7 @@ from kvforge.kernels.moe_lora import (
 from kvforge.kernels.triton_compat import cdiv, require_triton
 from kvforge.kernels.tuning import gemm_tiles
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from kvforge.platforms import Platform
 
 
 def fused_moe_ref(
@@ -160,6 +161,8 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     lora: ExpertLoRA | None = None,
+    *,
+    platform: Platform | None = None,
 ) -> torch.Tensor:
     """fused_moe_ref in Triton, with no host sync: moe_align, grouped GEMM (w13), silu_and_mul, grouped
     GEMM (w2) with the routing weights, then the sum over each token's top_k pairs in fp32. With lora, the
@@ -172,7 +175,7 @@ def fused_moe_triton(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
-    tiles = gemm_tiles(cdiv(num_pairs, num_experts))  # rows per expert on an even routing
+    tiles = gemm_tiles(cdiv(num_pairs, num_experts), platform)  # rows per expert on an even routing
     sorted_pair_ids, block_expert_ids = moe_align(topk_ids, num_experts, tiles.block_m)
     # NOTE: zeroed: rows of pairs routed to other ranks' experts are never written, then still activated.
     gate_up = torch.zeros((num_pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
@@ -180,12 +183,12 @@ def fused_moe_triton(
     if lora is not None:
         slots = pair_slots(lora, topk_ids)
         pairs = hidden.repeat_interleave(top_k, dim=0)  # [num_pairs, hidden]: pair p reads token p // top_k
-        gate_up = add_expert_lora_triton(gate_up, pairs, lora.a13, lora.b13, slots)
-    act = silu_and_mul_triton(gate_up)
+        gate_up = add_expert_lora_triton(gate_up, pairs, lora.a13, lora.b13, slots, platform)
+    act = silu_and_mul_triton(gate_up, platform=platform)
     down = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     pair_weights = topk_weights.reshape(-1).float()
     launch_grouped_gemm(down, act, w2, pair_weights, sorted_pair_ids, block_expert_ids, 1, tiles)
     if lora is not None:
-        update = add_expert_lora_triton(torch.zeros_like(down), act, lora.a2, lora.b2, slots)
+        update = add_expert_lora_triton(torch.zeros_like(down), act, lora.a2, lora.b2, slots, platform)
         down = down + update * pair_weights.unsqueeze(1)
     return down.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

@@ -12,6 +12,7 @@ import torch
 from kvforge.kernels.triton_compat import cdiv, jit, require_triton, tl
 from kvforge.kernels.tuning import gemm_tiles
 from kvforge.kernels.validation import FLOAT_DTYPES, check_same_device, check_tensor
+from kvforge.platforms import Platform
 
 INT8_MAX = 127
 
@@ -72,9 +73,10 @@ def _int8_gemm_kernel(
 
 
 def int8_gemm_triton(
-    a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_scales: torch.Tensor, out_dtype: torch.dtype
+    a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_scales: torch.Tensor, out_dtype: torch.dtype, *,
+    platform: Platform | None = None,
 ) -> torch.Tensor:
-    """int8_gemm_ref in Triton."""
+    """int8_gemm_ref in Triton, in platform's tiles (None: the current platform's)."""
     require_triton()
     check_tensor("a", a, shape=(None, None), dtypes=(torch.int8,))
     num_tokens, in_features = a.shape
@@ -87,7 +89,7 @@ def int8_gemm_triton(
     out = torch.empty((num_tokens, b.shape[0]), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    tiles = gemm_tiles(num_tokens)
+    tiles = gemm_tiles(num_tokens, platform)
     grid = (cdiv(num_tokens, tiles.block_m), cdiv(b.shape[0], tiles.block_n))
     _int8_gemm_kernel[grid](
         a,

@@ -25,6 +25,7 @@ from kvforge.kernels.moe_align import moe_align
 from kvforge.kernels.triton_compat import cdiv, jit, next_power_of_2, require_triton, tl
 from kvforge.kernels.tuning import GemmTiles, gemm_tiles, lora_segmented
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from kvforge.platforms import Platform
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -103,17 +104,19 @@ def _check_slots(slots: torch.Tensor, num_rows: int) -> None:
     check_tensor("slots", slots, shape=(num_rows,), dtypes=INDEX_DTYPES)
 
 
-def _segments(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, GemmTiles]:
+def _segments(slots: torch.Tensor, num_slots: int, platform: Platform | None
+              ) -> tuple[torch.Tensor, torch.Tensor, GemmTiles]:
     """The rows grouped by slot into blocks of BLOCK_M rows of one slot (rows of slot -1 in none): (sorted row ids,
-    each block's slot, the tiles)."""
-    tiles = gemm_tiles(cdiv(slots.shape[0], num_slots))  # rows per adapter when the rows spread evenly
+    each block's slot, platform's tiles)."""
+    tiles = gemm_tiles(cdiv(slots.shape[0], num_slots), platform)  # rows per adapter when the rows spread evenly
     sorted_rows, block_slots = moe_align(slots.unsqueeze(1), num_slots, tiles.block_m)
     return sorted_rows, block_slots, tiles
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-                       segmented: bool | None = None) -> torch.Tensor:
-    """lora_shrink_ref in Triton; segmented: SGMV (True) or BGMV (False), None: by the number of rows."""
+                       segmented: bool | None = None, *, platform: Platform | None = None) -> torch.Tensor:
+    """lora_shrink_ref in Triton; segmented: SGMV (True) or BGMV (False), None: by the number of rows; platform:
+    whose threshold and tiles (None: the current platform's)."""
     require_triton()
     check_tensor("x", x, shape=(None, None), dtypes=FLOAT_DTYPES)
     num_rows, dim = x.shape
@@ -121,10 +124,10 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
     _check_slots(slots, num_rows)
     check_same_device(x=x, a=a, slots=slots)
     rank = a.shape[1]
-    if segmented if segmented is not None else lora_segmented(num_rows):
+    if segmented if segmented is not None else lora_segmented(num_rows, platform):
         h = torch.zeros(num_rows, rank, dtype=x.dtype, device=x.device)  # rows of slot -1 are not written
         if num_rows and rank:
-            sorted_rows, block_slots, tiles = _segments(slots, a.shape[0])
+            sorted_rows, block_slots, tiles = _segments(slots, a.shape[0], platform)
             launch_grouped_gemm(h, x, a, None, sorted_rows, block_slots, 1, tiles)
         return h
     h = torch.empty(num_rows, rank, dtype=x.dtype, device=x.device)
@@ -138,7 +141,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
 
 
 def lora_expand_triton(h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor,
-                       segmented: bool | None = None) -> torch.Tensor:
+                       segmented: bool | None = None, *, platform: Platform | None = None) -> torch.Tensor:
     """lora_expand_ref in Triton (a new tensor: y is not written); segmented as for lora_shrink_triton."""
     require_triton()
     check_tensor("h", h, shape=(None, None), dtypes=FLOAT_DTYPES)
@@ -149,10 +152,10 @@ def lora_expand_triton(h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y:
     _check_slots(slots, num_rows)
     check_same_device(h=h, b=b, slots=slots, y=y)
     h = h.contiguous()
-    if segmented if segmented is not None else lora_segmented(num_rows):
+    if segmented if segmented is not None else lora_segmented(num_rows, platform):
         delta = torch.zeros(num_rows, num_out, dtype=torch.float32, device=y.device)  # slot -1: not written
         if num_rows and num_out and rank:
-            sorted_rows, block_slots, tiles = _segments(slots, b.shape[0])
+            sorted_rows, block_slots, tiles = _segments(slots, b.shape[0], platform)
             launch_grouped_gemm(delta, h, b, None, sorted_rows, block_slots, 1, tiles)
         return (y.float() + delta).to(y.dtype)
     out = torch.empty(num_rows, num_out, dtype=y.dtype, device=y.device)

@@ -30,7 +30,7 @@ from kvforge.kernels.validation import (
     check_same_device,
     check_tensor,
 )
-from kvforge.platforms import current_platform
+from kvforge.platforms import Platform, current_platform
 
 HEADS_PER_PROGRAM = 16  # the smallest tl.dot tile; 128 DeepSeek heads make 8 programs per sequence and split
 
@@ -141,10 +141,9 @@ def _check_mla_inputs(
         raise ValueError(f"scale must be a positive finite float, got {scale}")
 
 
-def _num_splits(num_seqs: int, head_blocks: int, num_splits: int | None) -> int:
-    """The key-range splits: the caller's, or the tuning table's for this device."""
+def _num_splits(num_seqs: int, head_blocks: int, num_splits: int | None, platform: Platform) -> int:
+    """The key-range splits: the caller's, or the tuning table's for platform."""
     if num_splits is None:
-        platform = current_platform()
         num_splits = kernel_tuning(platform).decode.num_splits(num_seqs, head_blocks, platform.num_compute_units)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -161,6 +160,7 @@ def mla_decode_triton(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    platform: Platform | None = None,
 ) -> torch.Tensor:
     """mla_decode_ref in Triton, with no host sync. out: a preallocated [num_seqs, num_heads, latent_dim]
     buffer; num_splits: override the key-range splits (default: from the tuning table and device size)."""
@@ -173,8 +173,9 @@ def mla_decode_triton(
     check_matches("out", out, shape=out_shape, dtype=query.dtype, device=query.device, contiguous=True)
     if num_seqs == 0:
         return out
-    tiles, head_blocks = kernel_tuning(current_platform()).decode, cdiv(num_heads, HEADS_PER_PROGRAM)
-    num_splits = _num_splits(num_seqs, head_blocks, num_splits)
+    platform = platform if platform is not None else current_platform()  # whose tiles (None: the current one's)
+    tiles, head_blocks = kernel_tuning(platform).decode, cdiv(num_heads, HEADS_PER_PROGRAM)
+    num_splits = _num_splits(num_seqs, head_blocks, num_splits, platform)
     latent_p = max(next_power_of_2(latent_dim), 16)
     partial_shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1,)
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)

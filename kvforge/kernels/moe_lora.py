@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kvforge.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from kvforge.platforms import Platform
 
 
 class ExpertLoRA(NamedTuple):
@@ -73,9 +74,11 @@ def grouped_lora_fits(lora: ExpertLoRA) -> bool:
 
 
 def add_expert_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                           slots: torch.Tensor) -> torch.Tensor:
-    """add_expert_lora_ref with the Triton shrink and expand kernels (a new tensor of y's dtype)."""
-    return lora_expand_triton(lora_shrink_triton(x, a.flatten(0, 1), slots), b.flatten(0, 1), slots, y)
+                           slots: torch.Tensor, platform: Platform | None = None) -> torch.Tensor:
+    """add_expert_lora_ref with the Triton shrink and expand kernels (a new tensor of y's dtype) on platform's tiles
+    (None: the current platform's)."""
+    h = lora_shrink_triton(x, a.flatten(0, 1), slots, platform=platform)
+    return lora_expand_triton(h, b.flatten(0, 1), slots, y, platform=platform)
 
 
 def check_expert_lora(lora: ExpertLoRA, hidden: torch.Tensor, w13: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from kvforge.kernels.mxfp4 import BLOCK_SIZE, check_mxfp4, dequantize_mxfp4
 from kvforge.kernels.triton_compat import INTERPRETED, cdiv, jit, require_triton, tl
 from kvforge.kernels.tuning import gemm_tiles
 from kvforge.kernels.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from kvforge.platforms import Platform
 
 # The experts' float weights for some expert ids: ids [n] -> (w13 [n, 2 * inter, hidden], w2 [n, hidden, inter])
 ExpertWeights = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -184,17 +185,18 @@ def _check_inputs(hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: to
 def mxfp4_moe_triton(
     hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w13_bias: torch.Tensor,
     w2_blocks: torch.Tensor, w2_scales: torch.Tensor, w2_bias: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor, alpha: float, limit: float,
+    topk_ids: torch.Tensor, alpha: float, limit: float, *, platform: Platform | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """mxfp4_moe_ref in Triton, with no host sync: moe_align, the MXFP4 grouped GEMM with w13 (+ bias), the clamped
-    SwiGLU, the MXFP4 grouped GEMM with w2 (+ bias, times the routing weight), the sum of each token's pairs."""
+    SwiGLU, the MXFP4 grouped GEMM with w2 (+ bias, times the routing weight), the sum of each token's pairs.
+    platform: whose GEMM tiles (None: the current platform's)."""
     require_triton()
     _check_inputs(hidden, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias, topk_weights, topk_ids)
     (num_tokens, hidden_size), (num_experts, two_inter), top_k = hidden.shape, w13_blocks.shape[:2], topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
-    tiles = gemm_tiles(cdiv(num_pairs, num_experts))
+    tiles = gemm_tiles(cdiv(num_pairs, num_experts), platform)  # rows per expert on an even routing
     sorted_pair_ids, block_expert_ids = moe_align(topk_ids, num_experts, tiles.block_m)
 
     def grouped_gemm(out: torch.Tensor, a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvforge.build_scope import BuildScope
 from kvforge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kvforge.kernels.cache_write import reshape_and_cache_cpu, reshape_and_cache_ref, reshape_and_cache_triton
 from kvforge.kernels.causal_conv1d import causal_conv1d_ref, causal_conv1d_triton
@@ -57,52 +57,54 @@ from kvforge.kernels.rms_norm import (
     rms_norm_triton,
 )
 from kvforge.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
-from kvforge.platforms import select_backend
+from kvforge.platforms import Platform, current_platform, launch_platform, select_backend
 
 Tensor = torch.Tensor
 
 
 @torch.library.custom_op("kvforge::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return rms_norm_triton(x, weight, eps)
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, platform: str = "") -> Tensor:
+    return rms_norm_triton(x, weight, eps, platform=launch_platform(platform))
 
 
 @_rms_norm_op.register_fake
-def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _(x: Tensor, weight: Tensor, eps: float, platform: str = "") -> Tensor:
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 @torch.library.custom_op("kvforge::fused_add_rms_norm", mutates_args=())
-def _fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return fused_add_rms_norm_triton(x, residual, weight, eps)
+def _fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float, platform: str = ""
+      ) -> tuple[Tensor, Tensor]:
+    return fused_add_rms_norm_triton(x, residual, weight, eps, platform=launch_platform(platform))
 
 
 @_fused_add_rms_norm_op.register_fake
-def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float, platform: str = ""
+      ) -> tuple[Tensor, Tensor]:
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape)
 
 
 @torch.library.custom_op("kvforge::rotary_embedding", mutates_args=())
 def _rotary_embedding_op(
-    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool, platform: str = ""
 ) -> tuple[Tensor, Tensor]:
-    return rotary_embedding_triton(positions, query, key, cos_sin_cache, is_neox)
+    return rotary_embedding_triton(positions, query, key, cos_sin_cache, is_neox, platform=launch_platform(platform))
 
 
 @_rotary_embedding_op.register_fake
 def _(
-    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool, platform: str = ""
 ) -> tuple[Tensor, Tensor]:
     return query.new_empty(query.shape), key.new_empty(key.shape)
 
 
 @torch.library.custom_op("kvforge::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(x: Tensor) -> Tensor:
-    return silu_and_mul_triton(x)
+def _silu_and_mul_op(x: Tensor, platform: str = "") -> Tensor:
+    return silu_and_mul_triton(x, platform=launch_platform(platform))
 
 
 @_silu_and_mul_op.register_fake
-def _(x: Tensor) -> Tensor:
+def _(x: Tensor, platform: str = "") -> Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
@@ -111,15 +113,16 @@ def _(x: Tensor) -> Tensor:
 )
 def _reshape_and_cache_op(
     key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
-    key_scale: Tensor | None = None, value_scale: Tensor | None = None,
+    key_scale: Tensor | None = None, value_scale: Tensor | None = None, platform: str = "",
 ) -> None:  # fmt: skip
-    reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale)
+    reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale,
+                             platform=launch_platform(platform))
 
 
 @_reshape_and_cache_op.register_fake
 def _(
     key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
-    key_scale: Tensor | None = None, value_scale: Tensor | None = None,
+    key_scale: Tensor | None = None, value_scale: Tensor | None = None, platform: str = "",
 ) -> None:  # fmt: skip
     return None
 
@@ -138,9 +141,11 @@ def _paged_attention_op(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
+    platform: str = "",
 ) -> Tensor:
     return paged_attention_triton(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                                  key_scale, value_scale, sliding_window, softcap, sinks)
+                                  key_scale, value_scale, sliding_window, softcap, sinks,
+                                  platform=launch_platform(platform))
 
 
 @_paged_attention_op.register_fake
@@ -157,27 +162,30 @@ def _(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
+    platform: str = "",
 ) -> Tensor:
     return query.new_empty(query.shape)
 
 
 @torch.library.custom_op("kvforge::quant_gemm", mutates_args=())
-def _quant_gemm_op(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, bits: int) -> Tensor:
-    return quant_gemm_triton(x, qweight, scales, zeros, bits)
+def _quant_gemm_op(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, bits: int, platform: str = "") -> Tensor:
+    return quant_gemm_triton(x, qweight, scales, zeros, bits, platform=launch_platform(platform))
 
 
 @_quant_gemm_op.register_fake
-def _(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, bits: int) -> Tensor:
+def _(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor, bits: int, platform: str = "") -> Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 @torch.library.custom_op("kvforge::int8_gemm", mutates_args=())
-def _int8_gemm_op(a: Tensor, b: Tensor, a_scales: Tensor, b_scales: Tensor, out_dtype: torch.dtype) -> Tensor:
-    return int8_gemm_triton(a, b, a_scales, b_scales, out_dtype)
+def _int8_gemm_op(a: Tensor, b: Tensor, a_scales: Tensor, b_scales: Tensor, out_dtype: torch.dtype,
+      platform: str = "") -> Tensor:
+    return int8_gemm_triton(a, b, a_scales, b_scales, out_dtype, platform=launch_platform(platform))
 
 
 @_int8_gemm_op.register_fake
-def _(a: Tensor, b: Tensor, a_scales: Tensor, b_scales: Tensor, out_dtype: torch.dtype) -> Tensor:
+def _(a: Tensor, b: Tensor, a_scales: Tensor, b_scales: Tensor, out_dtype: torch.dtype,
+      platform: str = "") -> Tensor:
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -185,76 +193,81 @@ def _(a: Tensor, b: Tensor, a_scales: Tensor, b_scales: Tensor, out_dtype: torch
 def _fused_moe_op(
     hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, lora_a13: Tensor | None = None,
     lora_b13: Tensor | None = None, lora_a2: Tensor | None = None, lora_b2: Tensor | None = None,
-    lora_token_slots: Tensor | None = None,
+    lora_token_slots: Tensor | None = None, platform: str = "",
 ) -> Tensor:  # fmt: skip
     lora = None if lora_a13 is None else ExpertLoRA(lora_a13, lora_b13, lora_a2, lora_b2, lora_token_slots)
-    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, lora)
+    return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, lora, platform=launch_platform(platform))
 
 
 @_fused_moe_op.register_fake
 def _(
     hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, lora_a13: Tensor | None = None,
     lora_b13: Tensor | None = None, lora_a2: Tensor | None = None, lora_b2: Tensor | None = None,
-    lora_token_slots: Tensor | None = None,
+    lora_token_slots: Tensor | None = None, platform: str = "",
 ) -> Tensor:  # fmt: skip
     return hidden.new_empty(hidden.shape)
 
 
 def _fused_moe_triton_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                         lora: ExpertLoRA | None = None) -> Tensor:
+                         lora: ExpertLoRA | None = None, platform: str = "") -> Tensor:
     """The fused_moe custom op with the experts' LoRA slots (a tuple of tensors) as its last arguments."""
-    return torch.ops.kvforge.fused_moe(hidden, w13, w2, topk_weights, topk_ids, *(lora or ()))
+    return torch.ops.kvforge.fused_moe(hidden, w13, w2, topk_weights, topk_ids, *(lora or ()), platform=platform)
 
 
 @torch.library.custom_op("kvforge::mxfp4_moe", mutates_args=())
 def _mxfp4_moe_op(
     hidden: Tensor, w13_blocks: Tensor, w13_scales: Tensor, w13_bias: Tensor, w2_blocks: Tensor, w2_scales: Tensor,
-    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float,
+    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float, platform: str = "",
 ) -> Tensor:  # fmt: skip
     return mxfp4_moe_triton(hidden, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias, topk_weights,
-                            topk_ids, alpha, limit)  # fmt: skip
+                            topk_ids, alpha, limit, platform=launch_platform(platform))  # fmt: skip
 
 
 @_mxfp4_moe_op.register_fake
 def _(
     hidden: Tensor, w13_blocks: Tensor, w13_scales: Tensor, w13_bias: Tensor, w2_blocks: Tensor, w2_scales: Tensor,
-    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float,
+    w2_bias: Tensor, topk_weights: Tensor, topk_ids: Tensor, alpha: float, limit: float, platform: str = "",
 ) -> Tensor:  # fmt: skip
     return hidden.new_empty(hidden.shape)
 
 
 @torch.library.custom_op("kvforge::mla_decode", mutates_args=())
 def _mla_decode_op(
-    query: Tensor, latent_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float, latent_dim: int
+    query: Tensor, latent_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float, latent_dim: int,
+    platform: str = "",
 ) -> Tensor:
-    return mla_decode_triton(query, latent_cache, block_tables, seq_lens, scale, latent_dim)
+    return mla_decode_triton(query, latent_cache, block_tables, seq_lens, scale, latent_dim,
+                             platform=launch_platform(platform))
 
 
 @_mla_decode_op.register_fake
 def _(
-    query: Tensor, latent_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float, latent_dim: int
+    query: Tensor, latent_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float, latent_dim: int,
+    platform: str = "",
 ) -> Tensor:
     return query.new_empty((*query.shape[:2], latent_dim))
 
 
 @torch.library.custom_op("kvforge::lora_shrink", mutates_args=())
-def _lora_shrink_op(x: Tensor, a: Tensor, slots: Tensor) -> Tensor:
-    return lora_shrink_triton(x, a, slots)
+def _lora_shrink_op(x: Tensor, a: Tensor, slots: Tensor, platform: str = "") -> Tensor:
+    return lora_shrink_triton(x, a, slots, platform=launch_platform(platform))
 
 
 @_lora_shrink_op.register_fake
-def _(x: Tensor, a: Tensor, slots: Tensor) -> Tensor:
+def _(x: Tensor, a: Tensor, slots: Tensor, platform: str = "") -> Tensor:
     return x.new_empty((x.shape[0], a.shape[1]))
 
 
 @torch.library.custom_op("kvforge::lora_expand", mutates_args=())
-def _lora_expand_op(h: Tensor, b: Tensor, slots: Tensor, y: Tensor) -> Tensor:
-    return lora_expand_triton(h, b, slots, y)
+def _lora_expand_op(h: Tensor, b: Tensor, slots: Tensor, y: Tensor, platform: str = "") -> Tensor:
+    return lora_expand_triton(h, b, slots, y, platform=launch_platform(platform))
 
 
 @_lora_expand_op.register_fake
-def _(h: Tensor, b: Tensor, slots: Tensor, y: Tensor) -> Tensor:
+def _(h: Tensor, b: Tensor, slots: Tensor, y: Tensor, platform: str = "") -> Tensor:
     return y.new_empty(y.shape)
+
+
 @torch.library.custom_op("kvforge::gated_delta_prefill", mutates_args=("state",))
 def _gated_delta_prefill_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, query_start_loc: Tensor,
@@ -327,6 +340,9 @@ class OpTable:
     gated_delta_prefill: Callable[..., Tensor]  # mutates its state argument
     gated_delta_decode: Callable[..., Tensor]  # mutates its state argument
     causal_conv1d: Callable[..., Tensor]  # mutates its conv_state argument
+    # The platform whose tuning table and device size the launches read (`for_platform`); None: the current
+    # platform's at each launch (the unbound TRITON_OPS; the torch backend's ops read none).
+    platform: Platform | None = None
 
 
 def _paged_decode_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
@@ -359,7 +375,7 @@ TORCH_OPS = OpTable(
     gated_delta_decode=gated_delta_decode_ref,
     causal_conv1d=causal_conv1d_ref,
 )
-TRITON_OPS = OpTable(
+TRITON_OPS = OpTable(  # unbound: its launches read the current platform (bound per engine by for_platform)
     backend="triton",
     traces=True,
     rms_norm=torch.ops.kvforge.rms_norm,
@@ -395,30 +411,38 @@ def _cpu_ops() -> OpTable:
                                silu_and_mul=silu_and_mul_cpu)
 
 
-def op_table(backend: str | None = None) -> OpTable:
-    """The ops of the "torch" or "triton" backend (None or "auto": the platform's choice).
+# The ops whose Triton launches read the platform (tiles, device size, fp8, LoRA's segmenting threshold), each taking
+# its launch key; the gated delta rule and causal conv1d kernels' fixed blocks and warps read none.
+_PLATFORM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "reshape_and_cache",
+                 "paged_attention", "paged_decode", "quant_gemm", "int8_gemm", "fused_moe", "mxfp4_moe", "mla_decode",
+                 "lora_shrink", "lora_expand")
+
+
+@functools.cache
+def for_platform(table: OpTable, platform: Platform) -> OpTable:
+    """table with its Triton launches bound to platform's tiles and device size: each op called with the platform's
+    launch key (Platform.launch_key), so that the choice belongs to the table (an engine's) and not to the process.
+    The torch backend's ops read no platform: its table only records it."""
+    if table.backend != "triton":
+        return dataclasses.replace(table, platform=platform)
+    bound = {name: functools.partial(getattr(table, name), platform=platform.launch_key) for name in _PLATFORM_OPS}
+    return dataclasses.replace(table, platform=platform, **bound)
+
+
+def op_table(backend: str | None = None, platform: Platform | None = None) -> OpTable:
+    """The ops of the "torch" or "triton" backend (None or "auto": the platform's choice) for platform (None: the
+    current one, as detected or pinned), bound to it once (`for_platform`).
 
     Raises ValueError for an unknown name, or "triton" without triton."""
-    return TRITON_OPS if select_backend(backend) == "triton" else _cpu_ops()
+    platform = platform if platform is not None else current_platform()
+    return for_platform(TRITON_OPS if select_backend(backend, platform) == "triton" else _cpu_ops(), platform)
 
 
-_building: OpTable | None = None  # the table of the model being built, inside building_with_ops
+# The table a model is built with (`building_with_ops(table)`: its layers capture `current_ops()`); the platform's
+# choice outside.
+OPS = BuildScope("op table", op_table)
+current_ops = OPS.current
+building_with_ops = OPS.building_with
 
 
-def current_ops() -> OpTable:
-    """The ops of what is being built now (the platform's choice outside `building_with_ops`)."""
-    return _building if _building is not None else op_table()
-
-
-@contextmanager
-def building_with_ops(table: OpTable) -> Iterator[OpTable]:
-    """Build a model (its layers capture `current_ops()`) with table."""
-    global _building
-    previous, _building = _building, table
-    try:
-        yield table
-    finally:
-        _building = previous
-
-
-__all__ = ["TORCH_OPS", "TRITON_OPS", "OpTable", "building_with_ops", "current_ops", "op_table"]
+__all__ = ["TORCH_OPS", "TRITON_OPS", "OpTable", "building_with_ops", "current_ops", "for_platform", "op_table"]

@@ -36,7 +36,7 @@ from kvforge.kernels.validation import (
     check_same_dtype,
     check_tensor,
 )
-from kvforge.platforms import current_platform
+from kvforge.platforms import Platform, current_platform
 
 MAX_HEAD_DIM = 256
 
@@ -223,6 +223,7 @@ def paged_attention_triton(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    platform: Platform | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref in Triton, with no host sync (CUDA-graph safe). Sequences with one query go
     to the flash-decoding kernel, longer ones to the prefill kernel; a batch whose token count equals
@@ -242,7 +243,7 @@ def paged_attention_triton(
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    platform = current_platform()
+    platform = platform if platform is not None else current_platform()  # whose tiles (None: the current one's)
     check_triton_code_dtype(key_cache.dtype, platform)
     tuning = kernel_tuning(platform)
     upcast = INTERPRETED and query.dtype == torch.bfloat16

@@ -21,6 +21,7 @@ import torch
 from kvforge.kernels.triton_compat import INTERPRETED, cdiv, jit, require_triton, tl
 from kvforge.kernels.tuning import gemm_tiles
 from kvforge.kernels.validation import FLOAT_DTYPES, check_same_device, check_tensor
+from kvforge.platforms import Platform
 
 WEIGHT_BITS = (4, 8)
 
@@ -105,9 +106,11 @@ def _quant_gemm_kernel(
 
 
 def quant_gemm_triton(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, *,
+    platform: Platform | None = None,
 ) -> torch.Tensor:
-    """quant_gemm_ref in Triton. Tiles come from the tuning table, picked by M (decode vs prefill)."""
+    """quant_gemm_ref in Triton. Tiles come from platform's tuning table (None: the current platform's), picked by
+    M (decode vs prefill)."""
     require_triton()
     if bits not in WEIGHT_BITS:
         raise ValueError(f"bits must be one of {WEIGHT_BITS}, got {bits}")
@@ -123,13 +126,13 @@ def quant_gemm_triton(
     if zeros.stride() != scales.stride() or in_features % num_groups:
         raise ValueError(f"zeros must match scales' strides and K={in_features} split into {num_groups} groups")
     group_size = in_features // num_groups
-    block_k = _block_k(gemm_tiles(num_tokens).block_k, group_size)
+    block_k = _block_k(gemm_tiles(num_tokens, platform).block_k, group_size)
     if block_k is None:  # groups of a size no tl.dot tile divides: dequantize, then one matmul
         return quant_gemm_ref(x, qweight, scales, zeros, bits)
     out = torch.empty((num_tokens, out_features), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or out_features == 0:
         return out
-    tiles = gemm_tiles(num_tokens)
+    tiles = gemm_tiles(num_tokens, platform)
     grid = (cdiv(num_tokens, tiles.block_m), cdiv(out_features, tiles.block_n))
     _quant_gemm_kernel[grid](
         x,

@@ -7,6 +7,7 @@ import torch
 from kvforge.kernels.triton_compat import jit, next_power_of_2, require_triton, tl
 from kvforge.kernels.tuning import kernel_tuning
 from kvforge.kernels.validation import FLOAT_DTYPES, check_matches, check_same_device, check_tensor
+from kvforge.platforms import Platform
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,8 +54,10 @@ def _launch(
     eps: float,
     out: torch.Tensor,
     residual_out: torch.Tensor | None,
+    platform: Platform | None,
 ) -> None:
-    """x, residual: [..., hidden]; out, residual_out: contiguous buffers of x's shape."""
+    """x, residual: [..., hidden]; out, residual_out: contiguous buffers of x's shape; platform: whose tuning table
+    (None: the current platform's)."""
     require_triton()
     if x.dim() == 0:
         raise ValueError("x must have a hidden dim, got a 0-d tensor")
@@ -80,17 +83,18 @@ def _launch(
     block = next_power_of_2(hidden)
     _rms_norm_kernel[(x.shape[0],)](
         out, residual_out, x, residual_in, weight, eps, hidden, x.stride(0), residual_in.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=kernel_tuning().rows.num_warps(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=kernel_tuning(platform).rows.num_warps(block),
     )  # fmt: skip
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,
+    platform: Platform | None = None,
 ) -> torch.Tensor:
     """rms_norm_ref in Triton, one program per token. x: [..., hidden]; out: optional output buffer."""
     if out is None:
         out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _launch(x, None, weight, eps, out, None)
+    _launch(x, None, weight, eps, out, None, platform)
     return out
 
 
@@ -102,6 +106,7 @@ def fused_add_rms_norm_triton(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    platform: Platform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_add_rms_norm_ref in Triton: one pass reads x and residual and writes both outputs."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -112,5 +117,5 @@ def fused_add_rms_norm_triton(
         out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if residual_out is None:
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _launch(x, residual, weight, eps, out, residual_out)
+    _launch(x, residual, weight, eps, out, residual_out, platform)
     return out, residual_out

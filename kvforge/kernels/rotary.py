@@ -13,6 +13,7 @@ from kvforge.kernels.validation import (
     check_same_device,
     check_tensor,
 )
+from kvforge.platforms import Platform
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -121,6 +122,7 @@ def rotary_embedding_triton(
     *,
     query_out: torch.Tensor | None = None,
     key_out: torch.Tensor | None = None,
+    platform: Platform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding_ref in Triton, one program per token for all its query and key heads.
 
@@ -149,6 +151,6 @@ def rotary_embedding_triton(
         NUM_HEADS=num_heads, NUM_KV_HEADS=key.shape[1], ROT_HALF=rot_half, PASS_DIM=pass_dim,
         BLOCK_H=block_h, BLOCK_KH=block_kh, BLOCK_R=next_power_of_2(rot_half),
         BLOCK_P=next_power_of_2(max(pass_dim, 1)), IS_NEOX=is_neox,
-        num_warps=kernel_tuning().rows.num_warps(block_h * head_dim),
+        num_warps=kernel_tuning(platform).rows.num_warps(block_h * head_dim),
     )  # fmt: skip
     return query_out, key_out

@@ -35,7 +35,7 @@ class RowKernel(LinearKernel, Protocol):
 class VocabParallelEmbedding(nn.Module):
     """weight [V_local, hidden]: this rank's rows of the (padded) vocabulary. Also serves as the LM head."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         state = get_parallel_state()
         self.parallel = state
@@ -44,12 +44,12 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_size = state.tp_size
         self.num_local = -(-vocab_size // state.tp_size)
         self.start = state.tp_rank * self.num_local
-        self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size, dtype=dtype), requires_grad=False)
         self.kernel: RowKernel | None = None  # the rows kept quantized, in place of weight
         self.weight_arena: WeightArena | None = None  # where the kernel's packed rows go (set by the loader)
         self.dense_gemv = False  # the float head's rows through the CPU GEMV and oneDNN (set at load)
         self.onednn_weight: torch.Tensor | None = None  # the weight packed for oneDNN (set with dense_gemv)
-        self.dtype = self.weight.dtype  # of the rows looked up (the weight may be kept in 16 bits, or quantized)
+        self.dtype = dtype  # of the rows looked up (the weight may be kept in 16 bits, or quantized)
 
     def load(self, tensor: torch.Tensor) -> None:
         """Copy this rank's rows of the full [vocab_size, hidden] checkpoint tensor."""

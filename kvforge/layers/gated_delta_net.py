@@ -64,7 +64,8 @@ class GatedDeltaNet(nn.Module):
         separate (Qwen3.5)     in_proj_qkv: [q of all heads, k, v]; in_proj_z; in_proj_b; in_proj_a
     """
 
-    def __init__(self, cfg: GatedDeltaNetConfig, grouped: bool) -> None:
+    def __init__(self, cfg: GatedDeltaNetConfig, grouped: bool, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: of the parameters (the run dtype)."""
         super().__init__()
         state = get_parallel_state()
         self.tp_size, self.tp_rank = state.tp_size, state.tp_rank
@@ -77,19 +78,22 @@ class GatedDeltaNet(nn.Module):
                                  num_value_heads=cfg.num_value_heads // self.tp_size)
         self.grouped = grouped
         if grouped:  # whole key-head groups per rank: the rows split evenly
-            self.in_proj_qkvz = ColumnParallelLinear(full.hidden_size, [full.conv_dim + full.value_dim])
-            self.in_proj_ba = ColumnParallelLinear(full.hidden_size, [2 * full.num_value_heads])
+            self.in_proj_qkvz = ColumnParallelLinear(full.hidden_size, [full.conv_dim + full.value_dim], dtype=dtype)
+            self.in_proj_ba = ColumnParallelLinear(full.hidden_size, [2 * full.num_value_heads], dtype=dtype)
         else:  # q, k and v each split (one checkpoint tensor: load_param cuts it into the three)
-            self.in_proj_qkv = ColumnParallelLinear(full.hidden_size, [full.key_dim, full.key_dim, full.value_dim])
-            self.in_proj_z = ColumnParallelLinear(full.hidden_size, [full.value_dim])
-            self.in_proj_b = ColumnParallelLinear(full.hidden_size, [full.num_value_heads])
-            self.in_proj_a = ColumnParallelLinear(full.hidden_size, [full.num_value_heads])
-        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_width, groups=cfg.conv_dim, bias=False)
+            self.in_proj_qkv = ColumnParallelLinear(full.hidden_size, [full.key_dim, full.key_dim, full.value_dim],
+                                                    dtype=dtype)
+            self.in_proj_z = ColumnParallelLinear(full.hidden_size, [full.value_dim], dtype=dtype)
+            self.in_proj_b = ColumnParallelLinear(full.hidden_size, [full.num_value_heads], dtype=dtype)
+            self.in_proj_a = ColumnParallelLinear(full.hidden_size, [full.num_value_heads], dtype=dtype)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_width, groups=cfg.conv_dim, bias=False,
+                                dtype=dtype)
         self.conv1d.requires_grad_(False)
-        self.A_log = nn.Parameter(torch.zeros(cfg.num_value_heads), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.ones(cfg.num_value_heads), requires_grad=False)
-        self.norm = RMSNorm(cfg.value_head_dim, cfg.rms_norm_eps)  # its weight multiplies, unlike the stack's (1 + w)
-        self.out_proj = RowParallelLinear(full.value_dim, [cfg.hidden_size])
+        self.A_log = nn.Parameter(torch.zeros(cfg.num_value_heads, dtype=dtype), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(cfg.num_value_heads, dtype=dtype), requires_grad=False)
+        # its weight multiplies, unlike the stack's (1 + w)
+        self.norm = RMSNorm(cfg.value_head_dim, cfg.rms_norm_eps, dtype)
+        self.out_proj = RowParallelLinear(full.value_dim, [cfg.hidden_size], dtype=dtype)
         self.ops = current_ops()
 
     def _rank_part(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 
 from kvforge.kernels.kv_quant import SCALE_DTYPE, kv_code_dtype
 from kvforge.layers.recurrent_state_spec import RecurrentStateSpec
+from kvforge.platforms import Platform
 from kvforge.platforms.zeroed_memory import zeroed_tensor
 
 _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -120,12 +121,13 @@ class KVCacheSpec:
         # NOTE: the latent cache is already ~10x smaller than keys and values; MLA reads it unquantized.
         return cls((((latent_dim,),),) * num_layers, quantizable=False)
 
-    def with_kv_cache_dtype(self, kv_cache_dtype: str, dtype: torch.dtype, widening: bool = False) -> KVCacheSpec:
+    def with_kv_cache_dtype(self, kv_cache_dtype: str, dtype: torch.dtype, widening: bool = False,
+                            platform: Platform | None = None) -> KVCacheSpec:
         """This spec stored as kv_cache_dtype for a model run in dtype: "auto" (float16 where the attention kernels
         widen cached rows as they read them, `widening`: the CPU's, where a float32 cache doubles the bytes every
         decode step reads; else the model dtype), "float32" / "float16" / "bfloat16" (with widening kernels, or the
-        model dtype), "int8" or "fp8"."""
-        code_dtype = kv_code_dtype(kv_cache_dtype)
+        model dtype), "int8" or "fp8" (platform's fp8: the engine's, None for the current platform's)."""
+        code_dtype = kv_code_dtype(kv_cache_dtype, platform)
         value_dtype = _VALUE_DTYPES.get(kv_cache_dtype)
         if kv_cache_dtype == "auto":
             value_dtype = torch.float16 if widening and self.quantizable else dtype

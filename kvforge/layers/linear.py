@@ -25,14 +25,15 @@ class Linear(nn.Module):
     checkpoint tensors it loads; once they are all in, the format turns them into the layer's kernel, which every
     forward calls, whatever the format."""
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features = in_features
         self.shard_sizes = shard_sizes
         self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
         self.out_features = sum(shard_sizes)
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
         self.format: LinearFormat = FloatFormat()
         self.kernel: LinearKernel | None = None  # the format's kernel, holding the weight (prepared at load)
         self.weight_arena: WeightArena | None = None  # where a kernel's packed weight goes (set by the loader)
@@ -120,13 +121,13 @@ class ColumnParallelLinear(Linear):
     cutting into fewer pieces than ranks). Default: (tp, tp_rank) for every shard."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False,
-                 shard_pieces: list[tuple[int, int]] | None = None) -> None:
+                 shard_pieces: list[tuple[int, int]] | None = None, dtype: torch.dtype = torch.float32) -> None:
         state = get_parallel_state()
         pieces = shard_pieces or [(state.tp_size, state.tp_rank)] * len(shard_sizes)
         for size, (num_pieces, _) in zip(shard_sizes, pieces, strict=True):
             if size % num_pieces:
                 raise ValueError(f"{size} output features cannot be split over {num_pieces} tensor-parallel ranks")
-        super().__init__(in_features, [size // n for size, (n, _) in zip(shard_sizes, pieces)], bias)
+        super().__init__(in_features, [size // n for size, (n, _) in zip(shard_sizes, pieces)], bias, dtype)
         self.shard_pieces = pieces
 
     def checkpoint_slice(self, param_name: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -140,11 +141,12 @@ class ColumnParallelLinear(Linear):
 class RowParallelLinear(Linear):
     """Input features split over the tensor-parallel ranks; forward sums the partial products."""
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
         state = get_parallel_state()
         if in_features % state.tp_size:
             raise ValueError(f"{in_features} input features cannot be split over {state.tp_size} tensor-parallel ranks")
-        super().__init__(in_features // state.tp_size, shard_sizes, bias)
+        super().__init__(in_features // state.tp_size, shard_sizes, bias, dtype)
         self.parallel = state
         self.tp_size, self.tp_rank = state.tp_size, state.tp_rank
 

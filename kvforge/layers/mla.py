@@ -67,7 +67,8 @@ class MultiHeadLatentAttention(nn.Module):
     kv_b_proj) are split by head and o_proj by its input; the down-projections to the latent spaces and
     the latent cache are whole on every rank (every head reads the same latent)."""
 
-    def __init__(self, dims: MLADims, rotary: RotaryEmbedding) -> None:
+    def __init__(self, dims: MLADims, rotary: RotaryEmbedding, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: of the parameters (the run dtype)."""
         super().__init__()
         self.dims = dims
         self.ops = current_ops()
@@ -77,15 +78,16 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError(f"{heads} latent-attention heads cannot be split over {tp_size} tensor-parallel ranks")
         self.num_heads = heads // tp_size  # this rank's
         if dims.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(dims.hidden_size, [heads * dims.qk_head_dim])
+            self.q_proj = ColumnParallelLinear(dims.hidden_size, [heads * dims.qk_head_dim], dtype=dtype)
         else:
-            self.q_a_proj = Linear(dims.hidden_size, [dims.q_lora_rank], bias=bias)
-            self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, [heads * dims.qk_head_dim])
-        self.kv_a_proj_with_mqa = Linear(dims.hidden_size, [dims.cache_dim], bias=bias)
-        self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, [heads * (dims.qk_nope_head_dim + dims.v_head_dim)])
-        self.o_proj = RowParallelLinear(heads * dims.v_head_dim, [dims.hidden_size], bias=bias)
+            self.q_a_proj = Linear(dims.hidden_size, [dims.q_lora_rank], bias=bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, [heads * dims.qk_head_dim], dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(dims.hidden_size, [dims.cache_dim], bias=bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = ColumnParallelLinear(dims.kv_lora_rank, [heads * (dims.qk_nope_head_dim + dims.v_head_dim)],
+                                              dtype=dtype)
+        self.o_proj = RowParallelLinear(heads * dims.v_head_dim, [dims.hidden_size], bias=bias, dtype=dtype)
         self.rotary = rotary  # NOTE: one module shared by all layers: one cos/sin table
 
     def forward(

@@ -31,7 +31,7 @@ class FusedMoE(nn.Module):
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int,
-        tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
+        tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         super().__init__()
         self.ops = current_ops()
@@ -48,8 +48,9 @@ class FusedMoE(nn.Module):
         self.inter_start = 0 if expert_parallel else tp_rank * self.local_intermediate
         self.expert_parallel = expert_parallel and tp_size > 1
         num_local, inter = self.num_local_experts, self.local_intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, inter), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, inter, dtype=dtype), requires_grad=False)
         self.lora: nn.Module | None = None  # LoRA adapters' slots of these experts (lora/experts.py)
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:

@@ -42,9 +42,10 @@ class MoEModelMixin:
             shared = self.dense_mlp_class(replace(self.config, intermediate_size=shared_intermediate_size))
         return SparseMoeBlock(
             Router(hidden, routing),
-            FusedMoE(routing.num_experts, hidden, moe_intermediate_size, state.tp_rank, state.tp_size),
+            FusedMoE(routing.num_experts, hidden, moe_intermediate_size, state.tp_rank, state.tp_size,
+                     dtype=self.config.dtype),
             shared_experts=shared,
-            shared_expert_gate=Linear(hidden, [1]) if shared_expert_gate else None,
+            shared_expert_gate=Linear(hidden, [1], dtype=self.config.dtype) if shared_expert_gate else None,
         )
 
     def load_tensor(self, name: str, tensor: torch.Tensor, params: set[str]) -> str:

@@ -33,6 +33,8 @@ class SamplingBatch:
     # is constrained; an unconstrained row is all ones)
     allowed_token_bitmask: torch.Tensor | None = None
     logit_biases: list[dict[int, float] | None] | None = None
+    generator: torch.Generator | None = None  # the engine's: rows without a generator of their own draw from it
+    # (None: torch's default generator, for batches made by hand)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -56,11 +58,11 @@ def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]
 
 
 def _token_counts(token_lists: list[list[int]], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-    counts = torch.zeros(shape, device=device)
+    counts = torch.zeros(shape, dtype=torch.float32, device=device)
     for row, tokens in enumerate(token_lists):
         if tokens:
             ids = torch.tensor(tokens, device=device)
-            counts[row].index_add_(0, ids, torch.ones(len(tokens), device=device))
+            counts[row].index_add_(0, ids, torch.ones(len(tokens), dtype=torch.float32, device=device))
     return counts
 
 
@@ -71,13 +73,13 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         seen = _token_counts(
             [p + o for p, o in zip(batch.prompt_token_ids, batch.output_token_ids)], logits.shape, device
         ) > 0
-        penalty = torch.tensor(batch.repetition_penalties, device=device)[:, None].expand_as(logits)
-        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        penalty = torch.tensor(batch.repetition_penalties, dtype=torch.float32, device=device)[:, None]
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)  # penalty broadcast over the vocabulary
         logits = torch.where(seen, scaled, logits)
     if any(batch.presence_penalties) or any(batch.frequency_penalties):
         counts = _token_counts(batch.output_token_ids, logits.shape, device)
-        frequency = torch.tensor(batch.frequency_penalties, device=device)[:, None]
-        presence = torch.tensor(batch.presence_penalties, device=device)[:, None]
+        frequency = torch.tensor(batch.frequency_penalties, dtype=torch.float32, device=device)[:, None]
+        presence = torch.tensor(batch.presence_penalties, dtype=torch.float32, device=device)[:, None]
         logits = logits - frequency * counts - presence * (counts > 0).float()
     return logits
 
@@ -97,7 +99,7 @@ def _sorted_keep(values: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
         keep &= torch.arange(k, device=device)[None, :] < limit[:, None]
     if any(p < 1.0 for p in top_p):
         mass_before = values.cumsum(dim=-1) - values  # keep a token while the mass before it is < top_p
-        keep &= mass_before < torch.tensor(top_p, device=device)[:, None]
+        keep &= mass_before < torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
     return keep
 
 
@@ -112,27 +114,28 @@ def filter_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         num = min(vocab, max([_CANDIDATES] + [k for k in batch.top_ks if k > 0]))
         values, indices = probs.topk(num, dim=-1)
         if num < vocab:
-            short = (values.sum(dim=-1) < torch.tensor(batch.top_ps, device=probs.device)).tolist()
+            short = (values.sum(dim=-1) < torch.tensor(batch.top_ps, dtype=torch.float32, device=probs.device)).tolist()
             if any(short):
                 values, indices = probs.sort(dim=-1, descending=True)
         keep = _sorted_keep(values, batch.top_ks, batch.top_ps)
         mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, indices, keep)
     if any(p > 0.0 for p in batch.min_ps):
-        min_p = torch.tensor(batch.min_ps, device=probs.device)[:, None]
+        min_p = torch.tensor(batch.min_ps, dtype=torch.float32, device=probs.device)[:, None]
         above = probs >= min_p * probs.amax(dim=-1, keepdim=True)
         mask = above if mask is None else mask & above
     return probs if mask is None else probs * mask
 
 
-def draw_uniforms(counts: list[int], generators: list[torch.Generator | None], device: torch.device
-                  ) -> torch.Tensor:
+def draw_uniforms(counts: list[int], generators: list[torch.Generator | None], device: torch.device,
+                  default: torch.Generator | None = None) -> torch.Tensor:
     """counts[i] uniform numbers for row i, concatenated: rows with their own generator draw theirs from it,
-    so a seeded request gives the same tokens whatever else is in the batch."""
-    uniform = torch.rand(sum(counts), device=device)
+    so a seeded request gives the same tokens whatever else is in the batch; the others from default (the engine's
+    generator)."""
+    uniform = torch.rand(sum(counts), dtype=torch.float32, device=device, generator=default)
     start = 0
     for count, generator in zip(counts, generators):
         if generator is not None and count:
-            uniform[start : start + count] = torch.rand(count, generator=generator, device=device)
+            uniform[start : start + count] = torch.rand(count, dtype=torch.float32, generator=generator, device=device)
         start += count
     return uniform
 
@@ -144,9 +147,10 @@ def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return token_ids.squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _sample(probs: torch.Tensor, generators: list[torch.Generator | None],
+            default: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row by inverting its CDF at one uniform number (see draw_uniforms)."""
-    return invert_cdf(probs, draw_uniforms([1] * probs.shape[0], generators, probs.device))
+    return invert_cdf(probs, draw_uniforms([1] * probs.shape[0], generators, probs.device, default))
 
 
 def _gather_logprobs(
@@ -198,7 +202,7 @@ class Sampler:
         greedy_ids = argmax_rows(logits)  # the first of equal maxima; the C++ kernel on the CPU
         if all(t == 0.0 for t in batch.temperatures):
             return greedy_ids, None
-        temperatures = torch.tensor(batch.temperatures, device=logits.device)
+        temperatures = torch.tensor(batch.temperatures, dtype=torch.float32, device=logits.device)
         scaled = logits / temperatures.clamp_min(1e-5)[:, None]
         return greedy_ids, filter_probs(torch.softmax(scaled, dim=-1), batch)
 
@@ -208,8 +212,8 @@ class Sampler:
         greedy_ids, probs = self.distributions(logits, batch)  # logits: [num_rows, vocab] fp32
         token_ids = greedy_ids
         if probs is not None:
-            temperatures = torch.tensor(batch.temperatures, device=logits.device)
-            token_ids = torch.where(temperatures == 0.0, greedy_ids, _sample(probs, batch.generators))
+            temperatures = torch.tensor(batch.temperatures, dtype=torch.float32, device=logits.device)
+            token_ids = torch.where(temperatures == 0.0, greedy_ids, _sample(probs, batch.generators, batch.generator))
         logprobs = None
         if any(k is not None for k in batch.num_logprobs):
             logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)

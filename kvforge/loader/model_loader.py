@@ -115,21 +115,16 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
                         else safetensors_weight_bytes(safetensors_files(path), dtype))
         check_fits(path.name, weight_bytes, kv_cache_bytes)
         arena = PanelArena.for_model(weight_bytes, huge_pages)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters are created in the run dtype; rope tables stay fp32
-    try:
-        with torch.device(device):
-            model = model_class(hf_config)
-            if arena is not None:
-                pack_into(model, arena)
-            if quant_config is not None:
-                quantize_model(model, quant_config, from_float)
-            if keep_gguf:
-                keep_16bit(model, checkpoint.half_dtypes, vocab=config.quantize_lm_head)
-                weights = keep_gguf_quantized(model, checkpoint.tensors, checkpoint.quantized,
-                                              checkpoint.quantized_layouts, vocab=config.quantize_lm_head)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with torch.device(device):
+        model = model_class(hf_config, dtype)  # parameters in the run dtype; rope tables stay float32
+        if arena is not None:
+            pack_into(model, arena)
+        if quant_config is not None:
+            quantize_model(model, quant_config, from_float)
+        if keep_gguf:
+            keep_16bit(model, checkpoint.half_dtypes, vocab=config.quantize_lm_head)
+            weights = keep_gguf_quantized(model, checkpoint.tensors, checkpoint.quantized,
+                                          checkpoint.quantized_layouts, vocab=config.quantize_lm_head)
     if weights is None:
         weights = iterate_safetensors(safetensors_files(path), dtype)
         if quant_config is not None:

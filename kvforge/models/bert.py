@@ -38,9 +38,10 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     hidden_act: str
+    dtype: torch.dtype = torch.float32  # of the parameters (the run dtype)
 
     @classmethod
-    def from_hf(cls, hf: dict) -> BertConfig:
+    def from_hf(cls, hf: dict, dtype: torch.dtype = torch.float32) -> BertConfig:
         position_type = hf.get("position_embedding_type", "absolute")
         if position_type != "absolute":
             raise ValueError(f"BERT position_embedding_type {position_type!r} is not supported (only 'absolute')")
@@ -49,7 +50,7 @@ class BertConfig:
             raise ValueError(f"BERT hidden_act {hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
         return cls(hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"],
                    hf["num_attention_heads"], hf.get("max_position_embeddings", 512), hf.get("type_vocab_size", 2),
-                   hf.get("layer_norm_eps", 1e-12), hidden_act)
+                   hf.get("layer_norm_eps", 1e-12), hidden_act, dtype)
 
 
 class BertEmbeddings(nn.Module):
@@ -57,10 +58,10 @@ class BertEmbeddings(nn.Module):
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position, cfg.hidden_size)
-        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        self.position_embeddings = nn.Embedding(cfg.max_position, cfg.hidden_size, dtype=cfg.dtype)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
@@ -72,13 +73,13 @@ class BertLayer(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.head_dim = cfg.hidden_size // cfg.num_heads
-        self.qkv = Linear(cfg.hidden_size, [cfg.hidden_size] * 3, bias=True)
+        self.qkv = Linear(cfg.hidden_size, [cfg.hidden_size] * 3, bias=True, dtype=cfg.dtype)
         self.attn = Attention(cfg.num_heads, cfg.num_heads, self.head_dim)
-        self.attn_out = Linear(cfg.hidden_size, [cfg.hidden_size], bias=True)
-        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.up = Linear(cfg.hidden_size, [cfg.intermediate_size], bias=True)
-        self.down = Linear(cfg.intermediate_size, [cfg.hidden_size], bias=True)
-        self.out_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn_out = Linear(cfg.hidden_size, [cfg.hidden_size], bias=True, dtype=cfg.dtype)
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
+        self.up = Linear(cfg.hidden_size, [cfg.intermediate_size], bias=True, dtype=cfg.dtype)
+        self.down = Linear(cfg.intermediate_size, [cfg.hidden_size], bias=True, dtype=cfg.dtype)
+        self.out_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=cfg.dtype)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, kv_cache: None, metadata: WholeSequenceMetadata) -> torch.Tensor:
@@ -106,9 +107,10 @@ class BertModel(nn.Module):
     is_pooling_only = True
     takes_token_types = True  # forward reads each token's type (0 for a single text)
 
-    def __init__(self, hf_config: dict) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: of the parameters (the run dtype)."""
         super().__init__()
-        self.config = cfg = BertConfig.from_hf(hf_config)
+        self.config = cfg = BertConfig.from_hf(hf_config, dtype)
         self.embeddings = BertEmbeddings(cfg)
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
 
@@ -159,10 +161,10 @@ class BertClassifierHead(nn.Module):
     """BERT's pooler (dense, tanh) on the CLS token's hidden state, then the classifier: [num_seqs, hidden] ->
     [num_seqs, num_labels] logits."""
 
-    def __init__(self, hidden_size: int, num_labels: int) -> None:
+    def __init__(self, hidden_size: int, num_labels: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.dense = nn.Linear(hidden_size, hidden_size)
-        self.out = nn.Linear(hidden_size, num_labels)
+        self.dense = nn.Linear(hidden_size, hidden_size, dtype=dtype)
+        self.out = nn.Linear(hidden_size, num_labels, dtype=dtype)
 
     def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.dense(cls_hidden)))
@@ -178,9 +180,9 @@ class BertForSequenceClassification(BertModel):
     pooled at its CLS token, then `classifier` (BertClassifierHead). One logit is a relevance score (sigmoid); more
     are class probabilities (softmax)."""
 
-    def __init__(self, hf_config: dict) -> None:
-        super().__init__(hf_config)
-        self.classifier = BertClassifierHead(self.config.hidden_size, num_labels(hf_config))
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(hf_config, dtype)
+        self.classifier = BertClassifierHead(self.config.hidden_size, num_labels(hf_config), dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The encoder's tensors as BertModel loads them; the pooler's and classifier's into the head."""

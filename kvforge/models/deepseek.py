@@ -64,7 +64,7 @@ class DeepseekV2ForCausalLM(MoEModelMixin, LlamaForCausalLM):
 
     def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:
         dims = mla_dims(hf_config, self.config)
-        attn = MultiHeadLatentAttention(dims, self.rotary)
+        attn = MultiHeadLatentAttention(dims, self.rotary, self.config.dtype)
         if layer_idx < (hf_config.get("first_k_dense_replace") or 0):
             return LlamaDecoderLayer(self.config, self.rotary, self_attn=attn)
         moe_intermediate = hf_config["moe_intermediate_size"]

@@ -31,8 +31,8 @@ class GemmaMLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, [cfg.hidden_size])
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, dtype=cfg.dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, [cfg.hidden_size], dtype=cfg.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -46,10 +46,10 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = GemmaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -69,12 +69,13 @@ class Gemma2ForCausalLM(WindowedLayersMixin, LlamaForCausalLM):
 
     window_pattern = 2  # one global layer in this many (when config.json has no layer_types)
 
-    def __init__(self, hf_config: dict) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: of the parameters (the run dtype)."""
         if hf_config.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"unsupported hidden_activation {hf_config['hidden_activation']!r} for Gemma")
         self.init_windows(hf_config)
         self.final_softcap = hf_config.get("final_logit_softcapping") or 0.0
-        super().__init__({"tie_word_embeddings": True, **hf_config})
+        super().__init__({"tie_word_embeddings": True, **hf_config}, dtype)
 
     def local_rotary(self, hf_config: dict) -> RotaryEmbedding:
         """The rotary embedding of the sliding-window layers (Gemma 2: the global layers' own)."""

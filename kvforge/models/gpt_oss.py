@@ -31,7 +31,7 @@ from kvforge.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCaus
 from kvforge.models.windowed import WindowedLayersMixin
 
 
-def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
@@ -44,7 +44,8 @@ class GptOssExperts(nn.Module):
     (down_proj_bias only on rank 0: the ranks' outputs are summed)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float,
-                 mxfp4: bool) -> None:  # fmt: skip
+                 mxfp4: bool, dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+        """dtype: of the float experts (the run dtype)."""
         super().__init__()
         state = get_parallel_state()
         self.tp_size, self.tp_rank = state.tp_size, state.tp_rank
@@ -61,8 +62,8 @@ class GptOssExperts(nn.Module):
             self.down_proj_blocks = _param(num_experts, hidden_size, inter // BLOCK_SIZE, 16, dtype=torch.uint8)
             self.down_proj_scales = _param(num_experts, hidden_size, inter // BLOCK_SIZE, dtype=torch.uint8)
         else:
-            self.gate_up_proj = _param(num_experts, 2 * inter, hidden_size)
-            self.down_proj = _param(num_experts, hidden_size, inter)
+            self.gate_up_proj = _param(num_experts, 2 * inter, hidden_size, dtype=dtype)
+            self.down_proj = _param(num_experts, hidden_size, inter, dtype=dtype)
         self.gate_up_proj_bias = _param(num_experts, 2 * inter, dtype=torch.float32)
         self.down_proj_bias = _param(num_experts, hidden_size, dtype=torch.float32)
 
@@ -124,21 +125,22 @@ class GptOssForCausalLM(WindowedLayersMixin, LlamaForCausalLM):
 
     qkv_bias = True
 
-    def __init__(self, hf_config: dict) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: of the parameters (the run dtype; the router, biases and sinks stay float32)."""
         self.init_windows(hf_config)
-        super().__init__(hf_config)
+        super().__init__(hf_config, dtype)
 
     def make_layer(self, hf_config: dict, layer_idx: int) -> nn.Module:
         cfg = self.config
         attn = LlamaAttention(cfg, self.rotary)
-        attn.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, [cfg.hidden_size], bias=True)
+        attn.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, [cfg.hidden_size], bias=True, dtype=cfg.dtype)
         attn.attn = self.windowed_attention(layer_idx, attn.attn.num_heads, attn.attn.num_kv_heads, use_sinks=True)
         num_experts = hf_config["num_local_experts"]
         routing = RoutingConfig(num_experts=num_experts, top_k=hf_config["num_experts_per_tok"], renormalize=True,
                                 logit_bias=True)  # fmt: skip
         experts = GptOssExperts(num_experts, cfg.hidden_size, cfg.intermediate_size,
                                 hf_config.get("swiglu_alpha", 1.702), hf_config.get("swiglu_limit", 7.0),
-                                is_mxfp4(hf_config))  # fmt: skip
+                                is_mxfp4(hf_config), cfg.dtype)  # fmt: skip
         return LlamaDecoderLayer(
             cfg, self.rotary, self_attn=attn, mlp=SparseMoeBlock(Router(cfg.hidden_size, routing), experts)
         )

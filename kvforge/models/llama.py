@@ -37,9 +37,11 @@ class LlamaConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    dtype: torch.dtype = torch.float32  # of the parameters (the run dtype); the rope tables stay float32
 
     @classmethod
-    def from_hf(cls, hf: dict, qkv_bias: bool = False, qk_norm: bool = False) -> LlamaConfig:
+    def from_hf(cls, hf: dict, qkv_bias: bool = False, qk_norm: bool = False,
+                dtype: torch.dtype = torch.float32) -> LlamaConfig:
         num_heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or {}  # newer transformers keep theta and scaling here
         return cls(
@@ -57,6 +59,7 @@ class LlamaConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             qkv_bias=qkv_bias or hf.get("attention_bias", False),
             qk_norm=qk_norm,
+            dtype=dtype,
         )
 
 
@@ -88,10 +91,10 @@ class LlamaAttention(nn.Module):
         full_kv = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.num_heads * cfg.head_dim, full_kv, full_kv], bias=cfg.qkv_bias,
-            shard_pieces=[(tp.tp_size, tp.tp_rank), kv_pieces, kv_pieces])
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, [cfg.hidden_size])
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+            shard_pieces=[(tp.tp_size, tp.tp_rank), kv_pieces, kv_pieces], dtype=cfg.dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, [cfg.hidden_size], dtype=cfg.dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.rotary = rotary  # NOTE: the model's one module, shared by every layer: one cos/sin table
         self.attn = Attention(num_heads, num_kv_heads, cfg.head_dim)
 
@@ -115,8 +118,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, [cfg.hidden_size])
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, dtype=cfg.dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, [cfg.hidden_size], dtype=cfg.dtype)
         self.ops = current_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,8 +136,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary) if self_attn is None else self_attn
         self.mlp = LlamaMLP(cfg) if mlp is None else mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -173,23 +176,26 @@ class LlamaForCausalLM(nn.Module):
     takes_token_types = False  # a pair's token types (BERT's) mean nothing to a decoder
     has_lm_head = True
 
-    def __init__(self, hf_config: dict) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: of the parameters (the run dtype)."""
         super().__init__()
-        cfg = LlamaConfig.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        cfg = LlamaConfig.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, dtype=dtype)
         self.config = cfg
         state = get_parallel_state()
         self.start_layer, self.end_layer = state.layer_range(cfg.num_layers)
         self.rotary = self.make_rotary(hf_config)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if state.is_first_stage else None
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+                             if state.is_first_stage else None)
         self.layers = nn.ModuleList(
             self.make_layer(hf_config, i) if self.start_layer <= i < self.end_layer else nn.Identity()
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if state.is_last_stage else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if state.is_last_stage else None
         self.lm_head = None
         if state.is_last_stage and self.has_lm_head:
             tied_here = cfg.tie_word_embeddings and self.embed_tokens is not None
-            self.lm_head = self.embed_tokens if tied_here else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = (self.embed_tokens if tied_here
+                            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype))
 
     def make_rotary(self, hf_config: dict) -> RotaryEmbedding:
         """The rotary embedding every layer shares (self.config is set)."""
@@ -316,11 +322,11 @@ class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
     has_lm_head = False
     is_pooling_only = True
 
-    def __init__(self, hf_config: dict) -> None:
-        super().__init__(hf_config)
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(hf_config, dtype)
         self.head_token_ids: list[int] | None = hf_config.get("classifier_from_token_ids")
         num_labels = self._num_labels(hf_config)
-        self.score = Linear(self.config.hidden_size, [num_labels])
+        self.score = Linear(self.config.hidden_size, [num_labels], dtype=dtype)
 
     def _num_labels(self, hf_config: dict) -> int:
         if self.head_token_ids is not None:

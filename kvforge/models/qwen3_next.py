@@ -54,10 +54,10 @@ class GatedAttention(nn.Module):
         # NOTE: per head [query, gate] rows: a rank's rows are its heads' queries and gates
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [2 * cfg.num_heads * head_dim, full_kv, full_kv], bias=cfg.qkv_bias,
-            shard_pieces=[(tp.tp_size, tp.tp_rank), kv_pieces, kv_pieces])
-        self.o_proj = RowParallelLinear(cfg.num_heads * head_dim, [cfg.hidden_size])
-        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+            shard_pieces=[(tp.tp_size, tp.tp_rank), kv_pieces, kv_pieces], dtype=cfg.dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * head_dim, [cfg.hidden_size], dtype=cfg.dtype)
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, cfg.dtype)
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, cfg.dtype)
         self.rotary = rotary
         self.attn = Attention(heads, kv_heads, head_dim)
 
@@ -89,7 +89,8 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     grouped_projections = True
     checkpoint_renames = {".shared_expert.": ".shared_experts.", ".linear_attn.": ".self_attn."}
 
-    def __init__(self, hf_config: dict) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: of the parameters (the run dtype)."""
         hf_config = self.text_config(hf_config)
         self.linear_config = GatedDeltaNetConfig.from_hf(hf_config)
         num_layers = hf_config["num_hidden_layers"]
@@ -97,7 +98,7 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
             "full_attention" if (i + 1) % hf_config.get("full_attention_interval", 4) == 0 else "linear_attention"
             for i in range(num_layers)]  # fmt: skip
         self._check_stages(num_layers)
-        super().__init__(hf_config)
+        super().__init__(hf_config, dtype)
         # this stage's layers (every layer without pipeline parallelism)
         stage = range(self.start_layer, self.end_layer)
         full = [i for i in stage if self.layer_types[i] == "full_attention"]
@@ -140,7 +141,7 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
         if self.layer_types[layer_idx] == "full_attention":
             mixer = GatedAttention(cfg, self.rotary, self.rotary_dim)
         else:
-            mixer = GatedDeltaNet(self.linear_config, self.grouped_projections)
+            mixer = GatedDeltaNet(self.linear_config, self.grouped_projections, cfg.dtype)
         if not is_sparse_layer(hf_config, layer_idx):
             return LlamaDecoderLayer(cfg, self.rotary, self_attn=mixer, mlp=LlamaMLP(cfg))
         routing = RoutingConfig(num_experts=num_experts(hf_config), top_k=hf_config["num_experts_per_tok"],

@@ -154,13 +154,8 @@ def checkpoint_format(hf_config: dict) -> str:
 def build_model_shape(name: str, hf_config: dict) -> ModelShape:
     """Instantiate the engine's model class on the meta device and group its parameters."""
     model_class = resolve_model_class(hf_config)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # as the loader does: what stays float32 is meant to
-    try:
-        with torch.device("meta"):
-            model = model_class(hf_config)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with torch.device("meta"):
+        model = model_class(hf_config, torch.bfloat16)  # as the loader builds it: what stays float32 is meant to
     cfg = model.config
     groups = _group_parameters(model, cfg.num_layers, cfg.num_heads * cfg.head_dim)
     layer_buffers = [0] * cfg.num_layers

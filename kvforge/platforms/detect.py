@@ -56,6 +56,13 @@ class Platform:
         return torch.float8_e4m3fnuz if self.kind == "rocm" and self.arch == "gfx942" else torch.float8_e4m3fn
 
     @property
+    def launch_key(self) -> str:
+        """What a kernel launch reads of the platform (its kind, the arch that picks the tuning table, the warp size
+        and the compute units) as one string, the form a custom op's schema carries: `launch_platform` reads it
+        back."""
+        return f"{self.kind}/{self.arch}/{self.warp_size}/{self.num_compute_units}"
+
+    @property
     def device_type(self) -> str:
         """The torch device type: ROCm devices are addressed as "cuda" too."""
         return "cuda" if self.is_gpu else "cpu"
@@ -114,6 +121,16 @@ def detect_platform(device_index: int = 0) -> Platform:
 @functools.cache
 def _detected_platform() -> Platform:
     return detect_platform(0)
+
+
+@functools.cache
+def launch_platform(key: str) -> Platform | None:
+    """The platform of a Platform.launch_key (its device name the arch; no memory or peak figures: a launch reads
+    neither); None for "", a launch with no platform given (the current one's)."""
+    if not key:
+        return None
+    kind, arch, warp_size, num_compute_units = key.split("/")
+    return Platform(kind, arch, arch, int(warp_size), int(num_compute_units), 0, None)
 
 
 _pinned: list[Platform] = []

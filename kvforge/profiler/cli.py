@@ -11,7 +11,6 @@ open it as is; ranks/trace.rank<r>.json.gz for the other ranks) and profile.png 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -19,8 +18,7 @@ import torch
 
 from kvforge.benchmarks.workload import add_workload_arguments, workload_from_args
 from kvforge.engine_args import add_engine_arguments, engine_kwargs_from_args
-from kvforge.profiler.ranges import Installed
-from kvforge.profiler.ranks import RANKS_DIR_ENV, profiling_ranks, read_rank
+from kvforge.profiler.ranks import RankProfile, read_rank
 from kvforge.profiler.report import Profile, format_table, write_json
 from kvforge.profiler.roofline import device_peaks
 from kvforge.profiler.session import profile_engine
@@ -54,18 +52,15 @@ def profile_workload(engine_kwargs: dict, workload, concurrency: int, out: Path,
 
     if concurrency < 0:
         raise ValueError(f"--concurrency must be >= 0, got {concurrency}")
-    out.mkdir(parents=True, exist_ok=True)
-    installed = Installed()
     ranks_dir = out / "ranks"
-    profiling_ranks(installed, ranks_dir)
-    try:
-        llm = LLM(**engine_kwargs)
-    finally:
-        installed.remove()
-        os.environ.pop(RANKS_DIR_ENV, None)
+    ranks_dir.mkdir(parents=True, exist_ok=True)
+    llm = LLM(**engine_kwargs)
     engine = llm.engine
     try:
+        # the other ranks (if any) record from here, as this one does from profile_engine's start: the same batches
+        engine.executor.start_profile(RankProfile(ranks_dir))
         timeline = profile_engine(engine, workload, concurrency, out / "trace.json.gz" if trace else None)
+        engine.executor.stop_profile()  # each rank writes its steps and trace
         dtype = engine.runner.dtype
         peaks = device_peaks(engine.device, dtype)
         world = getattr(engine.executor, "world_size", 1)

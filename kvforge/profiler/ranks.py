@@ -1,17 +1,16 @@
 """The other ranks of a tensor/pipeline-parallel engine record their own timelines.
 
-While a profile runs, the distributed executor starts its ranks with `run_profiled_worker` instead of
-`run_worker` (the same function, with a profiler around each rank's batches). Each rank writes its
-steps (one batch each) and its Chrome trace into the folder named by KVFORGE_PROFILE_RANKS, when
-the engine shuts down; the driver reads them back and merges them by batch.
+While a profile runs, the driver hands the engine's executor a `RankProfile` (executor.start_profile), and the
+executor passes it to every other rank's worker (Worker.start_profile), which records its batches (one step each)
+until executor.stop_profile; it then writes its steps and its Chrome trace into the profile's folder, before the
+engine shuts down. The driver reads them back and merges them by batch.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from torch.profiler import profile
@@ -20,48 +19,44 @@ from kvforge.profiler.ranges import Installed, install_collectives, install_runn
 from kvforge.profiler.timeline import StepProfile, step_profiles
 from kvforge.profiler.work import Work, build_inventory
 
-RANKS_DIR_ENV = "KVFORGE_PROFILE_RANKS"
 
+@dataclass(slots=True)
+class RankProfile:
+    """A rank's profiler (a RankProfiler of the executor): its runner's batches ranged, torch.profiler on, from
+    start to stop, then rank<r>.json (its steps) and trace.rank<r>.json.gz written into folder. Made by the driver
+    with only the folder; each rank starts its own copy."""
 
-def run_profiled_worker(rank: int, config, init_method: str, local_rank: int, local_world: int) -> None:
-    """multiproc.run_worker, with this rank's runner profiled from its first batch until it leaves the world."""
-    from kvforge.executor import multiproc
-    from kvforge.profiler.session import activities
+    folder: Path
+    installed: Installed = field(default_factory=Installed)
+    profiler: profile | None = None
 
-    folder = Path(os.environ[RANKS_DIR_ENV])
-    installed = Installed()
-    state: dict = {}
+    def start(self, worker) -> None:
+        from kvforge.profiler.session import activities
 
-    class ProfiledWorker(multiproc.Worker):
-        def init_cache(self, size) -> None:
-            super().init_cache(size)
-            install_runner(installed, self.runner, batch_is_step=True)
-            install_collectives(installed)
-            state["runner"] = self.runner
-            state["profiler"] = profile(activities=activities(self.device))
-            state["profiler"].start()
+        install_runner(self.installed, worker.runner, batch_is_step=True)
+        install_collectives(self.installed)
+        self.profiler = profile(activities=activities(worker.device))
+        self.profiler.start()
 
-    leave_world = multiproc.leave_world
+    def stop(self, worker) -> None:
+        prof, self.profiler = self.profiler, None
+        prof.stop()
+        runner = worker.runner
+        rank = runner.parallel.rank
+        inventory = build_inventory(runner.model, runner.kv_caches, runner.dtype)
+        steps = step_profiles(prof.events(), self.installed.batches, inventory, rank=rank)
+        prof.export_chrome_trace(str(self.folder / f"trace.rank{rank}.json.gz"))
+        (self.folder / f"rank{rank}.json").write_text(json.dumps([asdict(s) for s in steps]))
+        self.installed.remove()
+        # NOTE: a profiler that saw Gloo collectives must be gone before the process group is destroyed
+        del prof
+        gc.collect()
 
-    def write_then_leave() -> None:
-        # NOTE: before the process group goes: a profiler that saw Gloo collectives crashes the exit after it
-        if "profiler" in state:
-            _write_rank(folder, rank, state.pop("profiler"), installed, state["runner"])
-            gc.collect()
-        leave_world()
+    def __getstate__(self) -> dict:
+        return {"folder": self.folder}  # what a rank's copy starts from
 
-    # NOTE: this process is a profiled rank and nothing else, so its executor module may be rewired
-    multiproc.Worker = ProfiledWorker
-    multiproc.leave_world = write_then_leave
-    multiproc.run_worker(rank, config, init_method, local_rank, local_world)
-
-
-def _write_rank(folder: Path, rank: int, prof: profile, installed: Installed, runner) -> None:
-    prof.stop()
-    inventory = build_inventory(runner.model, runner.kv_caches, runner.dtype)
-    steps = step_profiles(prof.events(), installed.batches, inventory, rank=rank)
-    prof.export_chrome_trace(str(folder / f"trace.rank{rank}.json.gz"))
-    (folder / f"rank{rank}.json").write_text(json.dumps([asdict(s) for s in steps]))
+    def __setstate__(self, state: dict) -> None:
+        self.folder, self.installed, self.profiler = state["folder"], Installed(), None
 
 
 def read_rank(folder: Path, rank: int, skip_batches: int) -> list[StepProfile]:
@@ -78,15 +73,6 @@ def read_rank(folder: Path, rank: int, skip_batches: int) -> list[StepProfile]:
         item["index"] = len(steps)
         steps.append(StepProfile(**item))
     return steps
-
-
-def profiling_ranks(installed: Installed, folder: Path) -> None:
-    """Make the engine about to be built start its other ranks profiled (undone by installed.remove())."""
-    from kvforge.executor import multiproc
-
-    folder.mkdir(parents=True, exist_ok=True)
-    os.environ[RANKS_DIR_ENV] = str(folder)  # the ranks are spawned with this process's environment
-    installed.patch(multiproc, "run_worker", run_profiled_worker)
 
 
 def world_size(engine_kwargs: dict) -> int:

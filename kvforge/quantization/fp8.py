@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kvforge.kernels.ops import current_ops
 from kvforge.layers.linear_kernel import KernelModule
-from kvforge.platforms import current_platform
+from kvforge.platforms import Platform, current_platform
 from kvforge.quantization.linear_method import LinearMethod, drop_parameters
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class Fp8ScaledMMKernel(Fp8DequantKernel):
     def prepare(self, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
         codes, scales = weights
         # NOTE: the MI300 multiplies its own e4m3 variant (Platform.fp8_dtype), not the checkpoints' e4m3fn
-        if current_platform().fp8_dtype == torch.float8_e4m3fnuz:
+        if _building_platform().fp8_dtype == torch.float8_e4m3fnuz:
             codes, scales = to_fnuz(codes, scales)
         super().prepare((codes, scales))
         self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32), persistent=False)
@@ -106,10 +107,16 @@ class Fp8ScaledMMKernel(Fp8DequantKernel):
         return self.biased(fp8_scaled_mm(x, self.codes, self.scales, self.unit_scale))
 
 
+def _building_platform() -> Platform:
+    """The platform of the engine whose model is being built (its op table's), else the current one."""
+    platform = current_ops().platform
+    return platform if platform is not None else current_platform()
+
+
 def select_fp8_kernel(device: torch.device, out_features: int, in_features: int) -> Fp8DequantKernel:
     """The layer's kernel: _scaled_mm where the device multiplies fp8 and the shape suits it (both widths
     multiples of 16), else dequantize + F.linear."""
-    if device.type != "cuda" or out_features % 16 or in_features % 16 or not current_platform().has_native_fp8:
+    if device.type != "cuda" or out_features % 16 or in_features % 16 or not _building_platform().has_native_fp8:
         return Fp8DequantKernel()
     return Fp8ScaledMMKernel()
 

@@ -67,7 +67,8 @@ class RowShards:
         rows, in_features = sum(shard.codes.shape[0] for shard in self.shards), self.shards[0].codes.shape[1]
         groups = (rows, in_features // self.group_size)
         return QuantizedWeight(torch.empty(rows, in_features, dtype=torch.uint8, device="meta"),
-                               torch.empty(groups, device="meta"), torch.empty(groups, device="meta"), self.bits)
+                               torch.empty(groups, dtype=torch.float32, device="meta"),
+                               torch.empty(groups, dtype=torch.float32, device="meta"), self.bits)
 
     def stacked(self) -> QuantizedWeight:
         """The one QuantizedWeight [sum N_s, K] in groups of group_size (a copy)."""

@@ -103,7 +103,7 @@ def rejection_sample(logits: torch.Tensor, batch: SamplingBatch, drafts: DraftBa
     greedy, probs = Sampler.distributions(logits, batch)
     temperatures = torch.tensor(batch.temperatures, device=device)
     num_rows, num_requests = logits.shape[0], len(drafts.num_draft_tokens)
-    uniform = draw_uniforms([k + 1 for k in drafts.num_draft_tokens], generators, device)
+    uniform = draw_uniforms([k + 1 for k in drafts.num_draft_tokens], generators, device, batch.generator)
     is_draft = draft_of_row >= 0
     draft_index = torch.cumsum(is_draft.long(), 0) - 1  # row -> index into draft_token_ids / draft_probs
     q_of_draft = torch.ones(num_rows, device=device)

@@ -21,8 +21,10 @@ def expand_rows(batch: SamplingBatch, drafts: list[list[int]], min_tokens: list[
         values = getattr(batch, field.name)
         if isinstance(values, list):
             fields[field.name] = [v for v, count in zip(values, counts) for _ in range(count)]
-        elif values is not None:  # the grammar bitmask [rows, words] (constrained requests have no drafts)
+        elif isinstance(values, torch.Tensor):  # the grammar bitmask [rows, words] (constrained requests: no drafts)
             fields[field.name] = values.repeat_interleave(torch.tensor(counts, device=values.device), dim=0)
+        else:  # the engine's generator
+            fields[field.name] = values
     fields["output_token_ids"] = [out + d[:j] for out, d in zip(batch.output_token_ids, drafts)
                                   for j in range(len(d) + 1)]
     fields["banned_token_ids"] = [banned if len(out) + j < least else []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import subprocess
 import sys
 
@@ -14,6 +16,7 @@ from kvforge.kernels.cpu.layer_ops import rms_norm_cpu
 from kvforge.kernels.cpu.paged_attention import paged_attention_cpu
 from kvforge.kernels.rms_norm import rms_norm_ref
 from kvforge.platforms import backend as backend_module
+from kvforge.platforms import current_platform
 from tests.kernels.attention_batches import make_paged_batch
 
 
@@ -29,11 +32,31 @@ def test_cpu_default_binds_the_torch_paths_directly() -> None:
 
 def test_op_table_per_backend(device: torch.device) -> None:
     triton_ops, torch_ops = ops.op_table("triton"), ops.op_table("torch")
-    assert triton_ops.paged_attention is torch.ops.kvforge.paged_attention
+    # bound to the platform they were made for (the current one here): its launches read that one's tiles
+    assert triton_ops.platform == current_platform() == torch_ops.platform
+    assert triton_ops.paged_attention.func is torch.ops.kvforge.paged_attention
+    assert triton_ops.paged_attention.keywords == {"platform": current_platform().launch_key}
     assert torch_ops.rms_norm in (rms_norm_ref, rms_norm_cpu)
     x = torch.randn(3, 64, device=device)
     weight = torch.randn(64, device=device)
     torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+
+
+def test_every_op_that_takes_a_platform_is_bound_to_the_tables() -> None:
+    """An engine's Triton table calls each custom op whose schema takes a platform with its platform's launch key, so
+    that no launch falls back to the process's platform."""
+    table = ops.op_table("triton")
+    for field in dataclasses.fields(ops.OpTable):
+        op = getattr(ops.TRITON_OPS, field.name)
+        if isinstance(op, torch._ops.OpOverloadPacket):  # a custom op, or a function in front of one
+            takes_platform = any(arg.name == "platform" for arg in op.default._schema.arguments)
+        elif callable(op):
+            takes_platform = "platform" in inspect.signature(op).parameters
+        else:
+            continue
+        bound = getattr(table, field.name)
+        assert getattr(bound, "keywords", {}).get("platform") == (
+            current_platform().launch_key if takes_platform else None), field.name
 
 
 def test_layers_capture_the_table_they_are_built_with() -> None:
