@@ -136,6 +136,8 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
         dense = functools.partial(_read_dense, reader, dtype)
         extra = spec.regrouping.regroup(reader, regrouped, config, keep_quantized, dense)
         readers.update(extra.readers)
+        quantized.update(extra.quantized)
+        quantized_layouts.update(extra.layouts)
         config.update(extra.config)
         kept_bytes, dense_numel = kept_bytes + extra.kept_bytes, dense_numel + extra.dense_numel
     for type_name, tensors in widened.items():
