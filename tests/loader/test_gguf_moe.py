@@ -38,25 +38,15 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (30, 9, 21)]
 
 
-def _converted(arch: str, folder: Path):
-    from tests.models.test_moe_vs_transformers import build_moe_model
-
-    model = build_moe_model(arch, save_tokenizer(folder), **_OVERRIDES.get(arch, {}))
-    model.save_pretrained(folder)
-    return model, convert(folder, "f32", _PRE[arch])
-
-
-@pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory):
-    return _converted("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
-
-
 @pytest.fixture(scope="module", params=["qwen3_moe", pytest.param("qwen2_moe", marks=pytest.mark.slow),
                                         pytest.param("mixtral", marks=pytest.mark.slow)])  # fmt: skip
 def moe(request, tmp_path_factory):
-    if request.param == "qwen3_moe":
-        return request.getfixturevalue("qwen3_moe")
-    return _converted(request.param, tmp_path_factory.mktemp(request.param))
+    from tests.models.test_moe_vs_transformers import build_moe_model
+
+    folder = tmp_path_factory.mktemp(request.param)
+    model = build_moe_model(request.param, save_tokenizer(folder), **_OVERRIDES.get(request.param, {}))
+    model.save_pretrained(folder)
+    return model, convert(folder, "f32", _PRE[request.param])
 
 
 def test_moe_gguf_matches_transformers(moe):
@@ -91,11 +81,12 @@ def _rounded_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
 
 
 @pytest.mark.skipif(not panels_available(), reason="the panel kernel needs AVX-512 VNNI")
-def test_q4_0_experts_stay_in_their_blocks(qwen3_moe):
-    """llama-quantize's Q4_0 file: every layer's experts are panel kernels (no float experts), their bytes about
-    the file's; each layer's experts against the dequantized ones (inputs rounded as the kernel does); the model's
-    logits and greedy tokens against the dequantized model's."""
-    model, f32_path = qwen3_moe
+def test_q4_0_experts_stay_in_their_blocks(moe):
+    """llama-quantize's Q4_0 file (Qwen2-MoE's shared-expert gate written as a vector, its shared down projection,
+    whose rows are no multiple of 32, as F16): every layer's experts are panel kernels (no float experts), their
+    bytes about the file's; each layer's experts against the dequantized ones (inputs rounded as the kernel does);
+    the model's logits and greedy tokens against the dequantized model's."""
+    model, f32_path = moe
     path = _quantize(f32_path, "Q4_0")
     experts_in_file = [t for t in GGUFFile(str(path)).tensors if "_exps" in t.name]
     assert {t.tensor_type.name for t in experts_in_file} == {"Q4_0"}
@@ -112,7 +103,7 @@ def test_q4_0_experts_stay_in_their_blocks(qwen3_moe):
 
     torch.manual_seed(0)
     x = torch.randn(12, model.config.hidden_size)
-    ids = torch.stack([torch.randperm(model.config.num_experts)[:2] for _ in range(12)])
+    ids = torch.stack([torch.randperm(kept_layers[0].mlp.experts.num_experts)[:2] for _ in range(12)])
     weights = torch.rand(12, 2)
     for ours, theirs in zip(kept_layers, dense_layers):
         reference = _rounded_moe(x, theirs.mlp.experts.gate_up_proj, theirs.mlp.experts.down_proj, weights, ids)
