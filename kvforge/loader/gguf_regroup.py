@@ -33,11 +33,11 @@ class Regrouped:
     """The checkpoint's tensors regrouped from the file's, and what they imply."""
 
     readers: dict[str, Reader]  # HF name -> its reader
-    quantized: dict[str, KeptReader] = field(default_factory=dict)  # HF weight name -> its kept blocks' reader
-    layouts: dict[str, BlockLayout] = field(default_factory=dict)  # HF weight name (of `quantized`) -> block layout
     config: dict[str, Any] = field(default_factory=dict)  # config.json entries they imply
     kept_bytes: int = 0  # of the tensors kept in their file's quantized type
     dense_numel: int = 0  # weights of the tensors read as floats
+    quantized: dict[str, KeptReader] = field(default_factory=dict)  # HF weight name -> its kept blocks' reader
+    layouts: dict[str, BlockLayout] = field(default_factory=dict)  # HF weight name (of `quantized`) -> block layout
 
 
 @dataclass(frozen=True, slots=True)
