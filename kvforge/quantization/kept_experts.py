@@ -35,6 +35,9 @@ class KeptExperts(nn.Module):
         super().__init__()
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
 
+    # NOTE: each expert's token count is a host sync, which a compiled decode step cannot trace: the engine runs such a
+    # model's decode steps eagerly (with a warning) rather than read every expert's weights each step
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_moe_per_expert(x, topk_weights, topk_ids, [k.apply for k in self.gate_up],
                                     [k.apply for k in self.down])  # fmt: skip
