@@ -6,6 +6,9 @@ Implementations, all with one contract (kvforge/kernels/fused_moe.py):
     fused         the CPU path: pairs sorted by expert, two grouped matmuls (fused_moe_cpu)
     sorted-slices pairs sorted by expert, one matmul pair per expert that got tokens (a candidate)
     gather-bmm    each pair's expert weights gathered, one batched matmul (a candidate)
+    kept-q8, kept-q4  each expert's weights quantized (round to nearest, 8 or 4 bits, groups of 32: as a GGUF file's
+                  Q8_0 and Q4_0 experts kept) on the weight-only kernels, per expert (fused_moe_per_expert, as a
+                  GGUF MoE runs on the CPU); checked against the float loop within their rounding
 
 Each is timed (median of --iters runs after one warm-up) at every token count of --tokens, on three
 layer shapes in fp32: Mixtral-like (8 experts, top-2), DeepSeek-V2-like (64 small experts, top-6) and
@@ -27,7 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.activation import silu_and_mul_ref
-from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_ref
+from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_per_expert, fused_moe_ref
+from kvforge.kernels.ops import current_ops
+from kvforge.quantization.quantized_weight import quantize_rtn
+from kvforge.quantization.weight_only_kernels import select_kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +82,31 @@ def gather_bmm(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return (down * topk_weights.reshape(-1, 1)).view(hidden.shape[0], top_k, -1).sum(1)
 
 
+def kept(bits: int) -> Callable[..., torch.Tensor]:
+    """The experts quantized to `bits` (symmetric, groups of 32) on the weight-only kernels, each its own multiply."""
+    cache: dict[int, tuple[list, list]] = {}  # id(w13) -> the experts' kernels (prepared once per layer shape)
+
+    def run(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+        if id(w13) not in cache:
+            cache.clear()
+            ops = current_ops()
+            cache[id(w13)] = tuple([select_kernel(quantize_rtn(w, bits, 32, sym=True), w.device, w.dtype, ops).apply
+                                    for w in weights] for weights in (w13, w2))  # fmt: skip
+        gate_up, down = cache[id(w13)]
+        return fused_moe_per_expert(hidden, topk_weights, topk_ids, gate_up, down)
+
+    return run
+
+
 IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "loop": fused_moe_ref,
     "fused": fused_moe_cpu,
     "sorted-slices": sorted_slices,
     "gather-bmm": gather_bmm,
+    "kept-q8": kept(8),
+    "kept-q4": kept(4),
 }
+TOLERANCE = {"kept-q8": 3e-2, "kept-q4": 2e-1}  # of the largest output: the weights' and inputs' rounding
 GATHER_BMM_MAX_BYTES = 1024**3  # gather-bmm copies pairs x expert weights: skipped past this
 
 
@@ -121,7 +146,11 @@ def bench_layer(shape: LayerShape, token_counts: list[int], iters: int) -> list[
             gathered_bytes = num_tokens * shape.top_k * 3 * shape.hidden * shape.intermediate * 4
             if name == "gather-bmm" and gathered_bytes > GATHER_BMM_MAX_BYTES:
                 continue
-            torch.testing.assert_close(fn(*args), expected, atol=1e-3, rtol=1e-3)
+            if name in TOLERANCE:
+                error = (fn(*args) - expected).abs().max() / expected.abs().max()
+                assert error <= TOLERANCE[name], f"{name}: {error:.3g} of the largest output"
+            else:
+                torch.testing.assert_close(fn(*args), expected, atol=1e-3, rtol=1e-3)
             timings[name] = _median_ms(lambda fn=fn, args=args: fn(*args), iters)
         rows += [Row(shape.name, num_tokens, name, ms, timings["loop"] / ms) for name, ms in timings.items()]
     return rows

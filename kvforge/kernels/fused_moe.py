@@ -8,10 +8,14 @@ by its routing weight and summed per token, in one pass over the experts.
 Three implementations with one contract: the readable reference (a loop over every expert, fp32), the
 CPU path (pairs sorted by expert, two `grouped_mm` calls: no Python loop, no host sync) and the Triton
 kernel (a grouped GEMM whose programs each own BLOCK_M rows of one expert). Each takes the experts' LoRA
-slots (kernels/moe_lora.py), or None: a pair adds its adapter's update to both products.
+slots (kernels/moe_lora.py), or None: a pair adds its adapter's update to both products. Experts whose weights are
+kept in another layout (a GGUF file's blocks, packed for the panel kernel) run fused_moe_per_expert: each expert's
+own multiplies on the tokens routed to it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +71,35 @@ def fused_moe_ref(
             a2, b2 = lora.a2[:, expert].float(), lora.b2[:, expert].float()
             down = lora_expand_ref(lora_shrink_ref(act, a2, slots), b2, slots, down)
         out.index_add_(0, tokens, down * topk_weights[tokens, top, None].float())
+    return out.to(hidden.dtype)
+
+
+def fused_moe_per_expert(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    down: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+) -> torch.Tensor:
+    """fused_moe_ref with expert e's products made by its own multiplies: gate_up[e](x [M, hidden]) -> [M, 2 * inter]
+    ([gate | up] columns) and down[e](act [M, inter]) -> [M, hidden]. The pairs are sorted by expert and each
+    expert's tokens gathered into one multiply (a host sync: the expert's token count)."""
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(ids, stable=True)  # pairs of other ranks' experts (-1) first
+    valid = ids >= 0
+    counts = torch.bincount(ids[valid], minlength=len(gate_up)).tolist()
+    weights = topk_weights.reshape(-1).float()
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    start = ids.numel() - int(valid.sum())
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        tokens = pairs // top_k
+        act = silu_and_mul_ref(gate_up[expert](hidden[tokens]))
+        out.index_add_(0, tokens, down[expert](act).float() * weights[pairs, None])
     return out.to(hidden.dtype)
 
 

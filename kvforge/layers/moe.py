@@ -18,6 +18,7 @@ from torch import nn
 from kvforge.distributed.communicator import tp_all_reduce
 from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.kernels.ops import current_ops
+from kvforge.layers.linear_kernel import WeightArena
 from kvforge.layers.moe_router import Router
 
 _PROJ_SHARD = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}  # Mixtral names gate, up, down w1, w3, w2
@@ -52,6 +53,10 @@ class FusedMoE(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, inter, dtype=dtype), requires_grad=False)
         self.lora: nn.Module | None = None  # LoRA adapters' slots of these experts (lora/experts.py)
+        # The experts kept in a quantized layout, in place of gate_up_proj and down_proj (called as
+        # kept(x, topk_weights, topk_ids); quantization/kept_experts.py), and where it packs them (set by the loader)
+        self.kept: nn.Module | None = None
+        self.weight_arena: WeightArena | None = None
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
         """One expert's checkpoint matrix: proj is gate_proj/w1 [inter, hidden], up_proj/w3 [inter, hidden]
@@ -86,6 +91,8 @@ class FusedMoE(nn.Module):
         if self.expert_parallel:
             local = topk_ids - self.first_expert
             topk_ids = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
+        if self.kept is not None:
+            return self.kept(x, topk_weights, topk_ids)
         lora = None if self.lora is None else self.lora.tensors(x.shape[0])
         return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora)
 

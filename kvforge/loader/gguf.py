@@ -12,6 +12,7 @@ naming their type and what they cost.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import re
@@ -45,6 +46,9 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")  # a few ha
 _VOCAB_TENSORS = {"token_embd.weight", "output.weight"}
 # The types of such tensors kept in their own 16 bits with keep_quantized, and their torch dtypes.
 _HALF_TYPES = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
+# The weights of linear layers of one output row (Qwen2-MoE's shared-expert gate), which llama-quantize writes as
+# vectors [n] (the converter as [1, n])
+_ONE_ROW_KINDS = frozenset({"ffn_gate_inp_shexp"})
 # rope_freqs holds llama 3.x's per-frequency rope-scaling divisors. HF derives them from
 # config["rope_scaling"], which such files do not record; transformers drops them too.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -112,6 +116,8 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
             kind, suffix = match.group(2, 3)
             regrouped.setdefault(int(match.group(1)), {})[kind if suffix is None else f"{kind}.{suffix}"] = tensor
             continue
+        if match is not None and match.group(2) in _ONE_ROW_KINDS and len(tensor.shape) == 1:
+            tensor = dataclasses.replace(tensor, shape=(1, *tensor.shape))
         hf_name = _hf_name(path, spec, tensor.name)
         heads = None
         if spec.rope_permuted and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
@@ -136,6 +142,8 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> GG
         dense = functools.partial(_read_dense, reader, dtype)
         extra = spec.regrouping.regroup(reader, regrouped, config, keep_quantized, dense)
         readers.update(extra.readers)
+        quantized.update(extra.quantized)
+        quantized_layouts.update(extra.layouts)
         config.update(extra.config)
         kept_bytes, dense_numel = kept_bytes + extra.kept_bytes, dense_numel + extra.dense_numel
     for type_name, tensors in widened.items():

@@ -28,6 +28,7 @@ from typing import Any
 from kvforge.loader.gguf_experts import GPT_OSS_EXPERTS
 from kvforge.loader.gguf_hybrid_qwen import QWEN3_5_REGROUPING, QWEN3_NEXT_REGROUPING
 from kvforge.loader.gguf_regroup import Regrouping
+from kvforge.loader.gguf_stacked_experts import STACKED_EXPERTS
 
 # The Llama layer: the tensor kinds llama.cpp's converter writes for it, and their HF modules.
 _LLAMA_LAYER = {
@@ -65,6 +66,24 @@ _GPT_OSS_LAYER = {
 }
 
 
+# Mixtral and the Qwen MoE families: the router and (Qwen2-MoE) a shared expert with its gate; the stacked routed
+# experts are regrouped (gguf_stacked_experts.py)
+_MOE_LAYER = {
+    **_LLAMA_LAYER,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_MOE_LINEAR_KINDS = _LINEAR_KINDS | {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"}
+_QWEN_MOE_METADATA = {
+    "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}  # fmt: skip
+
+
 Shapes = dict[str, tuple[int, ...]]  # GGUF tensor name -> its shape
 
 
@@ -97,6 +116,20 @@ def _qwen3_next_layers(config: dict[str, Any], meta: dict[str, Any], shapes: Sha
         derived["layer_types"] = ["linear_attention" if recurrent else "full_attention"
                                   for recurrent in meta["attention.recurrent_layers"][:num_layers]]  # fmt: skip
     return derived
+
+
+def _mixtral(config: dict[str, Any], meta: dict[str, Any], shapes: Shapes) -> dict[str, Any]:
+    """A llama file with experts is a Mixtral (llama.cpp writes Mixtral as llama, its experts stacked)."""
+    if "expert_count" not in meta:
+        return {}
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": meta["expert_count"], "num_experts_per_tok": meta["expert_used_count"]}  # fmt: skip
+
+
+def _sparse_layers(config: dict[str, Any], meta: dict[str, Any], shapes: Shapes) -> dict[str, Any]:
+    """The Qwen MoE layers without experts run a dense MLP."""
+    return {"mlp_only_layers": [i for i in range(config["num_hidden_layers"])
+                                if f"blk.{i}.ffn_gate_exps.weight" not in shapes]}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,10 +206,18 @@ def _hybrid(hf_architecture: str, model_type: str, regrouping: Regrouping) -> GG
 
 
 ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
-    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", rope_permuted=True),
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", _MOE_LAYER, derive=_mixtral, regrouping=STACKED_EXPERTS,
+                              rope_permuted=True),
     "mistral": GGUFArchitecture("MistralForCausalLM", "mistral", rope_permuted=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2"),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
+    # llama.cpp renormalizes Qwen3-MoE's top-k routing weights (norm_topk_prob), not Qwen2-MoE's
+    "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM", "qwen2_moe", _MOE_LAYER, _MOE_LINEAR_KINDS,
+                                 _QWEN_MOE_METADATA, {"hidden_act": "silu", "norm_topk_prob": False},
+                                 _sparse_layers, STACKED_EXPERTS),
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", "qwen3_moe", _MOE_LAYER, _MOE_LINEAR_KINDS,
+                                 _QWEN_MOE_METADATA, {"hidden_act": "silu", "norm_topk_prob": True},
+                                 _sparse_layers, STACKED_EXPERTS),
     "gemma2": _GEMMA2,
     "gemma3": _GEMMA3,
     "gpt-oss": _GPT_OSS,

@@ -13,9 +13,8 @@ the decay as it is applied (K key heads, r = value heads per key head):
                       (in_proj_b), ssm_alpha (in_proj_a), ssm_a and ssm_dt, the v channels of ssm_conv1d and the
                       columns of ssm_out (out_proj)
     both        HF    linear_attn.A_log          GGUF ssm_a = -exp(A_log)
-                HF    mlp.experts.{j}.*_proj     GGUF ffn_{gate,up,down}_exps, the experts stacked: read as the stacked
-                                                 checkpoint tensors mlp.experts.gate_up_proj ([gate | up] rows) and
-                                                 mlp.experts.down_proj
+                HF    mlp.experts.{j}.*_proj     GGUF ffn_{gate,up,down}_exps, the experts stacked
+                                                 (gguf_stacked_experts.py)
 
 Every other tensor keeps its HF layout under another name (gguf_architectures.py). These are read as floats (the
 model's routed experts run float weights).
@@ -30,6 +29,7 @@ import torch
 
 from kvforge.loader.gguf_file import GGUFFile, GGUFTensor
 from kvforge.loader.gguf_regroup import Dense, LayerTensors, Reader, Regrouped, Regrouping, require
+from kvforge.loader.gguf_stacked_experts import EXPERT_KINDS, expert_readers
 
 
 def _regroup_qwen3_next(file: GGUFFile, layers: LayerTensors, config: dict[str, Any], keep_quantized: bool,
@@ -44,11 +44,7 @@ def _regroup_qwen3_next(file: GGUFFile, layers: LayerTensors, config: dict[str, 
                 _qkvz, dense, qkv, z, config["linear_num_key_heads"]
             )
             readers[f"{prefix}.linear_attn.A_log"] = functools.partial(_a_log, dense, a)
-        if "ffn_gate_exps.weight" in parts:
-            gate, up, down = require(file, layer, parts, "ffn_gate_exps.weight", "ffn_up_exps.weight",
-                                     "ffn_down_exps.weight")  # fmt: skip
-            readers[f"{prefix}.mlp.experts.gate_up_proj"] = functools.partial(_gate_up, dense, gate, up)
-            readers[f"{prefix}.mlp.experts.down_proj"] = functools.partial(dense, down)
+        readers.update(expert_readers(file, layer, parts, dense))
     numel = sum(int(t.n_elements) for parts in layers.values() for t in parts.values())
     return Regrouped(readers, dense_numel=numel)
 
@@ -76,11 +72,7 @@ def _regroup_qwen3_5(file: GGUFFile, layers: LayerTensors, config: dict[str, Any
             readers[f"{prefix}.dt_bias"] = functools.partial(grouped, dt, 1, 0, 0)
             readers[f"{prefix}.conv1d.weight"] = functools.partial(grouped, conv, value_head, 0, key_rows)
             readers[f"{prefix}.out_proj.weight"] = functools.partial(grouped, out, value_head, 1, 0)
-        if "ffn_gate_exps.weight" in parts:
-            gate, up, down = require(file, layer, parts, "ffn_gate_exps.weight", "ffn_up_exps.weight",
-                                     "ffn_down_exps.weight")  # fmt: skip
-            readers[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = functools.partial(_gate_up, dense, gate, up)
-            readers[f"model.layers.{layer}.mlp.experts.down_proj"] = functools.partial(dense, down)
+        readers.update(expert_readers(file, layer, parts, dense))
     numel = sum(int(t.n_elements) for parts in layers.values() for t in parts.values())
     return Regrouped(readers, dense_numel=numel)
 
@@ -110,15 +102,9 @@ def _a_log(dense: Dense, a: GGUFTensor) -> torch.Tensor:
     return torch.log(-dense(a).float())
 
 
-def _gate_up(dense: Dense, gate: GGUFTensor, up: GGUFTensor) -> torch.Tensor:
-    """[experts, inter, hidden] twice -> [experts, 2 * inter, hidden]: gate's rows, then up's."""
-    return torch.cat((dense(gate), dense(up)), dim=1)
-
-
-_EXPERT_KINDS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
-QWEN3_NEXT_REGROUPING = Regrouping(frozenset({"attn_qkv", "attn_gate", "ssm_a"}) | _EXPERT_KINDS, _regroup_qwen3_next)
+QWEN3_NEXT_REGROUPING = Regrouping(frozenset({"attn_qkv", "attn_gate", "ssm_a"}) | EXPERT_KINDS, _regroup_qwen3_next)
 QWEN3_5_REGROUPING = Regrouping(
     frozenset({"attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_a", "ssm_dt", "ssm_conv1d", "ssm_out"})
-    | _EXPERT_KINDS,
+    | EXPERT_KINDS,
     _regroup_qwen3_5,
 )

@@ -6,6 +6,7 @@ takes over from the one-tensor-one-name mapping, and the function that gives bac
         layers    layer index -> {"<kind>.<suffix>": tensor} of the kinds declared, as the file has them ("<kind>"
                   for a tensor without a suffix)
         config    the config.json view of the file
+        keep_quantized  weights of a type in BLOCK_LAYOUTS may stay in their blocks (Regrouped.quantized)
         dense     reads one GGUF tensor as a float tensor in the load's dtype
 """
 
@@ -18,8 +19,11 @@ from typing import Any
 import torch
 
 from kvforge.loader.gguf_file import GGUFFile, GGUFTensor
+from kvforge.quantization.gguf_blocks import BlockLayout
+from kvforge.quantization.quantized_weight import QuantizedWeight
 
 Reader = Callable[[], torch.Tensor]  # reads one checkpoint tensor when called
+KeptReader = Callable[[], QuantizedWeight]  # reads one weight's quantized blocks when called
 Dense = Callable[[GGUFTensor], torch.Tensor]  # a GGUF tensor read as a float one
 LayerTensors = dict[int, dict[str, GGUFTensor]]
 
@@ -32,6 +36,8 @@ class Regrouped:
     config: dict[str, Any] = field(default_factory=dict)  # config.json entries they imply
     kept_bytes: int = 0  # of the tensors kept in their file's quantized type
     dense_numel: int = 0  # weights of the tensors read as floats
+    quantized: dict[str, KeptReader] = field(default_factory=dict)  # HF weight name -> its kept blocks' reader
+    layouts: dict[str, BlockLayout] = field(default_factory=dict)  # HF weight name (of `quantized`) -> block layout
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,9 @@ class LoRAPool:
                 module.lora = LoRASlots(module, config.max_loras, config.max_lora_rank, self.token_slots, ops, dtype)
                 self.layers[name] = module.lora
             elif isinstance(module, FusedMoE):
+                if module.kept is not None:
+                    raise ValueError(f"LoRA adapters need float experts, but {name} keeps its experts quantized (a "
+                                     "GGUF file's blocks): load it with quantization='none'")
                 module.lora = ExpertLoRASlots(module, config.max_loras, config.max_lora_rank, self.token_slots, dtype)
                 self.layers[name] = module.lora
                 self.num_experts = module.num_experts

@@ -2,7 +2,8 @@
 of every block type in kvforge.quantization.gguf_blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K .. Q6_K,
 IQ4_XS) become QuantizedWeights as they are, decoded without a detour through float, and run on the weight-only
 kernels: 4-bit codes, 6-bit ones for the 5- and 6-bit types, 8-bit ones for Q8_0 and the IQ4 types (whose codes
-are a table's int8 values), in groups of 32 or 16 columns. The F16 and BF16 ones keep their 16 bits
+are a table's int8 values), in groups of 32 or 16 columns; so do the routed experts of an MoE layer on the CPU
+(kept_experts.py). The F16 and BF16 ones keep their 16 bits
 (`keep_16bit`: the layers' float weight in that dtype, which kernels/cpu/half_gemv.py multiplies).
 """
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from kvforge.layers.float_linear import FloatFormat
 from kvforge.quantization.gguf_blocks import BlockLayout
+from kvforge.quantization.kept_experts import keep_experts_quantized
 from kvforge.quantization.linear_method import WeightOnlyMethod, drop_parameters
 from kvforge.quantization.quantizable import quantizable_linears
 from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards
@@ -105,6 +107,7 @@ def keep_gguf_quantized(
     linears = quantizable_linears(model)
     shards_of: dict[str, dict[int, str]] = {}
     kept_names = _keep_vocab_quantized(model, kept) if vocab else set()
+    kept_names |= keep_experts_quantized(model, kept, layouts)
     for name in layouts.keys() - kept_names:
         layer_name, shard = _layer_and_shard(model, name)
         shards_of.setdefault(layer_name, {})[shard] = name
@@ -119,7 +122,8 @@ def keep_gguf_quantized(
     if len(kept_names) < len(layouts):
         logger.info("%d GGUF tensors share a layer with float ones and are dequantized",
                     len(layouts) - len(kept_names))
-    return _checkpoint_tensors(dense, kept, kept_names, kept_names & set(_VOCAB_NAMES))
+    installed = {name for name in kept_names if name in _VOCAB_NAMES or ".experts." in name}
+    return _checkpoint_tensors(dense, kept, kept_names, installed)
 
 
 def keep_16bit(model: nn.Module, half_dtypes: Mapping[str, torch.dtype], vocab: bool = True) -> None:

@@ -13,7 +13,7 @@ def test_quick_moe_bench_reports_every_implementation(tmp_path: Path) -> None:
     assert main(["bench", "moe", "--quick", "--iters", "1", "--tokens", "1,5", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {(r["num_tokens"], r["implementation"]) for r in rows} == {
-        (n, impl) for n in (1, 5) for impl in ("loop", "fused", "sorted-slices", "gather-bmm")
+        (n, impl) for n in (1, 5) for impl in ("loop", "fused", "sorted-slices", "gather-bmm", "kept-q8", "kept-q4")
     }
     assert all(r["ms"] > 0 for r in rows)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_ref, fused_moe_triton
+from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_per_expert, fused_moe_ref, fused_moe_triton
 from kvforge.kernels.moe_align import max_aligned_blocks, moe_align
 
 # Measured (|out| up to ~2.6): fp32 <= 1.5e-6; fp16 <= 2e-3 and bf16 <= 3.1e-2, i.e. 2 ulp: the kernel
@@ -83,6 +83,17 @@ def test_triton_half_precision(device, dtype) -> None:
 def test_cpu_path_matches_reference(routing, hidden, inter) -> None:
     args = _problem(33, hidden, inter, 8, 2, routing, torch.float32, torch.device("cpu"))
     torch.testing.assert_close(fused_moe_cpu(*args), fused_moe_ref(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("routing", ["random", "one_expert_takes_all", "other_ranks"])
+def test_per_expert_path_matches_reference(routing) -> None:
+    """Each expert's own multiplies (here its float matrices') over the tokens routed to it."""
+    hidden_states, w13, w2, topk_weights, topk_ids = _problem(33, 64, 32, 8, 2, routing, torch.float32,
+                                                              torch.device("cpu"))  # fmt: skip
+    gate_up, down = ([lambda x, w=w: x @ w.t() for w in weights] for weights in (w13, w2))
+    ours = fused_moe_per_expert(hidden_states, topk_weights, topk_ids, gate_up, down)
+    expected = fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_is_the_expert_mlp_sum() -> None:

@@ -53,13 +53,13 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-def build_moe_model(arch: str, vocab_size: int):
+def build_moe_model(arch: str, vocab_size: int, **overrides):
     """A tiny random model whose routers are sharp enough (and DeepSeek-V3's correction bias non-zero) to
-    send the tokens of one batch to different experts."""
+    send the tokens of one batch to different experts; overrides change its config."""
     import transformers
 
-    config_name, model_name, overrides = ARCHS[arch]
-    config = getattr(transformers, config_name)(vocab_size=vocab_size, **{**_COMMON, **overrides})
+    config_name, model_name, extra = ARCHS[arch]
+    config = getattr(transformers, config_name)(vocab_size=vocab_size, **{**_COMMON, **extra, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
