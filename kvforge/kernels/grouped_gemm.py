@@ -16,6 +16,28 @@ from kvforge.kernels.tuning import GemmTiles
 
 
 @jit
+def block_pairs(sorted_pair_ids_ptr, block, num_pairs, n_size, PAIRS_PER_A_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """The BLOCK_M sorted pairs of `block` and this program's BLOCK_N columns: (pair_ids, row_mask, a_rows, cols,
+    col_mask); a_rows are the pairs' rows of a (int64)."""
+    pair_ids = tl.load(sorted_pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pair_ids < num_pairs
+    a_rows = (pair_ids // PAIRS_PER_A_ROW).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair_ids, row_mask, a_rows, cols, cols < n_size
+
+
+@jit
+def store_pairs(out_ptr, acc, pair_weights_ptr, pair_ids, row_mask, cols, col_mask, stride_om,
+                APPLY_WEIGHT: tl.constexpr):  # fmt: skip
+    """out[pair, cols] = acc (times pair_weights[pair] with APPLY_WEIGHT), for the valid pairs and columns."""
+    if APPLY_WEIGHT:
+        acc = acc * tl.load(pair_weights_ptr + pair_ids, mask=row_mask, other=0.0)[:, None]
+    out_ptrs = out_ptr + pair_ids[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@jit
 def _grouped_gemm_kernel(
     out_ptr, a_ptr, b_ptr, pair_weights_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
     num_pairs, n_size, k_size, stride_am, stride_be, stride_bn, stride_om,
@@ -29,11 +51,8 @@ def _grouped_gemm_kernel(
     expert = tl.load(block_expert_ids_ptr + block)
     if expert < 0:
         return
-    pair_ids = tl.load(sorted_pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pair_ids < num_pairs
-    a_rows = (pair_ids // PAIRS_PER_A_ROW).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_size
+    pair_ids, row_mask, a_rows, cols, col_mask = block_pairs(sorted_pair_ids_ptr, block, num_pairs, n_size,
+                                                             PAIRS_PER_A_ROW, BLOCK_M, BLOCK_N)
     b_cols = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, k_size, BLOCK_K):
@@ -46,10 +65,7 @@ def _grouped_gemm_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if APPLY_WEIGHT:
-        acc = acc * tl.load(pair_weights_ptr + pair_ids, mask=row_mask, other=0.0)[:, None]
-    out_ptrs = out_ptr + pair_ids[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    store_pairs(out_ptr, acc, pair_weights_ptr, pair_ids, row_mask, cols, col_mask, stride_om, APPLY_WEIGHT)
 
 
 def launch_grouped_gemm(

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kvforge.kernels.grouped_gemm import block_pairs, store_pairs
 from kvforge.kernels.moe_align import moe_align
 from kvforge.kernels.mxfp4 import BLOCK_SIZE, check_mxfp4, dequantize_mxfp4
 from kvforge.kernels.triton_compat import INTERPRETED, cdiv, jit, require_triton, tl
@@ -124,11 +125,8 @@ def _mxfp4_grouped_gemm_kernel(
     expert = tl.load(block_expert_ids_ptr + block)
     if expert < 0:
         return
-    pair_ids = tl.load(sorted_pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pair_ids < num_pairs
-    a_rows = (pair_ids // PAIRS_PER_A_ROW).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_size
+    pair_ids, row_mask, a_rows, cols, col_mask = block_pairs(sorted_pair_ids_ptr, block, num_pairs, n_size,
+                                                             PAIRS_PER_A_ROW, BLOCK_M, BLOCK_N)
     rows_of_expert = expert.to(tl.int64) * n_size + cols[None, :].to(tl.int64)  # [1, BLOCK_N] weight rows
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, k_size, BLOCK_K):
@@ -150,10 +148,7 @@ def _mxfp4_grouped_gemm_kernel(
         else:
             acc = tl.dot(a, b.to(a.dtype), acc)
     acc += tl.load(bias_ptr + expert.to(tl.int64) * n_size + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if APPLY_WEIGHT:
-        acc = acc * tl.load(pair_weights_ptr + pair_ids, mask=row_mask, other=0.0)[:, None]
-    out_ptrs = out_ptr + pair_ids[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    store_pairs(out_ptr, acc, pair_weights_ptr, pair_ids, row_mask, cols, col_mask, stride_om, APPLY_WEIGHT)
 
 
 def _check_inputs(hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w13_bias: torch.Tensor,
