@@ -23,7 +23,9 @@ def test_kvforge_generate_runs_cold_then_warm(tiny_llama_dir, tmp_path, capsys, 
     rows = json.loads(out.read_text())["rows"]
     assert [(r["runner"], r["run"]) for r in rows] == [("kvforge generate", "cold"), ("kvforge generate", "warm")]
     for r in rows:
-        assert 0 < r["ready_s"] < r["first_token_s"] and r["ready_s"] < r["whole_s"]
+        # NOTE: ready and first token are one process's (a 1-token run), whole another's (the 12-token run): on a
+        # loaded machine the second may end sooner than the first, so only the first two are ordered
+        assert 0 < r["ready_s"] < r["first_token_s"] and r["whole_s"] > 0
     table = capsys.readouterr().out
     assert "| kvforge generate | cold |" in table and "12 tokens, to exit (s)" in table
 
