@@ -17,7 +17,7 @@ from kvforge.executor.kv_cache_memory import DEFAULT_CPU_KV_CACHE_BYTES, blocks_
 from kvforge.plan.devices import DeviceSpec
 from kvforge.plan.model_shape import ModelShape
 from kvforge.plan.precision import Precision
-from kvforge.plan.stage import build_stages
+from kvforge.plan.stage import Stage, build_stages, layer_range
 from kvforge.plan.throughput import Roofline, SpeedEstimate, decode_speed, prefill_speed
 
 
@@ -32,6 +32,7 @@ class PlanOptions:
     max_num_batched_tokens: int = 2048
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # KV cache bytes per device; None: as the engine sizes it by default
+    num_state_checkpoints: int = CacheConfig().num_state_checkpoints  # hybrid models' states kept for prefix hits
 
     def __post_init__(self) -> None:
         for name in ("num_devices", "context_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -56,6 +57,7 @@ class MemoryEstimate:
     kv_cache: float
     kv_bytes_per_token: float
     kv_tokens: int  # cached tokens every stage has room for
+    states: float = 0.0  # a hybrid model's linear-attention state slots (running requests, padding, checkpoints)
 
     @property
     def total(self) -> float:
@@ -64,7 +66,7 @@ class MemoryEstimate:
     @property
     def fixed(self) -> float:
         """Memory that does not depend on the KV cache size."""
-        return self.weights + self.buffers + self.packed_weights + self.activations
+        return self.weights + self.buffers + self.packed_weights + self.activations + self.states
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,13 @@ def split_problem(shape: ModelShape, tp: int, pp: int) -> str | None:
         return f"TP={tp} neither divides nor is a multiple of the {kv} KV heads"
     if pp > shape.num_layers:
         return f"PP={pp} exceeds the {shape.num_layers} layers"
+    if any(layer.state_fp32_values for layer in shape.layers):  # a hybrid model: every stage needs both kinds
+        for stage in range(pp):
+            linear = [bool(layer.state_fp32_values) for layer in shape.layers[slice(*layer_range(shape.num_layers,
+                                                                                                 pp, stage))]]
+            for kind, is_linear in (("full", False), ("linear", True)):
+                if is_linear not in linear:
+                    return f"PP={pp} gives stage {stage} no {kind}-attention layer (the engine needs both kinds)"
     return None
 
 
@@ -136,14 +145,21 @@ def estimate_split(
     stages = build_stages(shape, tp, pp, precision, options.max_num_batched_tokens, options.max_num_seqs,
                           packs=device.host and precision.weight_bytes == 4, context_len=options.context_len)
     usable = device.memory_bytes * options.gpu_memory_utilization
-    budgets = [options.kv_cache_memory or _default_kv_budget(usable - stage.fixed_bytes, device) for stage in stages]
+    limits = [_default_kv_budget(usable - stage.fixed_bytes, device) for stage in stages]
+    requests, problem = _requests_whose_states_fit(stages, limits, options)
+    states = [(requests + 1 + options.num_state_checkpoints) * stage.state_bytes_per_seq for stage in stages]
+    budgets = [options.kv_cache_memory or limit - state for limit, state in zip(limits, states)]
     kv_tokens = max(0, min(int(budget // stage.kv_bytes_per_token) for budget, stage in zip(budgets, stages)))
     if options.kv_cache_memory is None:
         kv_tokens = min(kv_tokens, _tokens_needed(shape, options))
-    fullest = max(stages, key=lambda stage: stage.fixed_bytes + kv_tokens * stage.kv_bytes_per_token)
+    fullest, state = max(zip(stages, states), key=lambda pair: pair[0].fixed_bytes + pair[1]
+                         + kv_tokens * pair[0].kv_bytes_per_token)  # fmt: skip
     memory = MemoryEstimate(fullest.weight_bytes, fullest.buffer_bytes, fullest.packed_bytes, fullest.activation_bytes,
-                            kv_tokens * fullest.kv_bytes_per_token, fullest.kv_bytes_per_token, kv_tokens)  # fmt: skip
-    max_batch = kv_tokens // options.context_len
+                            kv_tokens * fullest.kv_bytes_per_token, fullest.kv_bytes_per_token, kv_tokens,
+                            state)  # fmt: skip
+    max_batch = min(kv_tokens // options.context_len, requests)
+    if problem is not None:
+        return SplitEstimate(tp, pp, problem, memory, max_batch, min(kv_tokens, shape.max_position), 0)
     batch = options.batch_size or max(1, min(max_batch, options.max_num_seqs))
     estimate = SplitEstimate(tp, pp, None, memory, max_batch, min(kv_tokens, shape.max_position), batch)
     problem = _memory_problem(memory, usable, options, max_batch, batch)
@@ -154,6 +170,20 @@ def estimate_split(
         estimate, problem=problem, decode=decode_speed(roofline, stages, batch, options.context_len),
         prefill=prefill_speed(roofline, stages, options.context_len, options.max_num_batched_tokens),
     )  # fmt: skip
+
+
+def _requests_whose_states_fit(stages: list[Stage], limits: list[float], options: PlanOptions
+                               ) -> tuple[int, str | None]:  # fmt: skip
+    """The requests the engine runs at once (Worker.kv_cache_size): max_num_seqs, or as many as a hybrid model's
+    linear-attention states fit in half of each stage's memory beside its padding slot and checkpoints; and a problem
+    where not one fits."""
+    fits = [(limit / 2 - (1 + options.num_state_checkpoints) * stage.state_bytes_per_seq) // stage.state_bytes_per_seq
+            for stage, limit in zip(stages, limits) if stage.state_bytes_per_seq]
+    requests = int(min([options.max_num_seqs, *fits]))
+    if requests >= 1:
+        return requests, None
+    per_seq = max(stage.state_bytes_per_seq for stage in stages)
+    return 0, f"a request's linear-attention states ({per_seq / 2**20:.1f} MiB) do not fit in half the memory left"
 
 
 def _default_kv_budget(left: float, device: DeviceSpec) -> float:

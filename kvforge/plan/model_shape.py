@@ -9,6 +9,7 @@ a .gguf file (its metadata only), a config name shipped in `kvforge/data/configs
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -43,6 +44,10 @@ class LayerShape:
     kv_head_rows: int  # rows of head_dim among them (one scale each in an 8-bit cache)
     kv_latent_values: int  # KV cache values per token held whole by every rank (MLA latent)
     sliding_window: int | None = None  # the layer's window (it keeps the blocks of its last tokens only)
+    # a linear-attention layer (hybrid models) keeps no KV cache but a state per running request: its conv state's
+    # values (in the activation dtype) and its delta state's (float32), whole model = one rank
+    state_values: int = 0
+    state_fp32_values: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,13 +172,8 @@ def build_model_shape(name: str, hf_config: dict) -> ModelShape:
             layer_buffers[int(match.group(1))] += size
         else:
             global_buffers += size
-    spec = model.kv_cache_spec
-    windows = spec.layer_windows or (None,) * cfg.num_layers
-    layers = tuple(
-        LayerShape(**groups[i], buffer_bytes=layer_buffers[i], **_kv_values(spec.layer_shapes[i]),
-                   sliding_window=windows[i])
-        for i in range(cfg.num_layers)
-    )
+    layers = tuple(LayerShape(**groups[i], buffer_bytes=layer_buffers[i], **_layer_cache(model, i))
+                   for i in range(cfg.num_layers))
     return ModelShape(
         name=name, architecture=type(model).__name__, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
         num_heads=cfg.num_heads, num_kv_heads=0 if "kv_lora_rank" in hf_config else cfg.num_kv_heads,
@@ -207,6 +207,20 @@ def _group_parameters(model: nn.Module, num_layers: int, q_rows: int) -> list[di
         else:
             group["sharded"] += param.numel()
     return groups
+
+
+def _layer_cache(model: nn.Module, layer: int) -> dict:
+    """What layer `layer` keeps: KV values per token (and its window), or a hybrid model's linear-attention state per
+    request. The model's caches list its paged layers first, then its linear-attention layers' states
+    (`cache_of_layer` maps a layer to its entry; every layer is paged where a model has none)."""
+    spec = model.kv_cache_spec
+    entry = model.cache_of_layer[layer] if hasattr(model, "cache_of_layer") else layer
+    num_paged = len(spec.layer_shapes)
+    if entry < num_paged:
+        window = spec.layer_windows[entry] if spec.layer_windows else None
+        return {**_kv_values(spec.layer_shapes[entry]), "sliding_window": window}
+    conv, delta = spec.recurrent_state.layer_shapes[entry - num_paged]
+    return {**_kv_values(()), "state_values": math.prod(conv), "state_fp32_values": math.prod(delta)}
 
 
 def _kv_values(token_shapes: tuple[tuple[int, ...], ...]) -> dict[str, int]:

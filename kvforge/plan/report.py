@@ -54,7 +54,7 @@ def format_plan(plan: Plan) -> str:
         "",
         "memory per device of the fullest stage (GiB); speeds are roofline upper bounds, all devices together",
     ]  # fmt: skip
-    header = ("TP", "PP", "weights", "KV", "act", "total", "KV tokens", "max batch", "max ctx", "batch",
+    header = ("TP", "PP", "weights", "KV", "states", "act", "total", "KV tokens", "max batch", "max ctx", "batch",
               "decode tok/s", "ms/token", "bound", "comm", "prefill tok/s", "TTFT ms")  # fmt: skip
     rows = [_row(split) for split in plan.splits]
     widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(len(header))]
@@ -67,12 +67,13 @@ def format_plan(plan: Plan) -> str:
 
 
 def _row(split: SplitEstimate) -> tuple[str, ...]:
-    blank = ("-",) * 14
+    blank = ("-",) * 15
     if split.memory is None:
         return (str(split.tp), str(split.pp), *blank)
     m = split.memory
-    memory = (f"{m.weights / _GIB:.1f}", f"{m.kv_cache / _GIB:.1f}", f"{m.activations / _GIB:.2f}",
-              f"{m.total / _GIB:.1f}", f"{m.kv_tokens:,}", str(split.max_batch), f"{split.max_context:,}")  # fmt: skip
+    memory = (f"{m.weights / _GIB:.1f}", f"{m.kv_cache / _GIB:.1f}", f"{m.states / _GIB:.1f}",
+              f"{m.activations / _GIB:.2f}", f"{m.total / _GIB:.1f}", f"{m.kv_tokens:,}", str(split.max_batch),
+              f"{split.max_context:,}")  # fmt: skip
     if split.decode is None or split.prefill is None:
         return (str(split.tp), str(split.pp), *memory, *blank[:7])
     d, f = split.decode, split.prefill

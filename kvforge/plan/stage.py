@@ -10,6 +10,9 @@ How a TP x PP split cuts the model (as the engine's parallel layers do):
                outnumber the KV heads (replicated); MLA's latent cache and down-projections, norms,
                routers and rotary tables: whole on every rank
 
+A hybrid model's linear-attention layers keep a state per running request instead (split over the ranks like their
+heads), as many slots as the engine runs requests at once, plus its padding slot and the prefix cache's checkpoints.
+
 A sliding-window layer keeps a sequence's last blocks only (the KV cache manager's sliding window groups): its KV
 bytes per token are counted over a sequence of the plan's context length, ceil((W - 1) / block_size) + 1 blocks of
 it at most.
@@ -38,6 +41,7 @@ class Stage:
     packed_bytes: float  # float32 on the CPU: the copy of each layer matrix and the LM head packed for oneDNN
     activation_bytes: float  # the largest step's intermediates (max_num_batched_tokens, max_num_seqs)
     kv_bytes_per_token: float  # this rank's KV cache per token
+    state_bytes_per_seq: float  # this rank's linear-attention states per running request (hybrid models)
     active_params: float  # parameters each token multiplies with on this rank, LM head aside
     lm_head_params: float  # this rank's LM head rows (multiplied for sampled tokens only)
     decode_attn_flops: float  # per query token and context token, this rank's heads and layers
@@ -113,6 +117,8 @@ def _stage(
         activation_bytes=_activation_bytes(shape, tp, is_last, p, num_tokens, num_seqs),
         kv_bytes_per_token=sum(_layer_kv_bytes(layer, kv_fraction, p) * kept_fraction(layer, context_len)
                                for layer in layers),
+        state_bytes_per_seq=sum(layer.state_values * p.activation_bytes + layer.state_fp32_values * 4
+                                for layer in layers) / tp,
         active_params=sum(_layer_active_params(shape, layer, tp, kv_fraction) for layer in layers),
         lm_head_params=vocab_rows if is_last else 0.0,
         decode_attn_flops=len(layers) * shape.decode_attn_flops / tp,
