@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.layers.attention import WholeSequenceMetadata
 from kvforge.layers.pooler import PoolerConfig, pool, pooled_outputs
 from kvforge.step_data import PoolingStep
@@ -22,6 +23,8 @@ class PoolingRunner:
         self.device = device
         self.no_kv_caches = [None] * model.config.num_layers
         self.classifier: nn.Module | None = getattr(model, "classifier", None)
+        # attention on the flat batch through the C++ kernel, where it runs (else padded to the longest sequence)
+        self.packed_attention = device.type == "cpu" and cpu_kernels() is not None
 
     @torch.inference_mode()
     def execute(self, step: PoolingStep) -> list[torch.Tensor]:
@@ -30,7 +33,8 @@ class PoolingRunner:
         starts = np.repeat(np.cumsum(lens) - lens, lens)
         positions = np.arange(int(lens.sum())) - starts  # [num_tokens]: each token's index in its input
         input_ids = np.fromiter((t for ids in step.token_ids for t in ids), dtype=np.int64, count=len(positions))
-        metadata = WholeSequenceMetadata.build(lens.tolist(), self.model.is_causal, self.device, self.dtype)
+        metadata = WholeSequenceMetadata.build(lens.tolist(), self.model.is_causal, self.device, self.dtype,
+                                              self.packed_attention)
         to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         token_types = {}
         if self.model.takes_token_types:

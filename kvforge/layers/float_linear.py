@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kvforge.kernels.cpu.dense_gemv import dense_linear
+from kvforge.kernels.cpu.dense_gemv import DENSE_GEMV_MAX_TOKENS, dense_linear, onednn_linear_fused
 from kvforge.layers.linear_kernel import KernelModule
 
 if TYPE_CHECKING:
@@ -37,6 +37,15 @@ class FloatKernel(KernelModule):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias, self.dense_gemv, self.onednn_weight)
+
+    def apply_fused(self, x: torch.Tensor, activation: str | None,
+                    residual: torch.Tensor | None) -> torch.Tensor | None:
+        """activation(apply(x)) or apply(x) + residual in one oneDNN call, where oneDNN multiplies x's rows (float32,
+        more than the GEMV's, eager); None elsewhere."""
+        if (self.onednn_weight is None or x.dim() != 2 or x.dtype != torch.float32
+                or x.shape[0] <= DENSE_GEMV_MAX_TOKENS or torch.compiler.is_dynamo_compiling()):
+            return None
+        return onednn_linear_fused(x, self.onednn_weight, self.bias, activation, residual)
 
 
 class FloatFormat:

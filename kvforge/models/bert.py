@@ -16,15 +16,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.layers.attention import Attention, WholeSequenceMetadata
 from kvforge.layers.linear import Linear
 from kvforge.models.labels import num_labels
 
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# HF hidden_act -> the activation Linear.forward_fused applies after the up projection
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +82,13 @@ class BertLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, kv_cache: None, metadata: WholeSequenceMetadata) -> torch.Tensor:
+        """The bias, activation and residual adds ride in the projections (forward_fused: oneDNN post-ops on the
+        CPU), so each layer's elementwise work is its two LayerNorms."""
         num_tokens = x.shape[0]
         q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in self.qkv(x).chunk(3, dim=-1))
         attended = self.attn(q, k, v, kv_cache, metadata).reshape(num_tokens, -1)
-        x = self.attn_norm(x + self.attn_out(attended))
-        return self.out_norm(x + self.down(self.act(self.up(x))))
+        x = self.attn_norm(self.attn_out.forward_fused(attended, residual=x))
+        return self.out_norm(self.down.forward_fused(self.up.forward_fused(x, self.act), residual=x))
 
 
 # HF name inside encoder.layer.{i} -> (our module, merged shard); LayerNorms keep their own names.

@@ -52,6 +52,22 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
+# The activations oneDNN applies to a matmul's output as a post-op (eltwise attr, algorithm), by the names
+# Linear.forward_fused takes (layers/linear.py has the functions they stand for).
+ONEDNN_ACTIVATIONS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", None)}
+
+
+def onednn_linear_fused(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                        residual: torch.Tensor | None) -> torch.Tensor:
+    """activation(x W^T + b), or x W^T + b + residual, in one oneDNN call on the packed weight: the post-op is
+    applied to each output block while it is in cache, instead of in another pass over the whole output.
+    NOTE: mkldnn::_linear_pointwise itself, not the opaque onednn_linear: only eager steps call this."""
+    if residual is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+    attr, algorithm = ONEDNN_ACTIVATIONS[activation]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, [], algorithm)
+
+
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
     """A copy of weight [N, K] in the blocked layout oneDNN's matmul reads best (an opaque oneDNN tensor of shape
     [N, K]): unpacked, the matmul repacks its weight on every call."""

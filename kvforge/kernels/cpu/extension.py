@@ -29,6 +29,8 @@ implementation below, so torch.compile traces them as opaque nodes:
     paged_prefill(query [T, H, D], key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
         v_scale, sliding_window, softcap, sinks) -> [T, H, D], the rows of sequences with more than one query token
                                                                                  (paged_attention.py)
+    varlen_attention(query [T, H, D], key [T, Hkv, D], value, query_start_loc [S + 1] int64, scale, causal)
+        -> [T, H, D], each sequence of the flat batch attended within itself   (layers/attention.py, pooling steps)
     cache_write(rows [T, ...], cache (mutated), slot_mapping [T])                (../cache_write.py)
     rms_norm(x [T, H], weight, eps) -> [T, H]; fused_add_rms_norm(x, residual, weight, eps) -> (out, residual);
         silu_and_mul(x [T, 2d]) -> [T, d]; rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
@@ -244,6 +246,10 @@ def _register_fakes() -> None:
     def _(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, key_scale=None,
           value_scale=None, sliding_window=0, softcap=0.0, sinks=None):
         return torch.empty_like(query)
+
+    @torch.library.register_fake("kvforge_cpu::varlen_attention")
+    def _(query, key, value, query_start_loc, scale, causal):
+        return torch.empty_like(query, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("kvforge_cpu::cache_write")
     def _(rows, cache, slot_mapping):
