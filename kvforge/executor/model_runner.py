@@ -13,8 +13,8 @@ from kvforge.config import CompilationConfig
 from kvforge.distributed.communicator import recv_tensor, send_tensor
 from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.executor.decode_graphs import DecodeGraphs
+from kvforge.executor.input_batch import InputBatch, StepInputs
 from kvforge.executor.recurrent_states import RecurrentStates
-from kvforge.executor.request_states import RequestStates
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
@@ -66,7 +66,9 @@ class ModelRunner:
                                                     device, num_state_checkpoints)
             self.kv_caches += self.recurrent_states.layers
         self.sampler = Sampler()
-        self.requests = RequestStates(device, seed)  # seed: of the engine's generator
+        # the requests' rows between steps; seed: of the engine's generator
+        self.requests = InputBatch(self.num_paged_groups, block_size, device, seed,
+                                   has_states=self.recurrent_states is not None)
         # decode steps of up to the largest bucket run compiled (compilation None: every step eagerly)
         self.decode_graphs = None
         if compilation is not None:
@@ -77,91 +79,53 @@ class ModelRunner:
                                               self.num_paged_groups, padding_slot)
 
     def _prepare(self, output: SchedulerOutput) -> _Batch:
+        """The step's flat inputs from the input batch's rows (one host-to-device copy), and what sampling reads."""
         scheduled = output.scheduled
-        q_lens = np.array([len(s.token_ids) for s in scheduled], dtype=np.int32)
-        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        computed = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
-        seq_lens = (computed + q_lens).astype(np.int32)
+        row_of = self.requests.row_of
+        rows = np.fromiter((row_of[s.request_id] for s in scheduled), dtype=np.int64, count=len(scheduled))
+        num_drafts = np.fromiter((s.num_draft_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+        step = self.requests.inputs(rows, num_drafts)
         if self.lora is not None:  # each row's adapter slot, in the buffer every LoRA layer reads
-            self.lora.prepare_step([self.requests[s.request_id].lora for s in scheduled], q_lens)
-        # positions: per token, its index in its sequence
-        seq_of_token = np.repeat(np.arange(len(scheduled)), q_lens)
-        positions = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], q_lens) + computed[seq_of_token]
-        group_tables = self._group_tables(scheduled, seq_of_token, positions)
-        input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64,
-                                count=int(query_start_loc[-1]))
+            self.lora.prepare_step([self.requests.loras[row] for row in rows.tolist()], step.q_lens)
+        (slot_mapping, block_tables), *other_groups = step.group_tables
+        metadata = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=step.query_start_loc,
+                                     seq_lens=step.seq_lens, block_tables=block_tables, decode_only=step.decode_only,
+                                     other_groups=tuple(other_groups), state_slot_ids=step.state_slot_ids,
+                                     has_initial_state=step.has_initial_state)
+        if self.recurrent_states is not None:
+            metadata.verification_rows = self._recurrent_states_before(scheduled, rows, step)
+        needs_sample = np.fromiter((s.needs_sample for s in scheduled), dtype=bool, count=len(scheduled))
         sample_requests = [s for s in scheduled if s.needs_sample]
-        sample_rows = [row for i, s in enumerate(scheduled) if s.needs_sample
-                       for row in range(int(query_start_loc[i + 1]) - 1 - s.num_draft_tokens,
-                                        int(query_start_loc[i + 1]))]
+        counts = num_drafts[needs_sample] + 1  # sampling rows per sampling request: its last token and its drafts
+        firsts = np.repeat(step.starts[1:][needs_sample] - counts, counts)
+        sample_rows = (firsts + np.arange(len(firsts)) - np.repeat(np.cumsum(counts) - counts, counts)).tolist()
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in sample_requests]
         draft_probs = [s.draft_probs for s in sample_requests]
-        prompt_rows = {
-            s.request_id: (int(query_start_loc[i]), int(q_lens[i]), s.num_computed_tokens)
-            for i, s in enumerate(scheduled)
-            if self.requests[s.request_id].sampling_params.prompt_logprobs is not None
-            and s.num_computed_tokens < s.num_prompt_tokens - 1
-        }
-        decode_only = all(len(s.token_ids) == 1 + s.num_draft_tokens for s in scheduled)
-        states = self._recurrent_state_metadata(scheduled, computed, q_lens, query_start_loc)
-        if decode_only and len(scheduled) < len(input_ids):
-            # NOTE: a step of decodes with drafts is a decode step of one sequence per token row: row p of
-            # a sequence sees its first p + 1 tokens, which is causal attention over the step's queries
-            group_tables = [(block_tables[seq_of_token], slot_mapping) for block_tables, slot_mapping in group_tables]
-            seq_lens, query_start_loc = (positions + 1).astype(np.int32), np.arange(len(input_ids) + 1, dtype=np.int32)
-        to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        (block_tables, slot_mapping), *other_groups = group_tables
-        metadata = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping),
-            query_start_loc=to_device(query_start_loc),
-            seq_lens=to_device(seq_lens),
-            block_tables=to_device(block_tables),
-            decode_only=decode_only,
-            other_groups=tuple((to_device(slots), to_device(tables)) for tables, slots in other_groups),
-        )
-        if states is not None:
-            metadata.state_slot_ids, metadata.has_initial_state, metadata.verification_rows = states
-        return _Batch(to_device(input_ids), to_device(positions), metadata, sample_rows, sample_requests,
-                      drafts, draft_probs, prompt_rows)
+        prompt_logprobs = self.requests.sampling["prompt_logprobs"][rows] >= 0
+        prompt_rows = {}
+        for i in np.flatnonzero(prompt_logprobs & (step.computed < self.requests.num_prompt[rows] - 1)).tolist():
+            prompt_rows[scheduled[i].request_id] = (int(step.starts[i]), int(step.q_lens[i]), int(step.computed[i]))
+        return _Batch(step.input_ids, step.positions, metadata, sample_rows, sample_requests, drafts, draft_probs,
+                      prompt_rows)
 
-    def _group_tables(self, scheduled: list[ScheduledRequest], seq_of_token: np.ndarray, positions: np.ndarray
-                      ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per layer group of the KV cache: (block_tables [num_seqs, max_blocks] int32, slot_mapping [num_tokens]
-        int64)."""
-        group_tables = []
-        for group_id in range(self.num_paged_groups):  # NOTE: a recurrent-state group's table is [slot]
-            tables = [self.requests[s.request_id].block_tables[group_id] for s in scheduled]
-            block_tables = np.zeros((len(scheduled), max(len(t) for t in tables)), dtype=np.int32)
-            for row, table in enumerate(tables):
-                block_tables[row, : len(table)] = table
-            block_ids = block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
-            group_tables.append((block_tables, block_ids * self.block_size + positions % self.block_size))
-        return group_tables
-
-    def _recurrent_state_metadata(self, scheduled: list[ScheduledRequest], computed: np.ndarray, q_lens: np.ndarray,
-                                  query_start_loc: np.ndarray) -> tuple | None:
-        """A hybrid model's (state slot ids, has_initial_state, verification rows or None); before it, the states
-        of the previous step's verified drafts are committed and the prefix-cache hits' slots take their checkpoints."""
-        if self.recurrent_states is None:
-            return None
+    def _recurrent_states_before(self, scheduled: list[ScheduledRequest], rows: np.ndarray, step: StepInputs
+                                 ) -> tuple | None:
+        """A hybrid model's states before the step: the previous step's verified drafts are committed and the
+        prefix-cache hits' slots take their checkpoints. Returns the verification rows of a step with drafts (or
+        None)."""
         self.recurrent_states.commit_accepted(scheduled)
-        slot_ids = self._state_slot_ids(scheduled)
+        slot_ids = self.requests.state_slots[rows].tolist()
         self.recurrent_states.load_checkpoints(scheduled, slot_ids)
-        rows = None
-        if any(s.num_draft_tokens for s in scheduled):
-            rows = self.recurrent_states.verification_rows(scheduled, slot_ids, q_lens, query_start_loc)
-        to_device = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        return to_device(np.array(slot_ids, dtype=np.int32)), to_device(computed > 0), rows
-
-    def _state_slot_ids(self, scheduled: list[ScheduledRequest]) -> list[int]:
-        return [self.requests[s.request_id].block_tables[-1][0] for s in scheduled]  # the last group's [slot]
+        if not any(s.num_draft_tokens for s in scheduled):
+            return None
+        return self.recurrent_states.verification_rows(scheduled, slot_ids, step.q_lens, step.starts)
 
     def _save_states(self, scheduled: list[ScheduledRequest]) -> None:
         """After a step (on every rank): the state checkpoints it saves take their requests' states."""
         saving = [s for s in scheduled if s.save_state_to is not None]
         if saving:
-            self.recurrent_states.save_checkpoints(saving, self._state_slot_ids(saving))
+            slots = self.requests.state_slots[[self.requests.row_of[s.request_id] for s in saving]].tolist()
+            self.recurrent_states.save_checkpoints(saving, slots)
 
     def _allowed_token_bitmask(self, requests: list[ScheduledRequest],
                                grammar_bitmask: GrammarBitmask | None) -> torch.Tensor | None:
@@ -176,39 +140,21 @@ class ModelRunner:
 
     def _sampling_batch(self, requests: list[ScheduledRequest],
                         grammar_bitmask: GrammarBitmask | None = None) -> SamplingBatch:
-        states = [self.requests[s.request_id] for s in requests]
-        params = [state.sampling_params for state in states]
-        return SamplingBatch(
-            temperatures=[p.temperature for p in params],
-            top_ks=[p.top_k for p in params],
-            top_ps=[p.top_p for p in params],
-            min_ps=[p.min_p for p in params],
-            presence_penalties=[p.presence_penalty for p in params],
-            frequency_penalties=[p.frequency_penalty for p in params],
-            repetition_penalties=[p.repetition_penalty for p in params],
-            prompt_token_ids=[state.prompt_token_ids for state in states],
-            output_token_ids=[state.output_token_ids_before(s.num_draft_tokens) for s, state in zip(requests, states)],
-            banned_token_ids=[s.banned_token_ids for s in requests],
-            generators=[state.generator for state in states],
-            num_logprobs=[p.logprobs for p in params],
-            allowed_token_bitmask=self._allowed_token_bitmask(requests, grammar_bitmask),
-            logit_biases=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
-            generator=self.requests.engine_generator,
-        )
+        return self.requests.sampling_batch(requests, self._allowed_token_bitmask(requests, grammar_bitmask))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: _Batch) -> dict[str, tuple[int, list[RawLogprobs]]]:
         """Logprobs of the prompt tokens that this step's chunk of each prompt predicts."""
         result = {}
+        requests = self.requests
         for request_id, (first_row, num_rows, first_pos) in batch.prompt_rows.items():
-            state = self.requests[request_id]
-            num_rows = min(num_rows, state.num_prompt_tokens - 1 - first_pos)
+            row = requests.row_of[request_id]
+            num_rows = min(num_rows, int(requests.num_prompt[row]) - 1 - first_pos)
             logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
             if logits is None:  # a tensor-parallel peer of the sampling rank
                 continue
-            targets = torch.tensor(state.token_ids[first_pos + 1 : first_pos + 1 + num_rows],
-                                   device=logits.device)
-            num_logprobs = [state.sampling_params.prompt_logprobs] * num_rows
-            result[request_id] = (first_pos + 1, compute_logprobs(logits, targets, num_logprobs))
+            targets = torch.from_numpy(requests.token_ids[row, first_pos + 1 : first_pos + 1 + num_rows].copy())
+            num_logprobs = [requests.sampling_params[row].prompt_logprobs] * num_rows
+            result[request_id] = (first_pos + 1, compute_logprobs(logits, targets.to(logits.device), num_logprobs))
         return result
 
     def _forward(self, batch: _Batch) -> torch.Tensor | None:
@@ -308,7 +254,7 @@ class ModelRunner:
         requests = batch.sample_requests
         sampling = self._sampling_batch(requests, grammar_bitmask)
         if any(batch.drafts):
-            min_tokens = [self.requests[s.request_id].sampling_params.min_tokens for s in requests]
+            min_tokens = [self.requests.min_tokens(s.request_id) for s in requests]
             token_ids, logprobs = verify_drafts(logits, sampling, batch.drafts, batch.draft_probs, min_tokens)
         else:
             sampled, raw_logprobs = self.sampler(logits, sampling)

@@ -105,12 +105,14 @@ def test_later_steps_carry_only_new_tokens_and_blocks():
     step = SchedulerOutput(scheduled=[_scheduled("a", [50], 4, [6], prompt_len=4)])
     runner.requests.update(step)
     batch = runner._prepare(step)
-    state = runner.requests["a"]
-    assert state.token_ids == [10, 11, 12, 13, 50] and state.output_token_ids == [50]
+    requests, row = runner.requests, runner.requests.row_of["a"]
+    assert requests.prompt_token_ids(row) == [10, 11, 12, 13] and requests.output_token_ids(row) == [50]
     assert batch.metadata.block_tables.tolist() == [[3, 6]] and batch.metadata.slot_mapping.tolist() == [24]
     assert batch.metadata.slot_mapping.dtype == torch.int64
     resumed = SchedulerOutput(scheduled=[_scheduled("a", [10, 11, 12, 13, 50], 0, [2, 5], prompt_len=4)],
                               new_requests=[NewRequest("a", [10, 11, 12, 13, 50], 4, SamplingParams())],
                               preempted_request_ids=["a"])
-    runner.requests.update(resumed)
-    assert runner.requests["a"].block_tables == [[2, 5]] and runner.requests["a"].output_token_ids == [50]
+    requests.update(resumed)
+    row = requests.row_of["a"]
+    assert requests.block_tables[0, row, : requests.num_blocks[0, row]].tolist() == [2, 5]
+    assert requests.output_token_ids(row) == [50]

@@ -1,0 +1,299 @@
+"""The runner's requests as rows of preallocated arrays, kept between steps, from which each step's flat inputs are
+gathered with a few vectorised numpy operations into one staging buffer (executor/staging.py).
+
+The scheduler sends a request's prompt, generated tokens and sampling parameters once (a NewRequest, when it enters
+the running batch), then per step only the tokens to compute and the blocks its tables gained. A request holds one
+row from then until it finishes, is aborted or is preempted (a preempted request comes back as a NewRequest); rows
+stay dense: a removal moves the last rows into the holes (condense).
+
+    row r (request_ids[r])           0 .. num_prompt[r]-1     .. num_computed[r] ..  num_tokens[r]-1   capacity
+    token_ids     [rows, cols] i64   p0 p1 ... p(n-1) | o0 o1 ...  | the step's tokens |  (stale)
+    block_tables  [groups, rows, blocks] i32   per paged layer group, 0 .. num_blocks[g, r]-1 (append-only)
+    state_slots   [rows] i32          a hybrid model's linear-attention state slot (-1 without one)
+    temperature, top_p, top_k, min_p, penalties, logprobs, prompt_logprobs, min_tokens [rows]: sampling parameters
+    sampling_params, loras, generators: per row, Python objects (rows move with their requests)
+
+A step schedules requests s = 0 .. N-1 in the scheduler's order, at rows rows[s]; its T tokens, flat:
+
+    token t of request s, at position p = num_computed[rows[s]] + (t - query_start_loc[s]):
+    input_ids[t]          = token_ids[rows[s], p]
+    slot_mapping[g][t]    = block_tables[g, rows[s], p // block_size] * block_size + p % block_size
+    block_tables[g] (step) = block_tables[g, rows, :max over s of num_blocks[g, rows[s]]]       [N, width_g]
+
+A step of decodes with drafts lays them out as one sequence per token row (row p of a sequence sees its first
+p + 1 tokens: causal attention over the step's queries): block tables per token row, seq_lens = positions + 1.
+
+A seeded request's generator outlives a preemption (it is dropped when the request finishes), so its samples do not
+depend on whether it was preempted; the other requests draw from the engine's generator (`engine_generator`),
+never from torch's global one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvforge.executor.staging import StagingBuffer
+from kvforge.layers.sampler import SamplingBatch
+from kvforge.lora.request import LoRARequest
+from kvforge.sampling_params import SamplingParams
+from kvforge.step_data import ScheduledRequest, SchedulerOutput
+
+# per-row sampling arrays: name -> (dtype, the SamplingParams value it holds; None stored as -1)
+_SAMPLING = {"temperature": np.float64, "top_p": np.float64, "top_k": np.int64, "min_p": np.float64,
+             "presence_penalty": np.float64, "frequency_penalty": np.float64, "repetition_penalty": np.float64,
+             "logprobs": np.int64, "prompt_logprobs": np.int64, "min_tokens": np.int64}
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flat inputs on the device (views of the staging buffer) and the host arrays the runner reads."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]]  # per paged group: (slot_mapping [T] i64, tables [rows, w])
+    query_start_loc: torch.Tensor  # [rows + 1] int32
+    seq_lens: torch.Tensor  # [rows] int32
+    state_slot_ids: torch.Tensor | None  # [N] int32 (a hybrid model's)
+    has_initial_state: torch.Tensor | None  # [N] bool
+    decode_only: bool
+    q_lens: np.ndarray  # [N] host: tokens per request
+    starts: np.ndarray  # [N + 1] host: query_start_loc per request
+    computed: np.ndarray  # [N] host: num_computed_tokens per request
+
+
+class InputBatch:
+    """The runner's requests by row; `update(output)` applies a step's changes before it runs, `inputs(rows,
+    num_draft_tokens)` lays out its flat inputs. num_groups: the paged layer groups of the KV cache; has_states: a
+    hybrid model's requests each hold a recurrent-state slot (the last group of new_block_ids)."""
+
+    def __init__(self, num_groups: int, block_size: int, device: torch.device, seed: int = 0,
+                 has_states: bool = False, max_num_reqs: int = 8, max_model_len: int = 256) -> None:
+        self.num_groups = num_groups
+        self.block_size = block_size
+        self.has_states = has_states
+        self.engine_generator = torch.Generator(device).manual_seed(seed)
+        self.device = device
+        self.staging = StagingBuffer(device)
+        self.request_ids: list[str] = []  # per row
+        self.row_of: dict[str, int] = {}
+        self.sampling_params: list[SamplingParams] = []
+        self.loras: list[LoRARequest | None] = []
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' (kept across a preemption)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.block_tables = np.zeros((num_groups, max_num_reqs, 16), dtype=np.int32)
+        self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
+        self.state_slots = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.sampling = {name: np.zeros(max_num_reqs, dtype=dtype) for name, dtype in _SAMPLING.items()}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.request_ids)
+
+    def _row_arrays(self) -> list[np.ndarray]:
+        """The 1-D per-row arrays (the 2-D and 3-D ones are moved by their used lengths)."""
+        return [self.num_tokens, self.num_computed, self.num_prompt, self.state_slots, *self.sampling.values()]
+
+    # ---- the requests ------------------------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput) -> None:
+        """Drop the finished and preempted requests (condensing the rows), add the new ones, then apply each
+        scheduled request's share of the step: its tokens from num_computed_tokens on, the blocks its tables gained."""
+        for request_id in output.finished_request_ids:
+            self.generators.pop(request_id, None)
+        self.remove(output.finished_request_ids + output.preempted_request_ids)
+        for new in output.new_requests:
+            self._add(new.request_id, new.token_ids, new.num_prompt_tokens, new.sampling_params, new.lora)
+        for scheduled in output.scheduled:
+            self._advance(scheduled)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop requests (finished ones: their generators too)."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+        self.remove(request_ids)
+
+    def remove(self, request_ids: list[str]) -> None:
+        """Free the rows of these requests (unknown ids are ignored), then condense: the last rows fill the holes."""
+        holes = sorted(row for row in (self.row_of.pop(r, None) for r in request_ids) if row is not None)
+        if not holes:
+            return
+        num_left = self.num_reqs - len(holes)
+        gone = set(holes)
+        movers = [row for row in range(num_left, self.num_reqs) if row not in gone]
+        for hole, row in zip(holes, movers):  # holes below num_left, as many as rows above it still live
+            self._move(row, hole)
+        del self.request_ids[num_left:], self.sampling_params[num_left:], self.loras[num_left:]
+
+    def _move(self, row: int, to: int) -> None:
+        for array in self._row_arrays():
+            array[to] = array[row]
+        self.token_ids[to, : self.num_tokens[row]] = self.token_ids[row, : self.num_tokens[row]]
+        self.block_tables[:, to] = self.block_tables[:, row]
+        self.num_blocks[:, to] = self.num_blocks[:, row]
+        for per_row in (self.request_ids, self.sampling_params, self.loras):
+            per_row[to] = per_row[row]
+        self.row_of[self.request_ids[to]] = to
+
+    def _add(self, request_id: str, token_ids: list[int], num_prompt: int, params: SamplingParams,
+             lora: LoRARequest | None) -> None:
+        row = self.num_reqs
+        self._reserve(row + 1, len(token_ids), 0)
+        self.request_ids.append(request_id)
+        self.sampling_params.append(params)
+        self.loras.append(lora)
+        self.row_of[request_id] = row
+        self.token_ids[row, : len(token_ids)] = token_ids
+        self.num_tokens[row] = self.num_computed[row] = len(token_ids)
+        self.num_prompt[row] = num_prompt
+        self.num_blocks[:, row] = 0
+        self.block_tables[:, row] = 0  # a step's tables are padded with the null block past a request's blocks
+        self.state_slots[row] = -1
+        for name, array in self.sampling.items():
+            value = getattr(params, name)
+            array[row] = -1 if value is None else value
+        if params.seed is not None and request_id not in self.generators:
+            self.generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
+
+    def _advance(self, scheduled: ScheduledRequest) -> None:
+        row = self.row_of[scheduled.request_id]
+        start, end = scheduled.num_computed_tokens, scheduled.num_computed_tokens + len(scheduled.token_ids)
+        assert start <= self.num_tokens[row], "a step starts past the tokens the runner holds"
+        new_block_ids = scheduled.new_block_ids
+        assert len(new_block_ids) == self.num_groups + self.has_states, "new_block_ids per layer group"
+        widths = self.num_blocks[:, row] + [len(ids) for ids in new_block_ids[: self.num_groups]]
+        self._reserve(row + 1, end, int(widths.max()))
+        self.token_ids[row, start:end] = scheduled.token_ids
+        self.num_computed[row], self.num_tokens[row] = start, end
+        for group, ids in enumerate(new_block_ids[: self.num_groups]):
+            if ids:
+                self.block_tables[group, row, self.num_blocks[group, row] : widths[group]] = ids
+        self.num_blocks[:, row] = widths
+        if self.has_states and new_block_ids[-1]:  # NOTE: a recurrent-state group's "table" is [slot]
+            self.state_slots[row] = new_block_ids[-1][0]
+
+    def _reserve(self, rows: int, cols: int, blocks: int) -> None:
+        """Grow the arrays (doubling) to hold rows rows of cols tokens and blocks blocks per group."""
+        if rows > len(self.num_tokens):
+            size = max(rows, 2 * len(self.num_tokens))
+            for name in ("num_tokens", "num_computed", "num_prompt", "state_slots"):
+                setattr(self, name, _resized(getattr(self, name), (size,)))
+            self.sampling = {name: _resized(array, (size,)) for name, array in self.sampling.items()}
+            self.num_blocks = _resized(self.num_blocks, (self.num_groups, size))
+            self.token_ids = _resized(self.token_ids, (size, self.token_ids.shape[1]))
+            self.block_tables = _resized(self.block_tables, (self.num_groups, size, self.block_tables.shape[2]))
+        if cols > self.token_ids.shape[1]:
+            self.token_ids = _resized(self.token_ids, (len(self.token_ids), max(cols, 2 * self.token_ids.shape[1])))
+        if blocks > self.block_tables.shape[2]:
+            shape = (self.num_groups, self.block_tables.shape[1], max(blocks, 2 * self.block_tables.shape[2]))
+            self.block_tables = _resized(self.block_tables, shape)
+
+    # ---- what a request holds ------------------------------------------------------------------------------------
+
+    def prompt_token_ids(self, row: int) -> list[int]:
+        """The prompt's tokens the runner holds (a chunked prompt's: up to the latest chunk)."""
+        return self.token_ids[row, : min(self.num_prompt[row], self.num_tokens[row])].tolist()
+
+    def min_tokens(self, request_id: str) -> int:
+        return int(self.sampling["min_tokens"][self.row_of[request_id]])
+
+    def output_token_ids(self, row: int, num_draft_tokens: int = 0) -> list[int]:
+        """The generated tokens without the latest step's last num_draft_tokens (drafts still to verify)."""
+        return self.token_ids[row, self.num_prompt[row] : self.num_tokens[row] - num_draft_tokens].tolist()
+
+    def sampling_batch(self, requests: list[ScheduledRequest], allowed_token_bitmask: torch.Tensor | None
+                       ) -> SamplingBatch:
+        """The sampling settings of the requests that sample this step, one row each, gathered from the arrays. The
+        prompt and output tokens are listed only where something reads them (penalties, drafts to verify)."""
+        rows = np.fromiter((self.row_of[s.request_id] for s in requests), dtype=np.int64, count=len(requests))
+        values = {name: array[rows] for name, array in self.sampling.items()}
+        row_list = rows.tolist()
+        penalised = (values["presence_penalty"].any() or values["frequency_penalty"].any()
+                     or (values["repetition_penalty"] != 1.0).any())
+        if penalised or any(s.num_draft_tokens for s in requests):
+            prompt_token_ids = [self.prompt_token_ids(row) for row in row_list]
+            output_token_ids = [self.output_token_ids(row, s.num_draft_tokens) for row, s in zip(row_list, requests)]
+        else:
+            prompt_token_ids = output_token_ids = [[] for _ in row_list]
+        num_logprobs = values["logprobs"].tolist()
+        logit_biases = [self.sampling_params[row].logit_bias for row in row_list]
+        return SamplingBatch(
+            temperatures=values["temperature"].tolist(),
+            top_ks=values["top_k"].tolist(),
+            top_ps=values["top_p"].tolist(),
+            min_ps=values["min_p"].tolist(),
+            presence_penalties=values["presence_penalty"].tolist(),
+            frequency_penalties=values["frequency_penalty"].tolist(),
+            repetition_penalties=values["repetition_penalty"].tolist(),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            banned_token_ids=[s.banned_token_ids for s in requests],
+            generators=[self.generators.get(s.request_id) for s in requests] if self.generators
+            else [None] * len(requests),
+            num_logprobs=[None if k < 0 else k for k in num_logprobs],
+            allowed_token_bitmask=allowed_token_bitmask,
+            logit_biases=logit_biases if any(logit_biases) else None,
+            generator=self.engine_generator,
+        )
+
+    # ---- a step's flat inputs ------------------------------------------------------------------------------------
+
+    def inputs(self, rows: np.ndarray, num_draft_tokens: np.ndarray) -> StepInputs:
+        """The flat inputs of a step that schedules the requests at rows (in the step's order), each with its
+        num_draft_tokens: laid out in the staging buffer and sent to the device in one copy."""
+        computed = self.num_computed[rows]
+        q_lens = self.num_tokens[rows] - computed
+        num_seqs, num_tokens = len(rows), int(q_lens.sum())
+        decode_only = bool((q_lens == 1 + num_draft_tokens).all())
+        per_token = decode_only and num_tokens > num_seqs  # decodes with drafts: a sequence per token row
+        num_rows = num_tokens if per_token else num_seqs
+        widths = self.num_blocks[:, rows].max(axis=1, initial=0)
+        parts = {"input_ids": (np.int64, (num_tokens,)), "positions": (np.int64, (num_tokens,)),
+                 "slot_mapping": (np.int64, (self.num_groups, num_tokens)),
+                 "query_start_loc": (np.int32, (num_rows + 1,)), "seq_lens": (np.int32, (num_rows,))}
+        for group in range(self.num_groups):
+            parts[f"block_tables{group}"] = (np.int32, (num_rows, int(widths[group])))
+        if self.has_states:
+            parts |= {"state_slot_ids": (np.int32, (num_seqs,)), "has_initial_state": (np.bool_, (num_seqs,))}
+        host = self.staging.layout(parts)
+        starts = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = host["positions"]
+        np.subtract(np.arange(num_tokens), np.repeat(starts[:-1] - computed, q_lens), out=positions)
+        row_of_token = rows[seq_of_token]
+        np.take(self.token_ids, row_of_token * self.token_ids.shape[1] + positions, out=host["input_ids"])
+        table_rows = row_of_token if per_token else rows
+        for group in range(self.num_groups):
+            tables = self.block_tables[group]
+            slots = host["slot_mapping"][group]  # int64: block ids * block_size may pass 2**31
+            slots[:] = np.take(tables, row_of_token * tables.shape[1] + positions // self.block_size)
+            slots *= self.block_size
+            slots += positions % self.block_size
+            host[f"block_tables{group}"][:] = tables[table_rows, : widths[group]]
+        if per_token:
+            host["query_start_loc"][:] = np.arange(num_tokens + 1)
+            np.add(positions, 1, out=host["seq_lens"], casting="unsafe")
+        else:
+            host["query_start_loc"][:] = starts
+            host["seq_lens"][:] = computed + q_lens
+        if self.has_states:
+            host["state_slot_ids"][:] = self.state_slots[rows]
+            np.greater(computed, 0, out=host["has_initial_state"])
+        sent = self.staging.send()
+        group_tables = [(sent["slot_mapping"][group], sent[f"block_tables{group}"]) for group in range(self.num_groups)]
+        return StepInputs(sent["input_ids"], sent["positions"], group_tables, sent["query_start_loc"],
+                          sent["seq_lens"], sent.get("state_slot_ids"), sent.get("has_initial_state"), decode_only,
+                          q_lens, starts, computed)
+
+
+def _resized(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A larger array of the same dtype with array's contents in its leading corner (zeros elsewhere)."""
+    grown = np.zeros(shape, dtype=array.dtype)
+    grown[tuple(slice(0, n) for n in array.shape)] = array
+    return grown
