@@ -10,7 +10,8 @@ stay dense: a removal moves the last rows into the holes (condense).
     token_ids     [rows, cols] i64   p0 p1 ... p(n-1) | o0 o1 ...  | the step's tokens |  (stale)
     block_tables  [groups, rows, blocks] i32   per paged layer group, 0 .. num_blocks[g, r]-1 (append-only)
     state_slots   [rows] i32          a hybrid model's linear-attention state slot (-1 without one)
-    temperature, top_p, top_k, min_p, penalties, logprobs, prompt_logprobs, min_tokens [rows]: sampling parameters
+    float_params  [rows, 6] f64       temperature top_p min_p presence_penalty frequency_penalty repetition_penalty
+    int_params    [rows, 4] i64       top_k logprobs prompt_logprobs min_tokens          (None stored as -1)
     sampling_params, loras, generators: per row, Python objects (rows move with their requests)
 
 A step schedules requests s = 0 .. N-1 in the scheduler's order, at rows rows[s]; its T tokens, flat:
@@ -41,10 +42,9 @@ from kvforge.lora.request import LoRARequest
 from kvforge.sampling_params import SamplingParams
 from kvforge.step_data import ScheduledRequest, SchedulerOutput
 
-# per-row sampling arrays: name -> (dtype, the SamplingParams value it holds; None stored as -1)
-_SAMPLING = {"temperature": np.float64, "top_p": np.float64, "top_k": np.int64, "min_p": np.float64,
-             "presence_penalty": np.float64, "frequency_penalty": np.float64, "repetition_penalty": np.float64,
-             "logprobs": np.int64, "prompt_logprobs": np.int64, "min_tokens": np.int64}
+# the SamplingParams fields of the columns of float_params and int_params (one gather each per step)
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+INT_PARAMS = ("top_k", "logprobs", "prompt_logprobs", "min_tokens")
 
 
 @dataclass(slots=True)
@@ -89,7 +89,10 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
         self.state_slots = np.full(max_num_reqs, -1, dtype=np.int64)
-        self.sampling = {name: np.zeros(max_num_reqs, dtype=dtype) for name, dtype in _SAMPLING.items()}
+        self.float_params = np.zeros((max_num_reqs, len(FLOAT_PARAMS)), dtype=np.float64)
+        self.int_params = np.zeros((max_num_reqs, len(INT_PARAMS)), dtype=np.int64)
+        self.num_prompt_logprobs = 0  # rows asking for prompt logprobs (none: a step skips looking for them)
+        self._advanced: tuple[list[ScheduledRequest], np.ndarray] | None = None  # the latest step's (requests, rows)
 
     @property
     def num_reqs(self) -> int:
@@ -97,7 +100,8 @@ class InputBatch:
 
     def _row_arrays(self) -> list[np.ndarray]:
         """The 1-D per-row arrays (the 2-D and 3-D ones are moved by their used lengths)."""
-        return [self.num_tokens, self.num_computed, self.num_prompt, self.state_slots, *self.sampling.values()]
+        return [self.num_tokens, self.num_computed, self.num_prompt, self.state_slots, self.float_params,
+                self.int_params]
 
     # ---- the requests ------------------------------------------------------------------------------------------
 
@@ -109,8 +113,8 @@ class InputBatch:
         self.remove(output.finished_request_ids + output.preempted_request_ids)
         for new in output.new_requests:
             self._add(new.request_id, new.token_ids, new.num_prompt_tokens, new.sampling_params, new.lora)
-        for scheduled in output.scheduled:
-            self._advance(scheduled)
+        if output.scheduled:
+            self._advance(output.scheduled)
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop requests (finished ones: their generators too)."""
@@ -123,6 +127,8 @@ class InputBatch:
         holes = sorted(row for row in (self.row_of.pop(r, None) for r in request_ids) if row is not None)
         if not holes:
             return
+        self._advanced = None
+        self.num_prompt_logprobs -= int((self.int_params[holes, 2] >= 0).sum())
         num_left = self.num_reqs - len(holes)
         gone = set(holes)
         movers = [row for row in range(num_left, self.num_reqs) if row not in gone]
@@ -154,22 +160,41 @@ class InputBatch:
         self.num_blocks[:, row] = 0
         self.block_tables[:, row] = 0  # a step's tables are padded with the null block past a request's blocks
         self.state_slots[row] = -1
-        for name, array in self.sampling.items():
-            value = getattr(params, name)
-            array[row] = -1 if value is None else value
+        self.float_params[row] = [getattr(params, name) for name in FLOAT_PARAMS]
+        self.int_params[row] = [-1 if (value := getattr(params, name)) is None else value for name in INT_PARAMS]
+        self.num_prompt_logprobs += params.prompt_logprobs is not None
         if params.seed is not None and request_id not in self.generators:
             self.generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
 
-    def _advance(self, scheduled: ScheduledRequest) -> None:
-        row = self.row_of[scheduled.request_id]
-        start, end = scheduled.num_computed_tokens, scheduled.num_computed_tokens + len(scheduled.token_ids)
-        assert start <= self.num_tokens[row], "a step starts past the tokens the runner holds"
-        new_block_ids = scheduled.new_block_ids
+    def _advance(self, scheduled: list[ScheduledRequest]) -> None:
+        """Each request's tokens replace whatever followed its first position; its tables gain their new blocks."""
+        num_seqs = len(scheduled)
+        rows = np.fromiter((self.row_of[s.request_id] for s in scheduled), dtype=np.int64, count=num_seqs)
+        self._advanced = scheduled, rows
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
+        ends = starts + np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=num_seqs)
+        assert (starts <= self.num_tokens[rows]).all(), "a step starts past the tokens the runner holds"
+        self._reserve(self.num_reqs, int(ends.max()), 0)
+        if (ends - starts == 1).all():  # decodes: one token each, written at once
+            self.token_ids[rows, starts] = [s.token_ids[0] for s in scheduled]
+        else:
+            for row, start, s in zip(rows.tolist(), starts.tolist(), scheduled):
+                self.token_ids[row, start : start + len(s.token_ids)] = s.token_ids
+        self.num_computed[rows], self.num_tokens[rows] = starts, ends
+        for row, s in zip(rows.tolist(), scheduled):
+            if any(s.new_block_ids):  # most decode steps gain no block
+                self._add_blocks(row, s.new_block_ids)
+
+    def rows_of(self, requests: list[ScheduledRequest]) -> np.ndarray:
+        """The rows of these requests (those of the latest update's scheduled list without a lookup)."""
+        if self._advanced is not None and self._advanced[0] is requests:
+            return self._advanced[1]
+        return np.fromiter((self.row_of[s.request_id] for s in requests), dtype=np.int64, count=len(requests))
+
+    def _add_blocks(self, row: int, new_block_ids: list[list[int]]) -> None:
         assert len(new_block_ids) == self.num_groups + self.has_states, "new_block_ids per layer group"
         widths = self.num_blocks[:, row] + [len(ids) for ids in new_block_ids[: self.num_groups]]
-        self._reserve(row + 1, end, int(widths.max()))
-        self.token_ids[row, start:end] = scheduled.token_ids
-        self.num_computed[row], self.num_tokens[row] = start, end
+        self._reserve(row + 1, 0, int(widths.max()))
         for group, ids in enumerate(new_block_ids[: self.num_groups]):
             if ids:
                 self.block_tables[group, row, self.num_blocks[group, row] : widths[group]] = ids
@@ -183,7 +208,8 @@ class InputBatch:
             size = max(rows, 2 * len(self.num_tokens))
             for name in ("num_tokens", "num_computed", "num_prompt", "state_slots"):
                 setattr(self, name, _resized(getattr(self, name), (size,)))
-            self.sampling = {name: _resized(array, (size,)) for name, array in self.sampling.items()}
+            self.float_params = _resized(self.float_params, (size, len(FLOAT_PARAMS)))
+            self.int_params = _resized(self.int_params, (size, len(INT_PARAMS)))
             self.num_blocks = _resized(self.num_blocks, (self.num_groups, size))
             self.token_ids = _resized(self.token_ids, (size, self.token_ids.shape[1]))
             self.block_tables = _resized(self.block_tables, (self.num_groups, size, self.block_tables.shape[2]))
@@ -200,7 +226,7 @@ class InputBatch:
         return self.token_ids[row, : min(self.num_prompt[row], self.num_tokens[row])].tolist()
 
     def min_tokens(self, request_id: str) -> int:
-        return int(self.sampling["min_tokens"][self.row_of[request_id]])
+        return int(self.int_params[self.row_of[request_id], 3])
 
     def output_token_ids(self, row: int, num_draft_tokens: int = 0) -> list[int]:
         """The generated tokens without the latest step's last num_draft_tokens (drafts still to verify)."""
@@ -210,32 +236,32 @@ class InputBatch:
                        ) -> SamplingBatch:
         """The sampling settings of the requests that sample this step, one row each, gathered from the arrays. The
         prompt and output tokens are listed only where something reads them (penalties, drafts to verify)."""
-        rows = np.fromiter((self.row_of[s.request_id] for s in requests), dtype=np.int64, count=len(requests))
-        values = {name: array[rows] for name, array in self.sampling.items()}
+        rows = self.rows_of(requests)
+        (temperatures, top_ps, min_ps, presence, frequency, repetition) = self.float_params[rows].T.tolist()
+        top_ks, num_logprobs, _, _ = self.int_params[rows].T.tolist()
         row_list = rows.tolist()
-        penalised = (values["presence_penalty"].any() or values["frequency_penalty"].any()
-                     or (values["repetition_penalty"] != 1.0).any())
-        if penalised or any(s.num_draft_tokens for s in requests):
+        if any(presence) or any(frequency) or any(p != 1.0 for p in repetition) or any(
+                s.num_draft_tokens for s in requests):
             prompt_token_ids = [self.prompt_token_ids(row) for row in row_list]
             output_token_ids = [self.output_token_ids(row, s.num_draft_tokens) for row, s in zip(row_list, requests)]
         else:
             prompt_token_ids = output_token_ids = [[] for _ in row_list]
-        num_logprobs = values["logprobs"].tolist()
         logit_biases = [self.sampling_params[row].logit_bias for row in row_list]
         return SamplingBatch(
-            temperatures=values["temperature"].tolist(),
-            top_ks=values["top_k"].tolist(),
-            top_ps=values["top_p"].tolist(),
-            min_ps=values["min_p"].tolist(),
-            presence_penalties=values["presence_penalty"].tolist(),
-            frequency_penalties=values["frequency_penalty"].tolist(),
-            repetition_penalties=values["repetition_penalty"].tolist(),
+            temperatures=temperatures,
+            top_ks=top_ks,
+            top_ps=top_ps,
+            min_ps=min_ps,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            repetition_penalties=repetition,
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             banned_token_ids=[s.banned_token_ids for s in requests],
             generators=[self.generators.get(s.request_id) for s in requests] if self.generators
             else [None] * len(requests),
-            num_logprobs=[None if k < 0 else k for k in num_logprobs],
+            num_logprobs=[None if k < 0 else k for k in num_logprobs] if any(k >= 0 for k in num_logprobs)
+            else [None] * len(requests),
             allowed_token_bitmask=allowed_token_bitmask,
             logit_biases=logit_biases if any(logit_biases) else None,
             generator=self.engine_generator,
@@ -261,12 +287,16 @@ class InputBatch:
         if self.has_states:
             parts |= {"state_slot_ids": (np.int32, (num_seqs,)), "has_initial_state": (np.bool_, (num_seqs,))}
         host = self.staging.layout(parts)
-        starts = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=starts[1:])
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         positions = host["positions"]
-        np.subtract(np.arange(num_tokens), np.repeat(starts[:-1] - computed, q_lens), out=positions)
-        row_of_token = rows[seq_of_token]
+        if num_tokens == num_seqs:  # a token per request (decodes, last prompt tokens)
+            starts = np.arange(num_seqs + 1)
+            positions[:] = computed
+            row_of_token = rows
+        else:
+            starts = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=starts[1:])
+            np.subtract(np.arange(num_tokens), np.repeat(starts[:-1] - computed, q_lens), out=positions)
+            row_of_token = np.repeat(rows, q_lens)
         np.take(self.token_ids, row_of_token * self.token_ids.shape[1] + positions, out=host["input_ids"])
         table_rows = row_of_token if per_token else rows
         for group in range(self.num_groups):

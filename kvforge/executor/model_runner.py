@@ -81,8 +81,7 @@ class ModelRunner:
     def _prepare(self, output: SchedulerOutput) -> _Batch:
         """The step's flat inputs from the input batch's rows (one host-to-device copy), and what sampling reads."""
         scheduled = output.scheduled
-        row_of = self.requests.row_of
-        rows = np.fromiter((row_of[s.request_id] for s in scheduled), dtype=np.int64, count=len(scheduled))
+        rows = self.requests.rows_of(scheduled)
         num_drafts = np.fromiter((s.num_draft_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
         step = self.requests.inputs(rows, num_drafts)
         if self.lora is not None:  # each row's adapter slot, in the buffer every LoRA layer reads
@@ -94,19 +93,32 @@ class ModelRunner:
                                      has_initial_state=step.has_initial_state)
         if self.recurrent_states is not None:
             metadata.verification_rows = self._recurrent_states_before(scheduled, rows, step)
-        needs_sample = np.fromiter((s.needs_sample for s in scheduled), dtype=bool, count=len(scheduled))
         sample_requests = [s for s in scheduled if s.needs_sample]
-        counts = num_drafts[needs_sample] + 1  # sampling rows per sampling request: its last token and its drafts
-        firsts = np.repeat(step.starts[1:][needs_sample] - counts, counts)
-        sample_rows = (firsts + np.arange(len(firsts)) - np.repeat(np.cumsum(counts) - counts, counts)).tolist()
-        drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in sample_requests]
-        draft_probs = [s.draft_probs for s in sample_requests]
-        prompt_logprobs = self.requests.sampling["prompt_logprobs"][rows] >= 0
+        sample_rows, drafts, draft_probs = self._sample_rows(scheduled, sample_requests, num_drafts, step.starts)
         prompt_rows = {}
-        for i in np.flatnonzero(prompt_logprobs & (step.computed < self.requests.num_prompt[rows] - 1)).tolist():
-            prompt_rows[scheduled[i].request_id] = (int(step.starts[i]), int(step.q_lens[i]), int(step.computed[i]))
+        if self.requests.num_prompt_logprobs:
+            asking = self.requests.int_params[rows, 2] >= 0
+            for i in np.flatnonzero(asking & (step.computed < self.requests.num_prompt[rows] - 1)).tolist():
+                prompt_rows[scheduled[i].request_id] = (int(step.starts[i]), int(step.q_lens[i]),
+                                                        int(step.computed[i]))
         return _Batch(step.input_ids, step.positions, metadata, sample_rows, sample_requests, drafts, draft_probs,
                       prompt_rows)
+
+    @staticmethod
+    def _sample_rows(scheduled: list[ScheduledRequest], sample_requests: list[ScheduledRequest],
+                     num_drafts: np.ndarray, starts: np.ndarray) -> tuple[list[int], list[list[int]], list]:
+        """The rows of the step's flat batch that sample (each sampling request's last token, and its drafts'
+        rows before it), the drafts each verifies and their distributions."""
+        if not num_drafts.any():
+            ends = starts[1:] if len(sample_requests) == len(scheduled) else starts[1:][
+                [s.needs_sample for s in scheduled]]
+            return (ends - 1).tolist(), [[] for _ in sample_requests], [None] * len(sample_requests)
+        needs_sample = np.fromiter((s.needs_sample for s in scheduled), dtype=bool, count=len(scheduled))
+        counts = num_drafts[needs_sample] + 1  # its last token and its drafts
+        firsts = np.repeat(starts[1:][needs_sample] - counts, counts)
+        sample_rows = (firsts + np.arange(len(firsts)) - np.repeat(np.cumsum(counts) - counts, counts)).tolist()
+        drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in sample_requests]
+        return sample_rows, drafts, [s.draft_probs for s in sample_requests]
 
     def _recurrent_states_before(self, scheduled: list[ScheduledRequest], rows: np.ndarray, step: StepInputs
                                  ) -> tuple | None:

@@ -15,6 +15,8 @@ stay valid until the next step's `layout`.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -43,7 +45,7 @@ class StagingBuffer:
         offsets, offset = {}, 0
         for name, (dtype, shape) in parts.items():
             offsets[name] = offset
-            offset += -(-int(np.dtype(dtype).itemsize * np.prod(shape, dtype=np.int64)) // _ALIGN) * _ALIGN
+            offset += -(-np.dtype(dtype).itemsize * math.prod(shape) // _ALIGN) * _ALIGN
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the host buffer
         if offset > self._host.numel():
@@ -53,7 +55,7 @@ class StagingBuffer:
         self._parts = {}
         for name, (dtype, shape) in parts.items():
             dtype = np.dtype(dtype)
-            start, size = offsets[name], int(dtype.itemsize * np.prod(shape, dtype=np.int64))
+            start, size = offsets[name], dtype.itemsize * math.prod(shape)
             views[name] = host[start : start + size].view(dtype).reshape(shape)
             self._parts[name] = (start, _TORCH_DTYPES[dtype], tuple(shape))
         self._used = offset
@@ -68,6 +70,6 @@ class StagingBuffer:
             self._copied.record()
         tensors = {}
         for name, (start, dtype, shape) in self._parts.items():
-            size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+            size = dtype.itemsize * math.prod(shape)
             tensors[name] = device[start : start + size].view(dtype).view(shape)
         return tensors

@@ -24,6 +24,7 @@ class SamplingBatch:
     presence_penalties: list[float]
     frequency_penalties: list[float]
     repetition_penalties: list[float]
+    # read by penalties and draft verification only: the runner lists them only for such batches (else empty lists)
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     banned_token_ids: list[list[int]]  # EOS and stop ids while min_tokens is not reached
