@@ -13,6 +13,8 @@ stay dense: a removal moves the last rows into the holes (condense).
     float_params  [rows, 6] f64       temperature top_p min_p presence_penalty frequency_penalty repetition_penalty
     int_params    [rows, 4] i64       top_k logprobs prompt_logprobs min_tokens          (None stored as -1)
     sampling_params, loras, generators: per row, Python objects (rows move with their requests)
+    token_lists   per row, its tokens as a Python list for the sampler's penalties, brought up to date only when
+                  read: list_valid[r] of them still match token_ids (a step rewinds it to its first position)
 
 A step schedules requests s = 0 .. N-1 in the scheduler's order, at rows rows[s]; its T tokens, flat:
 
@@ -81,6 +83,7 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.sampling_params: list[SamplingParams] = []
         self.loras: list[LoRARequest | None] = []
+        self.token_lists: list[list[int]] = []
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' (kept across a preemption)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.block_tables = np.zeros((num_groups, max_num_reqs, 16), dtype=np.int32)
@@ -89,6 +92,7 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
         self.state_slots = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.list_valid = np.zeros(max_num_reqs, dtype=np.int64)
         self.float_params = np.zeros((max_num_reqs, len(FLOAT_PARAMS)), dtype=np.float64)
         self.int_params = np.zeros((max_num_reqs, len(INT_PARAMS)), dtype=np.int64)
         self.num_prompt_logprobs = 0  # rows asking for prompt logprobs (none: a step skips looking for them)
@@ -100,8 +104,8 @@ class InputBatch:
 
     def _row_arrays(self) -> list[np.ndarray]:
         """The 1-D per-row arrays (the 2-D and 3-D ones are moved by their used lengths)."""
-        return [self.num_tokens, self.num_computed, self.num_prompt, self.state_slots, self.float_params,
-                self.int_params]
+        return [self.num_tokens, self.num_computed, self.num_prompt, self.state_slots, self.list_valid,
+                self.float_params, self.int_params]
 
     # ---- the requests ------------------------------------------------------------------------------------------
 
@@ -135,6 +139,7 @@ class InputBatch:
         for hole, row in zip(holes, movers):  # holes below num_left, as many as rows above it still live
             self._move(row, hole)
         del self.request_ids[num_left:], self.sampling_params[num_left:], self.loras[num_left:]
+        del self.token_lists[num_left:]
 
     def _move(self, row: int, to: int) -> None:
         for array in self._row_arrays():
@@ -142,7 +147,7 @@ class InputBatch:
         self.token_ids[to, : self.num_tokens[row]] = self.token_ids[row, : self.num_tokens[row]]
         self.block_tables[:, to] = self.block_tables[:, row]
         self.num_blocks[:, to] = self.num_blocks[:, row]
-        for per_row in (self.request_ids, self.sampling_params, self.loras):
+        for per_row in (self.request_ids, self.sampling_params, self.loras, self.token_lists):
             per_row[to] = per_row[row]
         self.row_of[self.request_ids[to]] = to
 
@@ -153,9 +158,10 @@ class InputBatch:
         self.request_ids.append(request_id)
         self.sampling_params.append(params)
         self.loras.append(lora)
+        self.token_lists.append(list(token_ids))
         self.row_of[request_id] = row
         self.token_ids[row, : len(token_ids)] = token_ids
-        self.num_tokens[row] = self.num_computed[row] = len(token_ids)
+        self.num_tokens[row] = self.num_computed[row] = self.list_valid[row] = len(token_ids)
         self.num_prompt[row] = num_prompt
         self.num_blocks[:, row] = 0
         self.block_tables[:, row] = 0  # a step's tables are padded with the null block past a request's blocks
@@ -181,6 +187,7 @@ class InputBatch:
             for row, start, s in zip(rows.tolist(), starts.tolist(), scheduled):
                 self.token_ids[row, start : start + len(s.token_ids)] = s.token_ids
         self.num_computed[rows], self.num_tokens[rows] = starts, ends
+        self.list_valid[rows] = np.minimum(self.list_valid[rows], starts)
         for row, s in zip(rows.tolist(), scheduled):
             if any(s.new_block_ids):  # most decode steps gain no block
                 self._add_blocks(row, s.new_block_ids)
@@ -206,7 +213,7 @@ class InputBatch:
         """Grow the arrays (doubling) to hold rows rows of cols tokens and blocks blocks per group."""
         if rows > len(self.num_tokens):
             size = max(rows, 2 * len(self.num_tokens))
-            for name in ("num_tokens", "num_computed", "num_prompt", "state_slots"):
+            for name in ("num_tokens", "num_computed", "num_prompt", "state_slots", "list_valid"):
                 setattr(self, name, _resized(getattr(self, name), (size,)))
             self.float_params = _resized(self.float_params, (size, len(FLOAT_PARAMS)))
             self.int_params = _resized(self.int_params, (size, len(INT_PARAMS)))
@@ -221,16 +228,26 @@ class InputBatch:
 
     # ---- what a request holds ------------------------------------------------------------------------------------
 
+    def _token_list(self, row: int) -> list[int]:
+        """The row's tokens as a list: its list, with the tokens past list_valid replaced from token_ids."""
+        tokens, valid, end = self.token_lists[row], int(self.list_valid[row]), int(self.num_tokens[row])
+        if valid != len(tokens) or valid != end:
+            del tokens[valid:]
+            tokens.extend(self.token_ids[row, valid:end].tolist())
+            self.list_valid[row] = end
+        return tokens
+
     def prompt_token_ids(self, row: int) -> list[int]:
         """The prompt's tokens the runner holds (a chunked prompt's: up to the latest chunk)."""
-        return self.token_ids[row, : min(self.num_prompt[row], self.num_tokens[row])].tolist()
+        return self._token_list(row)[: self.num_prompt[row]]
 
     def min_tokens(self, request_id: str) -> int:
         return int(self.int_params[self.row_of[request_id], 3])
 
     def output_token_ids(self, row: int, num_draft_tokens: int = 0) -> list[int]:
         """The generated tokens without the latest step's last num_draft_tokens (drafts still to verify)."""
-        return self.token_ids[row, self.num_prompt[row] : self.num_tokens[row] - num_draft_tokens].tolist()
+        tokens = self._token_list(row)
+        return tokens[self.num_prompt[row] : len(tokens) - num_draft_tokens]
 
     def sampling_batch(self, requests: list[ScheduledRequest], allowed_token_bitmask: torch.Tensor | None
                        ) -> SamplingBatch:

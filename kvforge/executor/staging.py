@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 _ALIGN = 8  # bytes: every part starts at a multiple of the largest element size
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
+_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.bool_: torch.bool}
 
 
 class StagingBuffer:
@@ -29,47 +29,42 @@ class StagingBuffer:
 
     def __init__(self, device: torch.device, num_bytes: int = 1 << 16) -> None:
         self.device = device
-        self._host = self._device = torch.empty(0, dtype=torch.uint8)
         self._copied: torch.cuda.Event | None = None  # the latest host-to-device copy (GPU only)
-        self._parts: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        self._views: dict[str, np.ndarray] = {}
+        self._parts: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}  # name -> (start, bytes, ...)
         self._used = 0
         self._grow(num_bytes)
 
     def _grow(self, num_bytes: int) -> None:
         on_cpu = self.device.type == "cpu"
         self._host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=not on_cpu)
-        self._device = self._host if on_cpu else torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        self._host_array = self._host.numpy()
+        self._device = None if on_cpu else torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
 
-    def layout(self, parts: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
-        """The step's parts (name -> (dtype, shape)) as writable numpy views of the host buffer, in order."""
-        offsets, offset = {}, 0
+    def layout(self, parts: dict[str, tuple[type, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+        """The step's parts (name -> (numpy dtype, shape)) as writable numpy views of the host buffer, in order."""
+        self._parts, offset = {}, 0
         for name, (dtype, shape) in parts.items():
-            offsets[name] = offset
-            offset += -(-np.dtype(dtype).itemsize * math.prod(shape) // _ALIGN) * _ALIGN
+            size = np.dtype(dtype).itemsize * math.prod(shape)
+            self._parts[name] = (offset, size, _TORCH_DTYPES[dtype], shape)
+            offset += -(-size // _ALIGN) * _ALIGN
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the host buffer
-        if offset > self._host.numel():
-            self._grow(max(offset, 2 * self._host.numel()))
-        host = self._host.numpy()
-        views = {}
-        self._parts = {}
-        for name, (dtype, shape) in parts.items():
-            dtype = np.dtype(dtype)
-            start, size = offsets[name], dtype.itemsize * math.prod(shape)
-            views[name] = host[start : start + size].view(dtype).reshape(shape)
-            self._parts[name] = (start, _TORCH_DTYPES[dtype], tuple(shape))
+        if offset > self._host_array.size:
+            self._grow(max(offset, 2 * self._host_array.size))
+        host = self._host_array
+        self._views = {name: host[start : start + size].view(parts[name][0]).reshape(shape)
+                       for name, (start, size, _, shape) in self._parts.items()}
         self._used = offset
-        return views
+        return self._views
 
     def send(self) -> dict[str, torch.Tensor]:
         """The parts of the latest layout on the device (one copy of the used bytes; none on the CPU)."""
+        if self._device is None:  # the CPU: tensors over the host views themselves
+            return {name: torch.from_numpy(view) for name, view in self._views.items()}
         device = self._device
-        if device is not self._host:
-            device[: self._used].copy_(self._host[: self._used], non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        tensors = {}
-        for name, (start, dtype, shape) in self._parts.items():
-            size = dtype.itemsize * math.prod(shape)
-            tensors[name] = device[start : start + size].view(dtype).view(shape)
-        return tensors
+        device[: self._used].copy_(self._host[: self._used], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return {name: device[start : start + size].view(dtype).view(shape)
+                for name, (start, size, dtype, shape) in self._parts.items()}
