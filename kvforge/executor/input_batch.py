@@ -103,7 +103,7 @@ class InputBatch:
         return len(self.request_ids)
 
     def _row_arrays(self) -> list[np.ndarray]:
-        """The 1-D per-row arrays (the 2-D and 3-D ones are moved by their used lengths)."""
+        """The per-row arrays a row's move copies whole (token_ids and the block tables are copied apart)."""
         return [self.num_tokens, self.num_computed, self.num_prompt, self.state_slots, self.list_valid,
                 self.float_params, self.int_params]
 
