@@ -12,8 +12,8 @@ from kvforge.kernels.cpu.lora import lora_fused_cpu
 from kvforge.kernels.lora import (
     lora_expand_cpu,
     lora_expand_ref,
-    lora_fused_ref,
     lora_expand_triton,
+    lora_fused_ref,
     lora_shrink_cpu,
     lora_shrink_ref,
     lora_shrink_triton,
