@@ -3,7 +3,7 @@ rank 16, 16 streams round robin over them) on the default model, decode steps of
 LoRA, base, ...), then prompt steps in alternation. Each round's ratio is LoRA speed / base speed; the median is
 printed. For a shared, noisy machine, where `kvforge bench lora` (one engine after the other) cannot be trusted:
 
-    python scripts/bench_lora_vs_base_steps.py --rounds 8 --steps 3 --prompt-rounds 3 --prompt-len 64
+    python scripts/bench_lora_vs_base_steps.py --rounds 8 --steps 3 --prompt-rounds 3 --prompt-len 64 [--eager]
 """
 
 from __future__ import annotations
@@ -42,16 +42,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompt-rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--eager", action="store_true", help="decode steps uncompiled (no compile wait)")
     args = parser.parse_args()
-    engines = {"base": LLM(compile_buckets=[NUM_STREAMS]),
-               "lora": LLM(compile_buckets=[NUM_STREAMS], enable_lora=True, max_loras=NUM_ADAPTERS,
-                           max_lora_rank=RANK)}
+    compiled = {"enforce_eager": True} if args.eager else {"compile_buckets": [NUM_STREAMS]}
+    engines = {"base": LLM(**compiled),
+               "lora": LLM(**compiled, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK)}
     folders = write_adapters(Path(tempfile.mkdtemp()), engines["base"].engine.hf_config, NUM_ADAPTERS, RANK)
     adapters = [LoRARequest(f"adapter-{i}", i + 1, str(f)) for i, f in enumerate(folders)]
     loras = {"base": [None] * NUM_STREAMS, "lora": [adapters[i % NUM_ADAPTERS] for i in range(NUM_STREAMS)]}
     prompts = random_workload(NUM_STREAMS, (128, 128), 8, seed=0, vocab_range=(1000, 40000)).prompts
     for name, llm in engines.items():
-        llm.engine.runner.decode_graphs.compile_ahead(NUM_STREAMS)
+        if llm.engine.runner.decode_graphs is not None:
+            llm.engine.runner.decode_graphs.compile_ahead(NUM_STREAMS)
         _decoding(llm, prompts, loras[name])
     decode: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
