@@ -8,12 +8,19 @@ an adapter's scaling (alpha / r) is folded into its B when it is written to its 
 
 Three implementations of each product, one contract:
     reference   gather each row's adapter, then one batched GEMV (the BGMV shape): readable, memory T x R x K
-    CPU         one GEMM against every slot at once, the rows of other slots masked: no gather, traces
-                into the compiled decode step; its cost grows with the number of slots (small on the CPU)
+    torch       one GEMM against every slot at once, the rows of other slots masked: no gather, traces
+                into the compiled decode step; its cost grows with the number of slots (where the C++ CPU kernels
+                are not built)
     Triton      per row (BGMV): one program per (row, output block) reads its row's slot and multiplies that
                 adapter only; segmented (SGMV), for steps of many rows (tuning.lora_segmented): the rows grouped
                 by slot (moe_align, as fused MoE groups pairs by expert), each program multiplies BLOCK_M rows of
                 one adapter with tl.dot (kernels/grouped_gemm.py), reading the adapter once per block of rows
+
+On the CPU with its C++ kernels, a LoRA layer's whole update is one op instead (kernels/cpu/lora.py): the shrink of
+every checkpoint matrix of a merged layer (q/k/v, gate/up) and each matrix's expand, the rows grouped by slot, added
+into the base projection's output in place. Its B is kept rank-major, B^T [slots, R, N] per matrix:
+
+    fused    y[t, cols of m] += (x[t] @ A[slot[t]][m * R : (m + 1) * R]^T) @ BT_m[slot[t]]    (lora_fused_ref)
 """
 
 from __future__ import annotations
@@ -40,6 +47,19 @@ def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: to
     picked = b[slots.clamp(min=0)].float()  # [T, N, R]
     delta = torch.einsum("tr,tnr->tn", h.float(), picked) * (slots >= 0).unsqueeze(1)
     return (y.float() + delta).to(y.dtype)
+
+
+def lora_fused_ref(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor],
+                   slots: torch.Tensor) -> torch.Tensor:
+    """x [T, K], y [T, N], a [S, M * R, K], bt: M matrices' B^T [S, R, N_m] (sum N_m = N), slots [T] -> y with each
+    row's update added (in place, and returned)."""
+    h = lora_shrink_ref(x, a, slots)  # [T, M * R]
+    rank, offset = a.shape[1] // len(bt), 0
+    for m, b in enumerate(bt):
+        cols = y[:, offset : offset + b.shape[2]]
+        cols.copy_(lora_expand_ref(h[:, m * rank : (m + 1) * rank], b.transpose(1, 2), slots, cols))
+        offset += b.shape[2]
+    return y
 
 
 def _one_hot(slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:

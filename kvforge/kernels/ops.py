@@ -35,6 +35,7 @@ from kvforge.kernels.cpu.layer_ops import (
     rotary_embedding_cpu,
     silu_and_mul_cpu,
 )
+from kvforge.kernels.cpu.lora import lora_fused_cpu
 from kvforge.kernels.cpu.paged_attention import paged_attention_cpu, paged_decode_cpu
 from kvforge.kernels.fused_moe import fused_moe_cpu, fused_moe_triton
 from kvforge.kernels.gated_delta_rule import (
@@ -340,6 +341,9 @@ class OpTable:
     gated_delta_prefill: Callable[..., Tensor]  # mutates its state argument
     gated_delta_decode: Callable[..., Tensor]  # mutates its state argument
     causal_conv1d: Callable[..., Tensor]  # mutates its conv_state argument
+    # a LoRA layer's whole update in one op, its B kept rank-major (kernels/lora.py: lora_fused_ref); None: the
+    # shrink, then an expand per checkpoint matrix
+    lora_fused: Callable[..., Tensor] | None = None
     # The platform whose tuning table and device size the launches read (`for_platform`); None: the current
     # platform's at each launch (the unbound TRITON_OPS; the torch backend's ops read none).
     platform: Platform | None = None
@@ -408,7 +412,7 @@ def _cpu_ops() -> OpTable:
     return dataclasses.replace(TORCH_OPS, traces=True, reshape_and_cache=reshape_and_cache_cpu,
                                paged_decode=_paged_decode_cpu, rms_norm=rms_norm_cpu,
                                fused_add_rms_norm=fused_add_rms_norm_cpu, rotary_embedding=rotary_embedding_cpu,
-                               silu_and_mul=silu_and_mul_cpu)
+                               silu_and_mul=silu_and_mul_cpu, lora_fused=lora_fused_cpu)
 
 
 # The ops whose Triton launches read the platform (tiles, device size, fp8, LoRA's segmenting threshold), each taking

@@ -5,7 +5,9 @@ A merged layer (QKV, gate-up) gives each of its S checkpoint matrices its own ma
 one shrink serves them all; each matrix's B then expands its own columns into its own outputs:
 
     a     [slots, S * max_rank, in]        rows s * max_rank ...: A of checkpoint matrix s (zero past its rank)
-    b_s   [slots, out_s, max_rank]         B of checkpoint matrix s (zero past its rank), one buffer per matrix
+    b_s   [slots, out_s, max_rank]         B of checkpoint matrix s (zero past its rank), one buffer per matrix;
+          [slots, max_rank, out_s]         B^T, rank-major, where the op table fuses the whole update in one op
+                                           (ops.lora_fused: the C++ CPU kernel, which adds into y in place)
 
 Under tensor parallelism each rank holds its share, cut as the base weight is: a column-parallel layer's B by
 output rows (each merged matrix on its own, as `shard_pieces` says), a row-parallel layer's A by input columns,
@@ -39,9 +41,11 @@ class LoRASlots(nn.Module):
         self.tp_size, self.tp_rank = getattr(linear, "tp_size", 1), getattr(linear, "tp_rank", 0)
         width = len(self.shard_sizes) * max_rank
         device = token_slots.device
+        self.rank_major = ops.lora_fused is not None  # each B stored transposed, as the fused op reads it
         self.register_buffer("a", torch.zeros(max_loras, width, linear.in_features, dtype=dtype, device=device))
         for shard, size in enumerate(self.shard_sizes):
-            self.register_buffer(f"b{shard}", torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device))
+            shape = (max_loras, max_rank, size) if self.rank_major else (max_loras, size, max_rank)
+            self.register_buffer(f"b{shard}", torch.zeros(shape, dtype=dtype, device=device))
         self.register_buffer("token_slots", token_slots, persistent=False)
         self.ops = ops
 
@@ -68,13 +72,18 @@ class LoRASlots(nn.Module):
         for shard, (a, b) in pairs.items():
             rank, first = a.shape[0], shard * self.max_rank
             self.a[slot, first : first + rank].copy_(a)
-            self.b_of(shard)[slot, :, :rank].copy_(b)
+            if self.rank_major:
+                self.b_of(shard)[slot, :rank].copy_(b.t())
+            else:
+                self.b_of(shard)[slot, :, :rank].copy_(b)
 
     def b_of(self, shard: int) -> torch.Tensor:
         return getattr(self, f"b{shard}")
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         slots = self.token_slots[: x.shape[0]]  # [num_tokens]
+        if self.rank_major:
+            return self.ops.lora_fused(x, y, self.a, [self.b_of(s) for s in range(len(self.shard_sizes))], slots)
         h = self.ops.lora_shrink(x, self.a, slots)  # [num_tokens, S * max_rank]
         if len(self.shard_sizes) == 1:
             return self.ops.lora_expand(h, self.b0, slots, y)

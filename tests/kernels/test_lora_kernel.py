@@ -1,15 +1,19 @@
-"""Batched LoRA shrink and expand (Triton, and the CPU's one-GEMM path) against the gather reference, and the
-reference against plain per-row matrix products."""
+"""Batched LoRA shrink and expand (Triton, and the CPU's one-GEMM path) against the gather reference, the C++ CPU
+kernel of a whole LoRA layer's update (rows grouped by adapter) against its reference, and the references against
+plain per-row matrix products."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvforge.kernels.cpu.extension import cpu_kernels
+from kvforge.kernels.cpu.lora import lora_fused_cpu
 from kvforge.kernels.lora import (
     lora_expand_cpu,
     lora_expand_ref,
     lora_expand_triton,
+    lora_fused_ref,
     lora_shrink_cpu,
     lora_shrink_ref,
     lora_shrink_triton,
@@ -59,6 +63,28 @@ def test_cpu_path_matches_reference(num_rows: int, num_slots: int) -> None:
     h = lora_shrink_cpu(x, a, slots)
     torch.testing.assert_close(h, lora_shrink_ref(x, a, slots), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lora_expand_cpu(h, b, slots, y), lora_expand_ref(h, b, slots, y), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels are not built")
+@pytest.mark.parametrize(("num_rows", "dim", "rank", "num_outs", "num_slots"),
+                         [(2, 64, 8, (64,), 1), (16, 100, 16, (96, 32, 32), 4), (13, 257, 3, (130, 7), 3),
+                          (300, 48, 5, (41,), 2)])
+def test_cpu_fused_kernel_matches_reference(num_rows, dim, rank, num_outs, num_slots) -> None:
+    """A merged layer's matrices (q/k/v: three, gate/up: two) in one op, in place; odd sizes (columns past the last
+    16-float vector), rows of every slot and of none, several tasks of one adapter (300 rows)."""
+    x, _, _, y, slots = _case(num_rows, dim, len(num_outs) * rank, sum(num_outs), num_slots, torch.float32, "cpu")
+    slots[-1] = num_slots - 1  # a row with an adapter, always
+    a = torch.randn(num_slots, len(num_outs) * rank, dim) / dim**0.5
+    bt = [torch.randn(num_slots, rank, n) for n in num_outs]
+    want = lora_fused_ref(x, y.clone(), a, bt, slots)
+    got = y.clone()
+    assert lora_fused_cpu(x, got, a, bt, slots) is got  # updated in place
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[slots < 0], y[slots < 0])  # rows of the base model are left as they were
+    row = num_rows - 1  # the reference against plain products, for a row with an adapter
+    h = a[slots[row]] @ x[row]
+    plain = torch.cat([h[m * rank : (m + 1) * rank] @ b[slots[row]] for m, b in enumerate(bt)])
+    torch.testing.assert_close(want[row], y[row] + plain, atol=1e-4, rtol=1e-4)
 
 
 def test_launcher_names_a_bad_tensor(device) -> None:

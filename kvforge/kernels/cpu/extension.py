@@ -38,6 +38,8 @@ implementation below, so torch.compile traces them as opaque nodes:
         silu_and_mul(x [T, 2d]) -> [T, d]; rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
         -> (query, key)                                                          (layer_ops.py, eager steps)
     argmax_rows(logits [R, V] fp32) -> [R] int64, each row's first maximum      (argmax.py)
+    lora_apply(y [T, N] (mutated), x [T, K], a [S, W, K], bt [S, R, N_m] per matrix, slots [T]) -> (), each row's
+        LoRA update added into y, the rows grouped by adapter                    (lora.py)
     cache_python_arenas()   CPython's freed arenas and stack chunks kept for reuse (csrc/python_arenas.cpp)
 
 quant_gemm_panels, paged_decode and cache_write also have C entry points (csrc/c_shims.cpp, C_SHIMS below), which
@@ -259,6 +261,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvforge_cpu::cache_write")
     def _(rows, cache, slot_mapping):
+        return None
+
+    @torch.library.register_fake("kvforge_cpu::lora_apply")
+    def _(y, x, a, bt, slots):
         return None
 
     @torch.library.register_fake("kvforge_cpu::argmax_rows")

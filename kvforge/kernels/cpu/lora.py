@@ -1,0 +1,26 @@
+"""Batched LoRA on the CPU: a LoRA layer's whole update in one op, csrc/lora.cpp, the rows grouped by adapter.
+
+The torch path (kernels/lora.py: lora_shrink_cpu, lora_expand_cpu) multiplies every row by every slot's A and B, the
+rows of other slots masked, and each checkpoint matrix of a merged layer expands in a product of its own, whose
+outputs are then concatenated: per decoder layer of the default model, 11 GEMMs 4x (4 slots) larger than the rows'
+own adapters need, and their masks and copies. The kernel sorts the rows by slot and multiplies each group by its
+own adapter only (the SGMV shape), adds the update into the base projection's output in place, and skips the rows of
+the base model. Measured against the torch path (one decoder layer's 4 LoRA layers of the default model, 4 adapters
+of rank 16, rows round-robin over them, eager, interleaved, 2 threads on a shared VM): 16 rows 4.6x faster, 2048
+rows 10.8x.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.kernels.lora import lora_fused_ref
+
+
+def lora_fused_cpu(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor],
+                   slots: torch.Tensor) -> torch.Tensor:
+    """lora_fused_ref by the C++ kernel (float32; other dtypes take the reference): y updated in place, returned."""
+    if x.dtype != torch.float32 or y.dtype != torch.float32:
+        return lora_fused_ref(x, y, a, bt, slots)
+    torch.ops.kvforge_cpu.lora_apply(y, x.contiguous(), a, bt, slots)
+    return y

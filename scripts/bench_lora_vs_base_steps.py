@@ -1,0 +1,88 @@
+"""Multi-LoRA against the base model, step by step, in one process: a base engine and a LoRA engine (4 adapters of
+rank 16, 16 streams round robin over them) on the default model, decode steps of 16 rows timed in alternation (base,
+LoRA, base, ...), then prompt steps in alternation. Each round's ratio is LoRA speed / base speed; the median is
+printed. For a shared, noisy machine, where `kvforge bench lora` (one engine after the other) cannot be trusted:
+
+    python scripts/bench_lora_vs_base_steps.py --rounds 8 --steps 3 --prompt-rounds 3 --prompt-len 64 [--eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from kvforge import LLM, LoRARequest, SamplingParams
+from kvforge.benchmarks.lora_adapters import write_adapters
+from kvforge.benchmarks.workload import random_workload
+
+NUM_STREAMS, NUM_ADAPTERS, RANK = 16, 4, 16
+
+
+def _add(llm: LLM, prompts: list[list[int]], loras: list, max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for prompt, lora in zip(prompts, loras):
+        llm.engine.add_request(None, {"prompt_token_ids": prompt}, params, lora)
+
+
+def _decoding(llm: LLM, prompts: list[list[int]], loras: list) -> None:
+    """The streams added and prefilled: every later step is a decode step of all of them."""
+    _add(llm, prompts, loras, 1 << 20)
+    generated: dict[str, int] = {}
+    while len(generated) < len(prompts) or min(generated.values()) < 2:
+        for output in llm.engine.step():
+            generated[output.request_id] = len(output.outputs[0].token_ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8, help="decode rounds (each engine's turn: --steps steps)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompt-rounds", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--eager", action="store_true", help="decode steps uncompiled (no compile wait)")
+    args = parser.parse_args()
+    compiled = {"enforce_eager": True} if args.eager else {"compile_buckets": [NUM_STREAMS]}
+    engines = {"base": LLM(**compiled),
+               "lora": LLM(**compiled, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK)}
+    folders = write_adapters(Path(tempfile.mkdtemp()), engines["base"].engine.hf_config, NUM_ADAPTERS, RANK)
+    adapters = [LoRARequest(f"adapter-{i}", i + 1, str(f)) for i, f in enumerate(folders)]
+    loras = {"base": [None] * NUM_STREAMS, "lora": [adapters[i % NUM_ADAPTERS] for i in range(NUM_STREAMS)]}
+    prompts = random_workload(NUM_STREAMS, (128, 128), 8, seed=0, vocab_range=(1000, 40000)).prompts
+    for name, llm in engines.items():
+        if llm.engine.runner.decode_graphs is not None:
+            llm.engine.runner.decode_graphs.compile_ahead(NUM_STREAMS)
+        _decoding(llm, prompts, loras[name])
+    decode: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                llm.engine.step()
+            decode[name].append((time.perf_counter() - start) / args.steps)
+        print(f"decode step: base {decode['base'][-1] * 1e3:.1f} ms, LoRA {decode['lora'][-1] * 1e3:.1f} ms")
+    ratio = statistics.median(b / lo for b, lo in zip(decode["base"], decode["lora"]))
+    print(f"decode steps of {NUM_STREAMS} rows: LoRA / base speed {ratio:.3f} (median of {args.rounds} rounds)")
+    short = random_workload(NUM_STREAMS, (args.prompt_len, args.prompt_len), 8, seed=1,
+                            vocab_range=(1000, 40000)).prompts
+    prompt: dict[str, list[float]] = {name: [] for name in engines}
+    for llm in engines.values():
+        llm.engine.abort_request(list(llm.engine.groups))
+    for _ in range(args.prompt_rounds):
+        for name, llm in engines.items():
+            llm.reset_caches()
+            _add(llm, short, loras[name], 1)
+            start = time.perf_counter()
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+            prompt[name].append(time.perf_counter() - start)
+        print(f"prompts: base {prompt['base'][-1] * 1e3:.0f} ms, LoRA {prompt['lora'][-1] * 1e3:.0f} ms")
+    ratio = statistics.median(b / lo for b, lo in zip(prompt["base"], prompt["lora"]))
+    print(f"{NUM_STREAMS} prompts of {args.prompt_len} tokens: LoRA / base speed {ratio:.3f} (median of "
+          f"{args.prompt_rounds} rounds)")
+
+
+if __name__ == "__main__":
+    main()
