@@ -1,8 +1,8 @@
 """A tiny random GPT-OSS: kvforge against transformers (float32), with prompts longer than the sliding window, chunked
-prefill that splits windows, prefix-cache hits, 16 requests at once and tensor parallelism 2 (those two slow); and the
-same model with its experts in MXFP4
-(quantized here by the format's definition, kept in MXFP4 by kvforge) against transformers running the weights that
-transformers' own MXFP4 dequantizer makes of the checkpoint's blocks and scales."""
+prefill that splits windows, prefix-cache hits, preemption, speculative decoding, 16 requests at once and tensor
+parallelism 2 (those four slow); and the same model with its experts in MXFP4 (quantized here by the format's
+definition, kept in MXFP4 by kvforge) against transformers running the weights that transformers' own MXFP4
+dequantizer makes of the checkpoint's blocks and scales."""
 
 from __future__ import annotations
 
@@ -73,6 +73,39 @@ def test_greedy_16_requests(tiny):
     _check_chunked_and_prefix_cached(
         folder, model, [prompts[4], prompts[14]] + prompts[:4] + prompts[5:14] + prompts[15:]
     )
+
+
+@pytest.mark.slow
+def test_greedy_with_preemption(tiny):
+    """Two requests in a cache too small for both (24 blocks of 4 tokens: a request past 40 tokens holds 13 full and
+    4 window blocks), prefills in chunks of 7 (which split windows): one is preempted, recomputed, and both decode
+    what transformers does; every block back in the pool."""
+    folder, model, prompts = tiny
+    chosen = [prompts[4], prompts[2]]
+    llm = LLM(str(folder), kv_cache_memory="48KiB", kv_cache_dtype="float32", block_size=4, max_num_batched_tokens=7,
+              enforce_eager=True)  # fmt: skip
+    assert llm.engine.cache_stats().num_usable_blocks == 23
+    assert [o.outputs[0].token_ids for o in _generate(llm, chosen)] == _greedy(model, chosen)
+    assert llm.engine.stats().num_preemptions > 0
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
+
+
+@pytest.mark.slow
+def test_greedy_with_ngram_speculation(tiny):
+    """Repetitive prompts past the window, so n-gram drafts are proposed, verified across window boundaries (and
+    with the sinks), some accepted and some rejected."""
+    folder, model, prompts = tiny
+    repeated = [(p[:5] * 8)[: 20 + 3 * i] for i, p in enumerate(prompts[:4])]
+    expected = _greedy(model, repeated)
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, enforce_eager=True,
+              speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False,
+              prompt_lookup_min=1)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in _generate(llm, repeated)] == expected
+    stats = llm.engine.stats().spec_decode
+    assert 0 < sum(stats.num_accepted_per_position) < stats.num_draft_tokens
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
 
 
 def test_mxfp4_experts_match_their_dequantized_weights(tiny, tmp_path):
