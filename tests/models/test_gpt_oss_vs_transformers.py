@@ -93,15 +93,27 @@ def test_greedy_with_preemption(tiny):
 
 @pytest.mark.slow
 def test_greedy_with_ngram_speculation(tiny):
-    """Repetitive prompts past the window, so n-gram drafts are proposed, verified across window boundaries (and
-    with the sinks), some accepted and some rejected."""
+    """Prompts past the window in which the token the model goes on to repeat is followed by others: the n-gram
+    proposer drafts those (rejected, their KV slots rolled back) and the repeats (accepted), verified across window
+    boundaries; transformers' tokens, and their logprobs as transformers' log-softmax."""
     folder, model, prompts = tiny
-    repeated = [(p[:5] * 8)[: 20 + 3 * i] for i, p in enumerate(prompts[:4])]
-    expected = _greedy(model, repeated)
+    first = _greedy(model, prompts[1:2])[0][0]
+    chosen = [p[:9] + [first, 7, 8, 9] + p[:9] for p in prompts[1:5]]
+    # NOTE: no min_new_tokens, whose processor would take EOS out of the scores' softmax
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                               output_scores=True, return_dict_in_generate=True) for p in chosen]  # fmt: skip
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, enforce_eager=True,
-              speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False,
-              prompt_lookup_min=1)  # fmt: skip
-    assert [o.outputs[0].token_ids for o in _generate(llm, repeated)] == expected
+              speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False, prompt_lookup_min=1,
+              speculative_max_rows=64)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chosen], params)
+    for output, prompt, reference in zip(outputs, chosen, expected):
+        tokens = output.outputs[0].token_ids
+        assert tokens == reference.sequences[0, len(prompt) :].tolist() and len(tokens) == 16
+        theirs = [torch.log_softmax(scores[0].float(), -1)[token].item() for scores, token in zip(reference.scores,
+                                                                                                     tokens)]
+        ours = [position[token].logprob for position, token in zip(output.outputs[0].logprobs, tokens)]
+        assert ours == pytest.approx(theirs, abs=1e-4)
     stats = llm.engine.stats().spec_decode
     assert 0 < sum(stats.num_accepted_per_position) < stats.num_draft_tokens
     cache = llm.engine.cache_stats()
