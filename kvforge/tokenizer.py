@@ -87,9 +87,12 @@ class Tokenizer:
         backend.post_processor = _bos_eos_processor(
             backend, bos_token if add_bos else None, eos_token if add_eos else None
         )
-        # NOTE: llama.cpp also ends generation on the end-of-turn and end-of-message tokens.
+        # NOTE: llama.cpp also ends generation on the end-of-turn and end-of-message tokens, those the file names
+        # and those it finds by their text (its converter names none of Gemma's or GPT-OSS's)
         end_keys = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        extra_eos = tuple(meta[key] for key in end_keys if key in meta)
+        named = [meta[key] for key in end_keys if key in meta]
+        by_text = [token_id for token_id, text in enumerate(tokens) if text in _END_OF_TURN_TOKENS]
+        extra_eos = tuple(dict.fromkeys(named + by_text))
         return cls(backend, meta.get("tokenizer.chat_template"), bos_token, eos_token, extra_eos)
 
     @property
@@ -171,6 +174,11 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected these messages: {e}") from e
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+# The end-of-turn markers of the chat formats (Gemma's, harmony's return and call, Llama 3's, ChatML's) that end a
+# reply as their checkpoints' generation configs say, where a GGUF file names no end-of-turn token.
+_END_OF_TURN_TOKENS = frozenset({"<end_of_turn>", "<|return|>", "<|call|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>"})
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -78,3 +78,22 @@ def test_scores_must_match_the_tokens(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="tokenizer.ggml.scores"):
         Tokenizer.from_gguf(GGUFFile(str(path)).metadata)
+
+
+def test_a_reply_ends_at_the_end_of_turn_the_file_does_not_name(tmp_path: Path) -> None:
+    """Gemma's vocabulary as llama.cpp's converter writes it: EOS <eos> and no end-of-turn id, where the checkpoints'
+    generation config ends generation on <eos> and <end_of_turn> (llama.cpp finds the latter by its text)."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\u2581hi"]
+    path = tmp_path / "gemma-vocabulary.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([gguf.TokenType.CONTROL] * 6 + [gguf.TokenType.NORMAL])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    tokenizer = Tokenizer.from_gguf(GGUFFile(str(path)).metadata)
+    assert tokenizer.eos_token_id == 1 and tokenizer.eos_token_ids == {1, tokens.index("<end_of_turn>")}

@@ -14,10 +14,11 @@ the decay as it is applied (K key heads, r = value heads per key head):
                       columns of ssm_out (out_proj)
     both        HF    linear_attn.A_log          GGUF ssm_a = -exp(A_log)
                 HF    mlp.experts.{j}.*_proj     GGUF ffn_{gate,up,down}_exps, the experts stacked
-                                                 (gguf_stacked_experts.py)
+                                                 (gguf_stacked_experts.py: kept in their quantized blocks as the
+                                                 other MoE families' are)
 
-Every other tensor keeps its HF layout under another name (gguf_architectures.py). These are read as floats (the
-model's routed experts run float weights).
+Every other tensor keeps its HF layout under another name (gguf_architectures.py). The Gated DeltaNet tensors
+regrouped here are read as floats.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ import torch
 
 from kvforge.loader.gguf_file import GGUFFile, GGUFTensor
 from kvforge.loader.gguf_regroup import Dense, LayerTensors, Reader, Regrouped, Regrouping, require
-from kvforge.loader.gguf_stacked_experts import EXPERT_KINDS, expert_readers
+from kvforge.loader.gguf_stacked_experts import EXPERT_KINDS, add_experts
 
 
 def _regroup_qwen3_next(file: GGUFFile, layers: LayerTensors, config: dict[str, Any], keep_quantized: bool,
              dense: Dense) -> Regrouped:  # fmt: skip
-    del keep_quantized  # every tensor regrouped here is read as a float one
     readers: dict[str, Reader] = {}
+    regrouped = Regrouped(readers)
     for layer, parts in sorted(layers.items()):
         prefix = f"model.layers.{layer}"
         if "attn_qkv.weight" in parts:
@@ -44,18 +45,18 @@ def _regroup_qwen3_next(file: GGUFFile, layers: LayerTensors, config: dict[str, 
                 _qkvz, dense, qkv, z, config["linear_num_key_heads"]
             )
             readers[f"{prefix}.linear_attn.A_log"] = functools.partial(_a_log, dense, a)
-        readers.update(expert_readers(file, layer, parts, dense))
-    numel = sum(int(t.n_elements) for parts in layers.values() for t in parts.values())
-    return Regrouped(readers, dense_numel=numel)
+        add_experts(regrouped, file, layer, parts, keep_quantized, dense)
+    regrouped.dense_numel += _linear_attention_numel(layers)
+    return regrouped
 
 
 def _regroup_qwen3_5(file: GGUFFile, layers: LayerTensors, config: dict[str, Any], keep_quantized: bool,
                      dense: Dense) -> Regrouped:  # fmt: skip
-    del keep_quantized  # every tensor regrouped here is read as a float one
     num_key_heads = config["linear_num_key_heads"]
     per_key = config["linear_num_value_heads"] // num_key_heads
     key_rows, value_head = 2 * num_key_heads * config["linear_key_head_dim"], config["linear_value_head_dim"]
     readers: dict[str, Reader] = {}
+    regrouped = Regrouped(readers)
     for layer, parts in sorted(layers.items()):
         prefix = f"model.layers.{layer}.linear_attn"
         grouped = functools.partial(_grouped, dense, num_key_heads, per_key)
@@ -72,9 +73,15 @@ def _regroup_qwen3_5(file: GGUFFile, layers: LayerTensors, config: dict[str, Any
             readers[f"{prefix}.dt_bias"] = functools.partial(grouped, dt, 1, 0, 0)
             readers[f"{prefix}.conv1d.weight"] = functools.partial(grouped, conv, value_head, 0, key_rows)
             readers[f"{prefix}.out_proj.weight"] = functools.partial(grouped, out, value_head, 1, 0)
-        readers.update(expert_readers(file, layer, parts, dense))
-    numel = sum(int(t.n_elements) for parts in layers.values() for t in parts.values())
-    return Regrouped(readers, dense_numel=numel)
+        add_experts(regrouped, file, layer, parts, keep_quantized, dense)
+    regrouped.dense_numel += _linear_attention_numel(layers)
+    return regrouped
+
+
+def _linear_attention_numel(layers: LayerTensors) -> int:
+    """Weights of the layers' tensors other than the experts (add_experts counts theirs)."""
+    return sum(int(t.n_elements) for parts in layers.values() for name, t in parts.items()
+               if name.split(".")[0] not in EXPERT_KINDS)  # fmt: skip
 
 
 def _grouped(dense: Dense, num_key_heads: int, per_key: int, tensor: GGUFTensor, head_size: int, dim: int,

@@ -4,7 +4,7 @@ MoE), given back as the stacked tensors of the Hugging Face checkpoints (transfo
     GGUF  blk.{i}.ffn_gate_exps [experts, inter, hidden], ffn_up_exps the same, ffn_down_exps [experts, hidden, inter]
     HF    mlp.experts.gate_up_proj [experts, 2 * inter, hidden] ([gate | up] rows), mlp.experts.down_proj as the file's
 
-or, with keep_quantized and the three in block types of BLOCK_LAYOUTS (Mixtral, Qwen2-MoE, Qwen3-MoE), as each
+or, with keep_quantized and the three in block types of BLOCK_LAYOUTS (every family above), as each
 expert's weight in its blocks, mlp.experts.{j}.{gate_proj,up_proj,down_proj}.weight, decoded expert by expert from
 the file's bytes (expert j's rows are the j-th run of the stacked tensor's blocks): no float copy of the experts.
 """
@@ -49,28 +49,33 @@ def _kept_expert(file: GGUFFile, tensor: GGUFTensor, expert: int) -> QuantizedWe
         raise ValueError(f"{file.path}: tensor {tensor.name}, expert {expert}: {e}") from e
 
 
+def add_experts(regrouped: Regrouped, file: GGUFFile, layer: int, parts: dict[str, GGUFTensor], keep_quantized: bool,
+                dense: Dense) -> None:  # fmt: skip
+    """The layer's stacked experts (none without) into regrouped: kept in their blocks with keep_quantized where all
+    three are of a type in BLOCK_LAYOUTS, else read as floats (counted in its dense_numel)."""
+    stacked = require(file, layer, parts, *_PROJECTIONS) if "ffn_gate_exps.weight" in parts else []
+    if not (keep_quantized and stacked and all(t.tensor_type in BLOCK_LAYOUTS for t in stacked)):
+        regrouped.readers.update(expert_readers(file, layer, parts, dense))
+        regrouped.dense_numel += sum(int(t.n_elements) for t in stacked)
+        return
+    for tensor, proj in zip(stacked, _PROJECTIONS.values()):
+        layout = BLOCK_LAYOUTS[tensor.tensor_type]
+        for expert in range(tensor.shape[0]):
+            name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+            regrouped.quantized[name] = functools.partial(_kept_expert, file, tensor, expert)
+            regrouped.layouts[name] = layout
+        # as loader/gguf.py counts the kept bytes: codes, and a half scale and offset per group
+        group_bits = layout.bits * layout.group_size + 32
+        regrouped.kept_bytes += int(tensor.n_elements) * group_bits // (8 * layout.group_size)
+
+
 def _regroup(file: GGUFFile, layers: LayerTensors, config: dict[str, Any], keep_quantized: bool,
              dense: Dense) -> Regrouped:  # fmt: skip
-    """Each layer's experts kept in their blocks with keep_quantized where all three are of a type in BLOCK_LAYOUTS,
-    else read as floats."""
+    """Each layer's experts (add_experts)."""
     del config
     regrouped = Regrouped({})
     for layer, parts in sorted(layers.items()):
-        stacked = require(file, layer, parts, *_PROJECTIONS) if "ffn_gate_exps.weight" in parts else []
-        if not (keep_quantized and stacked and all(t.tensor_type in BLOCK_LAYOUTS for t in stacked)):
-            regrouped.readers.update(expert_readers(file, layer, parts, dense))
-            regrouped.dense_numel += sum(int(t.n_elements) for t in parts.values())
-            continue
-        for tensor, proj in zip(stacked, _PROJECTIONS.values()):
-            layout = BLOCK_LAYOUTS[tensor.tensor_type]
-            for expert in range(tensor.shape[0]):
-                name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
-                regrouped.quantized[name] = functools.partial(_kept_expert, file, tensor, expert)
-                regrouped.layouts[name] = layout
-            # as loader/gguf.py counts the kept bytes: codes, and a half scale and offset per group
-            regrouped.kept_bytes += (
-                int(tensor.n_elements) * (layout.bits * layout.group_size + 32) // (8 * layout.group_size)
-            )
+        add_experts(regrouped, file, layer, parts, keep_quantized, dense)
     return regrouped
 
 

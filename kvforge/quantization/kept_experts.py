@@ -1,7 +1,8 @@
 """Routed experts kept in a GGUF file's quantized blocks on the CPU: each expert's gate and up (merged, [gate | up]
 rows) and its down projection become weight-only kernels of their own (the panel kernel's layout where it runs:
 what the dense layers of the same file use, packed expert by expert, never a float copy of the experts), and the
-layer's MoE multiplies each active expert's gathered tokens with them (kernels/fused_moe.py's fused_moe_per_expert).
+layer's MoE multiplies each active expert's gathered tokens with them (kernels/fused_moe.py's fused_moe_per_expert;
+panel-packed experts through the custom op kernels/cpu/panel_moe.py, which a compiled decode step takes).
 
     checkpoint  model.layers.{i}.mlp.experts.{j}.{gate_proj,up_proj,down_proj}.weight: QuantizedWeights
     FusedMoE    gate_up_proj and down_proj dropped; kept = KeptExperts (its gate_up[j], down[j] kernels)
@@ -18,11 +19,12 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+import kvforge.kernels.cpu.panel_moe  # noqa: F401  (registers torch.ops.kvforge.panel_moe)
 from kvforge.kernels.fused_moe import fused_moe_per_expert
 from kvforge.layers.moe import FusedMoE
 from kvforge.quantization.gguf_blocks import BlockLayout
 from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards
-from kvforge.quantization.weight_only_kernels import WeightOnlyKernel, select_kernel
+from kvforge.quantization.weight_only_kernels import PanelKernel, WeightOnlyKernel, select_kernel
 
 logger = logging.getLogger(__name__)
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -34,17 +36,32 @@ class KeptExperts(nn.Module):
     def __init__(self, gate_up: list[WeightOnlyKernel], down: list[WeightOnlyKernel]) -> None:
         super().__init__()
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self.panels = all(_plain_panels(kernels) for kernels in (gate_up, down))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.panels:  # one opaque op, which a compiled decode step takes
+            return torch.ops.kvforge.panel_moe(
+                x, topk_weights, topk_ids, [k.weight for k in self.gate_up], [k.weight for k in self.down],
+                [k.factor for k in self.gate_up], [k.factor for k in self.down], self.gate_up[0].bits,
+                self.down[0].bits, self.gate_up[0].out_features)  # fmt: skip
+        return self._per_expert(x, topk_weights, topk_ids)
 
     # NOTE: each expert's token count is a host sync, which a compiled decode step cannot trace: the engine runs such a
     # model's decode steps eagerly (with a warning) rather than read every expert's weights each step
     @torch.compiler.disable
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def _per_expert(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_moe_per_expert(x, topk_weights, topk_ids, [k.apply for k in self.gate_up],
                                     [k.apply for k in self.down])  # fmt: skip
 
     def weight_bytes(self) -> int:
         """Bytes of the experts as the kernels keep them."""
         return sum(t.nbytes for t in self.buffers())
+
+
+def _plain_panels(kernels: list[WeightOnlyKernel]) -> bool:
+    """Panel kernels of one bit width and row count, without a column permutation or a bias (the panel_moe op's)."""
+    return (all(isinstance(k, PanelKernel) and k.perm is None and k.bias is None for k in kernels)
+            and len({(k.bits, k.out_features) for k in kernels}) == 1)  # fmt: skip
 
 
 def keep_experts_quantized(model: nn.Module, kept: Mapping[str, QuantizedWeight],

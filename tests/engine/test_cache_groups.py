@@ -161,3 +161,38 @@ def test_a_hit_in_one_group_is_never_handed_to_another_groups_new_blocks():
     assert full[:2] == hit.block_ids[0] and window[:2] == hit.block_ids[1]
     assert not set(full) & set(window)  # no block in both groups
     assert all(kv.pool.ref_cnt[block] == 1 for block in full + window)
+
+
+def test_a_window_block_two_requests_share_returns_once_both_have_moved_past_it():
+    """b's prefix hit shares a's window blocks while a runs: a block goes back to the pool when the last request
+    reading it moves past it, not before; the pool's free count is always what no request's table holds."""
+    kv = KVCacheManager(64, 4, True, FULL_AND_WINDOW)  # 63 usable blocks, windows of 6
+    a = Request("a", list(range(17)), SamplingParams(max_tokens=20))
+    b = Request("b", list(range(16)) + [99], SamplingParams(max_tokens=20))
+    full, window = kv.groups
+
+    def held() -> set[int]:
+        return {block for group in kv.groups for rid in ("a", "b") for block in group.table(rid)} - {NULL_BLOCK_ID}
+
+    assert kv.allocate_slots(a, 16)  # a's 16 prompt tokens computed: four full blocks in each group, cached
+    a.num_computed_tokens = 16
+    hit = kv.find_cached_prefix(b)
+    assert hit.num_blocks == 4
+    b.num_computed_tokens = 16
+    assert kv.allocate_slots(b, 1, hit)
+    # the query at 16 reads keys 11..16: b shares a's window blocks 2 and 3 (not 0 and 1) and all four full blocks
+    assert window.table("b")[:4] == [NULL_BLOCK_ID, NULL_BLOCK_ID, *window.table("a")[2:4]]
+    assert full.table("b")[:4] == full.table("a")
+    shared = window.table("a")[2]
+    for num_computed in range(16, 26):  # a moves ahead one token at a time, b a token behind
+        for request in (a, b) if num_computed > 16 else (a,):
+            request.num_computed_tokens = num_computed - (request is b)
+            assert kv.allocate_slots(request, 1)
+            assert kv.num_free_blocks == 63 - len(held()), (request.request_id, num_computed)
+        # block 2 (keys 8..11) is passed by a query at 17 or later: a leaves it at 17, b one step later
+        assert (shared in window.table("a")) == (num_computed < 17)
+        assert (shared in window.table("b")) == (num_computed < 18)
+        assert (shared in held()) == (num_computed < 18)
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 63

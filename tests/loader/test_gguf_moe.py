@@ -83,11 +83,30 @@ def _rounded_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
 @pytest.mark.skipif(not panels_available(), reason="the panel kernel needs AVX-512 VNNI")
 def test_q4_0_experts_stay_in_their_blocks(moe):
     """llama-quantize's Q4_0 file (Qwen2-MoE's shared-expert gate written as a vector, its shared down projection,
-    whose rows are no multiple of 32, as F16): every layer's experts are panel kernels (no float experts), their
-    bytes about the file's; each layer's experts against the dequantized ones (inputs rounded as the kernel does);
-    the model's logits and greedy tokens against the dequantized model's."""
+    whose rows are no multiple of 32, as F16)."""
     model, f32_path = moe
-    path = _quantize(f32_path, "Q4_0")
+    _check_kept_experts(model, _quantize(f32_path, "Q4_0"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not panels_available(), reason="the panel kernel needs AVX-512 VNNI")
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_hybrid_q4_0_experts_stay_in_their_blocks(tmp_path, arch):
+    """Qwen3-Next's and Qwen3.5 MoE's routed experts as Qwen3-MoE's (their Gated DeltaNet layers between)."""
+    from tests.tiny_models import build_hybrid_model
+
+    # NOTE: one row more than the tokenizer's, as test_gguf_families.py's hybrid files (the converter adds one)
+    vocab_size = save_tokenizer(tmp_path) + 1
+    model = build_hybrid_model(arch, vocab_size, **({"mlp_only_layers": []} if arch == "qwen3_next" else {}))
+    model.save_pretrained(tmp_path)
+    f32_path = convert(tmp_path, "f32", "qwen2" if arch == "qwen3_next" else "qwen35", "--no-mtp")
+    _check_kept_experts(model, _quantize(f32_path, "Q4_0"))
+
+
+def _check_kept_experts(model, path: Path) -> None:
+    """Every layer's experts are panel kernels (no float experts), their bytes about the file's; each layer's experts
+    against the dequantized ones (the file with quantization="none", inputs rounded as the kernel does); the model's
+    logits and greedy tokens against the dequantized model's."""
     experts_in_file = [t for t in GGUFFile(str(path)).tensors if "_exps" in t.name]
     assert {t.tensor_type.name for t in experts_in_file} == {"Q4_0"}
     kept, dense = _llm(path), _llm(path, quantization="none")
@@ -109,10 +128,10 @@ def test_q4_0_experts_stay_in_their_blocks(moe):
         reference = _rounded_moe(x, theirs.mlp.experts.gate_up_proj, theirs.mlp.experts.down_proj, weights, ids)
         torch.testing.assert_close(ours.mlp.experts(x, weights, ids).double(), reference, rtol=1e-4, atol=1e-5)
 
-    # a compiled decode step cannot trace the experts' host sync: it fails as the engine expects, which then runs the
-    # decode steps eagerly (with a warning), rather than failing the model
-    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
-        torch.compile(kept_layers[0].mlp.experts, fullgraph=True, backend="eager")(x, weights, ids)
+    # the panel-packed experts are one opaque op: a compiled decode step takes them whole (fullgraph), to the same
+    # values
+    compiled = torch.compile(kept_layers[0].mlp.experts, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, weights, ids), kept_layers[0].mlp.experts(x, weights, ids))
 
     prompts = _prompts(model.config.vocab_size)
     kept_logits, dense_logits = kept.engine.score(prompts[0]), dense.engine.score(prompts[0])

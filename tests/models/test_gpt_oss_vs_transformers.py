@@ -1,8 +1,8 @@
 """A tiny random GPT-OSS: kvforge against transformers (float32), with prompts longer than the sliding window, chunked
-prefill that splits windows, prefix-cache hits, 16 requests at once and tensor parallelism 2 (those two slow); and the
-same model with its experts in MXFP4
-(quantized here by the format's definition, kept in MXFP4 by kvforge) against transformers running the weights that
-transformers' own MXFP4 dequantizer makes of the checkpoint's blocks and scales."""
+prefill that splits windows, prefix-cache hits, preemption, speculative decoding, 16 requests at once and tensor
+parallelism 2 (those four slow); and the same model with its experts in MXFP4 (quantized here by the format's
+definition, kept in MXFP4 by kvforge) against transformers running the weights that transformers' own MXFP4
+dequantizer makes of the checkpoint's blocks and scales."""
 
 from __future__ import annotations
 
@@ -73,6 +73,51 @@ def test_greedy_16_requests(tiny):
     _check_chunked_and_prefix_cached(
         folder, model, [prompts[4], prompts[14]] + prompts[:4] + prompts[5:14] + prompts[15:]
     )
+
+
+@pytest.mark.slow
+def test_greedy_with_preemption(tiny):
+    """Two requests in a cache too small for both (24 blocks of 4 tokens: a request past 40 tokens holds 13 full and
+    4 window blocks), prefills in chunks of 7 (which split windows): one is preempted, recomputed, and both decode
+    what transformers does; every block back in the pool."""
+    folder, model, prompts = tiny
+    chosen = [prompts[4], prompts[2]]
+    llm = LLM(str(folder), kv_cache_memory="48KiB", kv_cache_dtype="float32", block_size=4, max_num_batched_tokens=7,
+              enforce_eager=True)  # fmt: skip
+    assert llm.engine.cache_stats().num_usable_blocks == 23
+    assert [o.outputs[0].token_ids for o in _generate(llm, chosen)] == _greedy(model, chosen)
+    assert llm.engine.stats().num_preemptions > 0
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
+
+
+@pytest.mark.slow
+def test_greedy_with_ngram_speculation(tiny):
+    """Prompts past the window in which the token the model goes on to repeat is followed by others: the n-gram
+    proposer drafts those (rejected, their KV slots rolled back) and the repeats (accepted), verified across window
+    boundaries; transformers' tokens, and their logprobs as transformers' log-softmax."""
+    folder, model, prompts = tiny
+    first = _greedy(model, prompts[1:2])[0][0]
+    chosen = [p[:9] + [first, 7, 8, 9] + p[:9] for p in prompts[1:5]]
+    # NOTE: no min_new_tokens, whose processor would take EOS out of the scores' softmax
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                               output_scores=True, return_dict_in_generate=True) for p in chosen]  # fmt: skip
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, enforce_eager=True,
+              speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False, prompt_lookup_min=1,
+              speculative_max_rows=64)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chosen], params)
+    for output, prompt, reference in zip(outputs, chosen, expected):
+        tokens = output.outputs[0].token_ids
+        assert tokens == reference.sequences[0, len(prompt) :].tolist() and len(tokens) == 16
+        theirs = [torch.log_softmax(scores[0].float(), -1)[token].item() for scores, token in zip(reference.scores,
+                                                                                                     tokens)]
+        ours = [position[token].logprob for position, token in zip(output.outputs[0].logprobs, tokens)]
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    stats = llm.engine.stats().spec_decode
+    assert 0 < sum(stats.num_accepted_per_position) < stats.num_draft_tokens
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
 
 
 def test_mxfp4_experts_match_their_dequantized_weights(tiny, tmp_path):
