@@ -65,6 +65,7 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # the allowed tokens of the constrained requests that sample this step (set by the engine)
     grammar_bitmask: GrammarBitmask | None = None
+    reset_proposer: bool = False  # the runner's draft proposer forgets the finished requests first
 
     @property
     def num_batched_tokens(self) -> int:
@@ -89,9 +90,11 @@ class PoolingStep:
 class ModelRunnerOutput:
     """Plain data back to the engine: the tokens each finished-prefill/decode request appends this step
     (one, or the accepted drafts and one more when speculating), applied by Scheduler.update_from_output;
-    the logprobs of each of them where asked."""
+    the logprobs of each of them where asked; when speculating, the drafts the runner proposes to follow them
+    (verified in the request's next step)."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # (requests without drafts: absent)
     logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)
     # request id -> (index of the first prompt token predicted, logprobs of the tokens predicted)
     prompt_logprobs: dict[str, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)

@@ -26,8 +26,8 @@ from kvforge.loader.heap import release_freed_memory
 from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
+from kvforge.spec_decode.draft import DraftModelProposer
 from kvforge.spec_decode.policy import SpeculationPolicy, StepCosts
-from kvforge.spec_decode.proposer import create_proposer
 from kvforge.step_data import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from kvforge.structured_output.compiler import GrammarCompiler
 
@@ -35,14 +35,15 @@ logger = logging.getLogger(__name__)
 
 
 def _speculation(config: EngineConfig, vocab_size: int, buckets: tuple[int, ...]) -> Speculation | None:
-    """buckets: the row counts the runner pads decode steps to (its compiled batch sizes)."""
-    proposer = create_proposer(config, vocab_size)
-    if proposer is None:
-        return None
+    """buckets: the row counts the runner pads decode steps to (its compiled batch sizes). The runner proposes the
+    n-gram and suffix drafts (spec_decode/proposer.py); a draft model is asked from here."""
     spec = config.speculative
+    if spec.speculative_method is None:
+        return None
     policy = SpeculationPolicy(spec.num_speculative_tokens, spec.speculative_max_rows, StepCosts(buckets),
                                spec.speculative_adaptive)
-    return Speculation(proposer, policy)
+    draft_model = DraftModelProposer(config, vocab_size) if spec.speculative_method == "draft" else None
+    return Speculation(policy, draft_model)
 
 
 class LLMEngine:

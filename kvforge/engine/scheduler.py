@@ -9,13 +9,11 @@ from dataclasses import dataclass, field
 from kvforge.config import SchedulerConfig
 from kvforge.engine.kv_cache_manager import KVCacheManager
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.engine.speculation import Speculation
+from kvforge.engine.speculation import NO_DRAFTS, Speculation
 from kvforge.engine.stats import SchedulerStats, SpecDecodeStats
 from kvforge.spec_decode.proposer import Drafts
 from kvforge.step_data import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from kvforge.structured_output.bitmask import GrammarBitmask
-
-NO_DRAFTS = Drafts([])  # (never changed)
 
 
 @dataclass(slots=True)
@@ -105,6 +103,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         output.preempted_request_ids.append(victim.request_id)
+        if self.speculation is not None:
+            self.speculation.preempt(victim)
         return victim
 
     def _emit(self, output: SchedulerOutput, request: Request, num_new: int, drafts: Drafts = NO_DRAFTS
@@ -211,6 +211,8 @@ class Scheduler:
         nor preempted until their results are back."""
         output = SchedulerOutput(finished_request_ids=self.finished_ids)
         self.finished_ids = []
+        if self.speculation is not None:
+            output.reset_proposer = self.speculation.take_reset()
         max_seqs = max(1, -(-self.num_unfinished // num_micro_batches))
         budget = self._schedule_running(output, self.config.max_num_batched_tokens, set(busy), max_seqs)
         if not output.preempted_request_ids:
@@ -245,6 +247,8 @@ class Scheduler:
             if not token_ids:
                 continue
             accepted, status = self._append_tokens(request, token_ids)
+            if self.speculation is not None:
+                self.speculation.take(request.request_id, runner_output.draft_token_ids)
             if scheduled.num_draft_tokens:
                 self._accept_drafts(request, scheduled.num_draft_tokens, len(token_ids) - 1)
             result.new_token_ids[request.request_id] = accepted

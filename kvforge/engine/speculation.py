@@ -1,33 +1,52 @@
 """The scheduler's side of speculative decoding: which drafts a decoding request carries into a step, and
-how many of them the model accepted."""
+how many of them the model accepted.
+
+The runner proposes each sampling request's drafts for its next step after sampling (n-gram, suffix: one call for
+the step's requests, on the tokens the runner holds) and returns them with the sampled tokens; `take` keeps them
+until the request is scheduled again. A draft model is still asked here, one request at a time (its
+drafts come with the distributions they were sampled from)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvforge.engine.request import Request
 from kvforge.engine.stats import SpecDecodeStats
 from kvforge.spec_decode.policy import SpeculationPolicy
-from kvforge.spec_decode.proposer import Drafts, Proposer
+from kvforge.spec_decode.proposer import Drafts, RequestProposer
+
+NO_DRAFTS = Drafts([])  # (never changed)
 
 
 class Speculation:
-    """Asks the proposer for each decoding request's drafts, as many as the policy plans for the step and
+    """Hands each decoding request the drafts proposed for it, as many as the policy plans for the step and
     within the step's token budget and the request's length limits (every draft accepted plus the model's own
-    token never pass max_tokens or the model length), and counts drafts and accepted drafts per position."""
+    token never pass max_tokens or the model length), and counts drafts and accepted drafts per position.
 
-    def __init__(self, proposer: Proposer, policy: SpeculationPolicy) -> None:
-        self.proposer = proposer
+    draft_model: the draft model's proposer (None: the runner proposes the drafts)."""
+
+    def __init__(self, policy: SpeculationPolicy, draft_model: RequestProposer | None = None) -> None:
         self.policy = policy
+        self.draft_model = draft_model
         num_speculative_tokens = policy.num_speculative_tokens
         self.num_drafted_per_position = [0] * num_speculative_tokens
         self.num_accepted_per_position = [0] * num_speculative_tokens
         self.num_verified_requests = 0  # request-steps that verified at least one draft
         self.planned: dict[str, int] = {}
+        self.proposed: dict[str, list[int]] = {}  # request id -> the runner's drafts to follow its tokens now
+        self.reset_pending = False  # the runner's proposer is to forget the finished requests (at the next step)
 
     def plan(self, decoding: Sequence[Request]) -> None:
         """Before a step's drafts: the requests that decode in it."""
         self.planned = self.policy.plan([r.request_id for r in decoding])
+
+    def take(self, request_id: str, draft_token_ids: Mapping[str, list[int]]) -> None:
+        """The request appended a step's sampled tokens; draft_token_ids: the runner's drafts to follow them."""
+        drafts = draft_token_ids.get(request_id)
+        if drafts:
+            self.proposed[request_id] = drafts
+        else:
+            self.proposed.pop(request_id, None)
 
     def drafts(self, request: Request, budget: int) -> Drafts:
         """Draft tokens to follow a request that decodes this step (its one new token takes 1 of budget)."""
@@ -37,9 +56,11 @@ class Speculation:
         if max_tokens is not None:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
         if limit <= 0:
-            return Drafts([])
-        return self.proposer.propose(request.request_id, request.all_token_ids, limit,
-                                     request.sampling_params).truncated(limit)
+            return NO_DRAFTS
+        if self.draft_model is not None:
+            return self.draft_model.propose(request.request_id, request.all_token_ids, limit,
+                                            request.sampling_params).truncated(limit)
+        return Drafts(self.proposed.get(request.request_id, [])[:limit])
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A request verified num_drafts drafts and accepted the first num_accepted."""
@@ -55,15 +76,33 @@ class Speculation:
         """A decode-only step of num_rows token rows (decodes and their drafts) took seconds, start to end."""
         self.policy.costs.record(num_rows, seconds)
 
+    def preempt(self, request: Request) -> None:
+        """The request is recomputed from its first token: the drafts proposed for it wait for its next sample."""
+        self.proposed.pop(request.request_id, None)
+
     def finish(self, request: Request) -> None:
+        """The request is gone (the runner's proposer hears of it with the step's finished request ids)."""
         self.policy.forget(request.request_id)
-        self.proposer.finish(request.request_id, request.all_token_ids)
+        self.proposed.pop(request.request_id, None)
+        if self.draft_model is not None:
+            self.draft_model.finish(request.request_id, request.all_token_ids)
 
     def reset(self) -> None:
-        self.proposer.reset()
+        """Forget what finished requests taught the proposer: the draft model's at once, the runner's at the next
+        step (take_reset)."""
+        if self.draft_model is not None:
+            self.draft_model.reset()
+        else:
+            self.reset_pending = True
+
+    def take_reset(self) -> bool:
+        """Whether the runner's proposer is to reset before the step being scheduled (once per reset)."""
+        pending, self.reset_pending = self.reset_pending, False
+        return pending
 
     def shutdown(self) -> None:
-        self.proposer.shutdown()
+        if self.draft_model is not None:
+            self.draft_model.shutdown()
 
     def stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_verified_requests, tuple(self.num_drafted_per_position),

@@ -237,6 +237,24 @@ class InputBatch:
             self.list_valid[row] = end
         return tokens
 
+    def token_list(self, request_id: str) -> list[int]:
+        """The request's tokens (none for a request the runner does not hold, such as one aborted while preempted)."""
+        row = self.row_of.get(request_id)
+        return [] if row is None else self._token_list(row)
+
+    def append_sampled(self, request_id: str, num_draft_tokens: int, sampled_token_ids: list[int]) -> list[int]:
+        """After a step that sampled (on the sampling rank, with a draft proposer): the row's last num_draft_tokens
+        tokens (drafts) give way to the tokens sampled (the accepted drafts and one more); returns the request's
+        tokens so far. The next step overwrites from its first position on, as ever."""
+        row = self.row_of[request_id]
+        start = int(self.num_tokens[row]) - num_draft_tokens
+        end = start + len(sampled_token_ids)
+        self._reserve(self.num_reqs, end, 0)
+        self.token_ids[row, start:end] = sampled_token_ids
+        self.num_tokens[row] = end
+        self.list_valid[row] = min(int(self.list_valid[row]), start)
+        return self._token_list(row)
+
     def prompt_token_ids(self, row: int) -> list[int]:
         """The prompt's tokens the runner holds (a chunked prompt's: up to the latest chunk)."""
         return self._token_list(row)[: self.num_prompt[row]]

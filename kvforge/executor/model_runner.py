@@ -19,6 +19,7 @@ from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
 from kvforge.lora.pool import LoRAPool
+from kvforge.spec_decode.proposer import Proposer
 from kvforge.spec_decode.verify import verify_drafts
 from kvforge.step_data import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvforge.structured_output.bitmask import GrammarBitmask
@@ -41,13 +42,15 @@ class ModelRunner:
 
     Under pipeline parallelism a stage receives the previous stage's (hidden, residual) and sends its
     own on; under tensor parallelism every rank of the last stage computes the (gathered) logits and
-    only the first one samples. execute() returns the sampled tokens on that rank, None elsewhere."""
+    only the first one samples. execute() returns the sampled tokens on that rank, None elsewhere; with a
+    proposer, that rank then proposes every sampling request's drafts for its next step in one call."""
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
         kv_cache_spec: KVCacheSpec | None = None, compilation: CompilationConfig | None = None,
         lora: LoRAPool | None = None,
         num_state_slots: int = 0, max_draft_tokens: int = 0, num_state_checkpoints: int = 0, seed: int = 0,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
         self.lora = lora  # the adapters' slots (their layers attached to the model), None without LoRA
@@ -66,6 +69,8 @@ class ModelRunner:
                                                     device, num_state_checkpoints)
             self.kv_caches += self.recurrent_states.layers
         self.sampler = Sampler()
+        self.proposer = proposer  # drafts up to max_draft_tokens per request after each step (None: not here)
+        self.max_draft_tokens = max_draft_tokens
         # the requests' rows between steps; seed: of the engine's generator
         self.requests = InputBatch(self.num_paged_groups, block_size, device, seed,
                                    has_states=self.recurrent_states is not None)
@@ -202,7 +207,13 @@ class ModelRunner:
             self.decode_graphs.close()
 
     def _update_requests(self, output: SchedulerOutput) -> None:
-        """Apply the step's news to the request states (and forget the gone requests' pending draft states)."""
+        """Apply the step's news to the request states (and forget the gone requests' pending draft states); the
+        proposer hears of the finished requests' final tokens first."""
+        if self.proposer is not None:
+            for request_id in output.finished_request_ids:
+                self.proposer.finish(request_id, self.requests.token_list(request_id))
+            if output.reset_proposer:
+                self.proposer.reset()
         self.requests.update(output)
         if self.recurrent_states is not None:
             self.recurrent_states.forget(output.finished_request_ids + output.preempted_request_ids)
@@ -276,3 +287,18 @@ class ModelRunner:
             result.sampled_token_ids[s.request_id] = token_ids[i]
             if logprobs is not None and sampling.num_logprobs[i] is not None:
                 result.logprobs[s.request_id] = logprobs[i]
+        if self.proposer is not None:
+            self._propose(requests, result)
+
+    def _propose(self, requests: list[ScheduledRequest], result: ModelRunnerOutput) -> None:
+        """After sampling: each sampling request's tokens take what it sampled in place of its drafts, and the
+        proposer drafts the next step's tokens of all of them (but the constrained: their grammar's bitmask covers
+        one token) in one call."""
+        batch = []
+        for s in requests:
+            state = self.requests[s.request_id]
+            state.append_sampled(s.num_draft_tokens, result.sampled_token_ids[s.request_id])
+            if state.sampling_params.structured_output is None:
+                batch.append((s.request_id, state.token_ids))
+        drafts = self.proposer.propose(batch, self.max_draft_tokens)
+        result.draft_token_ids = {request_id: d for (request_id, _), d in zip(batch, drafts, strict=True) if d}

@@ -25,6 +25,7 @@ from kvforge.kernels.ops import OpTable, building_with_ops, op_table
 from kvforge.loader.model_loader import LoadedModel, load_model
 from kvforge.lora.pool import LoRAPool
 from kvforge.lora.request import LoRARequest
+from kvforge.spec_decode.proposer import Proposer, create_proposer
 from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -150,9 +151,15 @@ class Worker:
                                   self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self.lora_pool,
                                   num_state_slots=size.max_num_seqs,
                                   max_draft_tokens=self._max_draft_tokens(),
-                                  num_state_checkpoints=self._num_state_checkpoints(), seed=self.config.seed)
+                                  num_state_checkpoints=self._num_state_checkpoints(), seed=self.config.seed,
+                                  proposer=self._proposer())
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
+
+    def _proposer(self) -> Proposer | None:
+        """The n-gram or suffix proposer, on the sampling rank (the one that knows the sampled tokens)."""
+        state = get_parallel_state()
+        return create_proposer(self.config.speculative) if state.rank == state.sampler_rank else None
 
     def _lora_pool(self) -> LoRAPool | None:
         """The adapters' slots, attached to the model's layers (with enable_lora); sized for the longest step: a

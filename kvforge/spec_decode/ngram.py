@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-from kvforge.spec_decode.proposer import Drafts
-
-if TYPE_CHECKING:
-    from kvforge.sampling_params import SamplingParams
 
 
 class NgramProposer:
@@ -24,11 +18,14 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int,
-                sampling_params: SamplingParams | None = None) -> Drafts:
+    def propose(self, requests: Sequence[tuple[str, Sequence[int]]], max_num_tokens: int) -> list[list[int]]:
+        """Each request's drafts (its id unused: the proposer keeps no state)."""
+        return [self._propose(token_ids, max_num_tokens) for _, token_ids in requests]
+
+    def _propose(self, token_ids: Sequence[int], max_num_tokens: int) -> list[int]:
         num_tokens = len(token_ids)
         if max_num_tokens <= 0 or num_tokens <= self.min_n:
-            return Drafts([])
+            return []
         tokens = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
             # start i of an earlier occurrence of the last n tokens: tokens[i : i + n], followed by tokens[i + n]
@@ -39,14 +36,11 @@ class NgramProposer:
             starts = np.flatnonzero(match)
             if len(starts):
                 follow = int(starts[-1]) + n
-                return Drafts(tokens[follow : follow + max_num_tokens].tolist())
-        return Drafts([])
+                return tokens[follow : follow + max_num_tokens].tolist()
+        return []
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Nothing to forget: the proposer keeps no state."""
 
     def reset(self) -> None:
         """Nothing to forget: the proposer keeps no state."""
-
-    def shutdown(self) -> None:
-        """Nothing to release: the proposer keeps no state."""

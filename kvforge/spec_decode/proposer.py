@@ -1,4 +1,5 @@
-"""What every proposer of draft tokens offers the scheduler."""
+"""What the proposers of draft tokens offer: the runner's (n-gram, suffix), which draft for every request of a step in
+one call from the tokens the runner holds, and the draft model's, which the scheduler asks one request at a time."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvforge.config import EngineConfig
+    from kvforge.config import SpeculativeConfig
     from kvforge.sampling_params import SamplingParams
 
 
@@ -28,14 +29,24 @@ class Drafts:
 
 
 class Proposer(Protocol):
-    """Proposes draft tokens to follow a request's tokens; the target model verifies them in the next step.
+    """Proposes draft tokens for a batch of requests after a step; the target model verifies them in the next.
 
-    propose: up to max_num_tokens drafts to follow token_ids (the request's prompt and output so far),
-    possibly none; sampling_params: the request's, for proposers that sample their drafts. finish: the
-    request is gone (its tokens are final); forget its state. reset: forget what finished requests left
-    behind (between benchmark rounds, or when the traffic changes). shutdown: release what the proposer holds
-    (a draft model's engine); it proposes nothing afterwards. Proposers that keep state per request see
-    each request's tokens only grow between calls, except after finish."""
+    propose: per request (its id and its tokens so far, prompt and output), up to max_num_tokens drafts to
+    follow them, possibly none. finish: the request is gone (token_ids: its final tokens, empty where the runner
+    no longer held them); forget its state. reset: forget what finished requests left behind (between benchmark
+    rounds, or when the traffic changes). A proposer that keeps state per request sees each request's tokens only
+    grow between calls, except after finish."""
+
+    def propose(self, requests: Sequence[tuple[str, Sequence[int]]], max_num_tokens: int) -> list[list[int]]: ...
+
+    def finish(self, request_id: str, token_ids: Sequence[int]) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class RequestProposer(Protocol):
+    """The draft model's proposer, asked by the scheduler for one request's drafts at a time (with the
+    distributions they were sampled from); shutdown releases its engine."""
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int,
                 sampling_params: SamplingParams | None = None) -> Drafts: ...
@@ -47,17 +58,14 @@ class Proposer(Protocol):
     def shutdown(self) -> None: ...
 
 
-def create_proposer(config: EngineConfig, vocab_size: int) -> Proposer | None:
-    """The proposer of the configured method (None: speculation off)."""
-    from kvforge.spec_decode.draft import DraftModelProposer
+def create_proposer(spec: SpeculativeConfig) -> Proposer | None:
+    """The runner's proposer of the configured method (None: speculation off, or drafts from a draft model, which
+    the scheduler asks: spec_decode/draft.py)."""
     from kvforge.spec_decode.ngram import NgramProposer
     from kvforge.spec_decode.suffix import SuffixProposer
 
-    spec = config.speculative
-    if spec.speculative_method is None:
-        return None
     if spec.speculative_method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.speculative_method == "suffix":
         return SuffixProposer(min_token_prob=spec.suffix_min_token_prob)
-    return DraftModelProposer(config, vocab_size)
+    return None

@@ -11,12 +11,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-from kvforge.spec_decode.proposer import Drafts
-
-if TYPE_CHECKING:
-    from kvforge.sampling_params import SamplingParams
 
 
 class SuffixTrie:
@@ -161,8 +155,11 @@ class SuffixProposer:
         # no continuation yet, so only earlier occurrences can have children
         return [(trie, len(active) - i, node) for i, node in enumerate(active) if len(active) - i < self.max_depth]
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int,
-                sampling_params: SamplingParams | None = None) -> Drafts:
+    def propose(self, requests: Sequence[tuple[str, Sequence[int]]], max_num_tokens: int) -> list[list[int]]:
+        """Each request's drafts; its own trie takes its tokens since the previous call first."""
+        return [self._propose(request_id, token_ids, max_num_tokens) for request_id, token_ids in requests]
+
+    def _propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int) -> list[int]:
         best, best_score = [], 0.0
         matches = self._local_matches(request_id, token_ids)
         matches += [(self.global_trie, length, node) for length, node in self.global_trie.find(token_ids)]
@@ -173,7 +170,7 @@ class SuffixProposer:
             draft, score = trie.continuation(node, limit, self.min_token_prob)
             if score > best_score:
                 best, best_score = draft, score
-        return Drafts(best)
+        return best
 
     def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Forget the request's own trie; its tokens join the trie of finished requests."""
@@ -190,8 +187,3 @@ class SuffixProposer:
         """Forget the finished requests (running ones keep their own tries)."""
         self.global_trie = SuffixTrie(self.max_depth)
         self.cached.clear()
-
-    def shutdown(self) -> None:
-        """Forget every trie, the running requests' too."""
-        self.local.clear()
-        self.reset()

@@ -10,27 +10,15 @@ from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.speculation import Speculation
 from kvforge.sampling_params import SamplingParams
 from kvforge.spec_decode.policy import SpeculationPolicy, StepCosts
-from kvforge.spec_decode.proposer import Drafts
 from kvforge.step_data import ModelRunnerOutput
 
-
-class _FixedDrafts:
-    """Proposes 100, 101, ... for every request."""
-
-    def __init__(self) -> None:
-        self.finished: list[str] = []
-
-    def propose(self, request_id, token_ids, max_num_tokens, sampling_params=None):
-        return Drafts([100 + i for i in range(max_num_tokens)])
-
-    def finish(self, request_id, token_ids):
-        self.finished.append(request_id)
+DRAFTS = [100, 101, 102, 103, 104, 105]  # what the runner proposes after every sampled token
 
 
 def _make(num_blocks=64, block_size=4, budget=16, k=4, max_rows=16) -> Scheduler:
     """Every decoding request drafts up to k (the policy not adaptive), within max_rows rows per step."""
     kv = KVCacheManager(num_blocks, block_size, True)
-    speculation = Speculation(_FixedDrafts(), SpeculationPolicy(k, max_rows, StepCosts(), adaptive=False))
+    speculation = Speculation(SpeculationPolicy(k, max_rows, StepCosts(), adaptive=False))
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv, speculation)
 
 
@@ -43,7 +31,9 @@ def _add(scheduler, request_id, prompt, max_tokens=20, **params) -> Request:
 
 def _step(scheduler, returned: dict[str, list[int]]):
     output = scheduler.schedule()
-    runner = ModelRunnerOutput({s.request_id: returned[s.request_id] for s in output.scheduled if s.needs_sample})
+    sampling = [s.request_id for s in output.scheduled if s.needs_sample]
+    runner = ModelRunnerOutput({request_id: returned[request_id] for request_id in sampling},
+                               draft_token_ids=dict.fromkeys(sampling, DRAFTS))
     return output, scheduler.update_from_output(output, runner)
 
 
@@ -83,7 +73,7 @@ def test_a_stop_token_among_accepted_drafts_ends_the_request_there():
     _step(scheduler, {"a": [7]})
     _, result = _step(scheduler, {"a": [100, 2, 103]})  # (the runner never returns past a stop, but:)
     assert result.new_token_ids["a"] == [100, 2] and a.status == RequestStatus.FINISHED_STOPPED
-    assert scheduler.kv.num_free_blocks == 63 and scheduler.speculation.proposer.finished == ["a"]
+    assert scheduler.kv.num_free_blocks == 63 and not scheduler.speculation.proposed
 
 
 def test_prefix_cache_hashes_cover_accepted_tokens_only():

@@ -30,7 +30,7 @@ def test_a_different_draft_model_keeps_the_target_greedy_tokens(tiny_llama_dir, 
     assert stats.num_draft_tokens > 0
     cache = llm.engine.cache_stats()
     assert cache.num_free_blocks == cache.num_usable_blocks
-    draft_engine = llm.engine.scheduler.speculation.proposer.engine
+    draft_engine = llm.engine.scheduler.speculation.draft_model.engine
     llm.shutdown()
     assert draft_engine.runner is None  # the draft model and its cache went with the target's
 

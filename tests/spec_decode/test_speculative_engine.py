@@ -93,12 +93,13 @@ def test_reset_caches_forgets_cached_prompts_and_finished_requests(tiny_llama_di
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first = llm.generate([prompt], params)[0].outputs[0].token_ids
     hits = llm.engine.stats().num_prefix_hit_tokens
-    proposer = llm.engine.scheduler.speculation.proposer
-    assert list(proposer.cached)  # the finished request is in the suffix trie
+    proposer = llm.engine.runner.proposer  # the runner hears of a finished request with the next step
     llm.generate([prompt], params)
+    assert len(proposer.cached) == 1  # the first request (with its output) is in the suffix trie
+    assert proposer.global_trie.count(prompt["prompt_token_ids"] + first[:3]) == 1
     assert llm.engine.stats().num_prefix_hit_tokens > hits
     hits = llm.engine.stats().num_prefix_hit_tokens
     llm.reset_caches()
-    assert not proposer.cached and proposer.global_trie.nodes_in_use() == 0
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
+    assert not proposer.cached and proposer.global_trie.nodes_in_use() == 0  # the second was forgotten too
     assert llm.engine.stats().num_prefix_hit_tokens == hits  # nothing left to hit
