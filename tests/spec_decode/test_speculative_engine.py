@@ -103,3 +103,39 @@ def test_reset_caches_forgets_cached_prompts_and_finished_requests(tiny_llama_di
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
     assert not proposer.cached and proposer.global_trie.nodes_in_use() == 0  # the second was forgotten too
     assert llm.engine.stats().num_prefix_hit_tokens == hits  # nothing left to hit
+
+
+def test_one_runner_step_drafts_for_all_its_requests_in_one_call(engines):
+    """After each step the runner proposes the drafts of every request that sampled in one call, from the tokens the
+    user got (prompt and output so far, no rejected draft among them), and the next step verifies those drafts."""
+    _, spec, prompt = engines
+    engine, proposer = spec.engine, spec.engine.runner.proposer
+    calls, submitted, collected = [], [], []
+    propose, submit, collect = proposer.propose, engine.executor.submit, engine.executor.collect
+
+    def recording_propose(requests, max_num_tokens):
+        calls.append({request_id: list(token_ids) for request_id, token_ids in requests})
+        return propose(requests, max_num_tokens)
+
+    proposer.propose = recording_propose
+    engine.executor.submit = lambda output: submitted.append(output) or submit(output)
+    engine.executor.collect = lambda: collected.append(collect()) or collected[-1]
+    try:
+        prompts = [{"prompt_token_ids": [first] + prompt["prompt_token_ids"]} for first in (1, 2, 3)]
+        outputs = spec.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    finally:
+        del proposer.propose, engine.executor.submit, engine.executor.collect
+    assert len(calls) == len(collected) and len(calls[0]) == 3  # one call per step; the first: the three prefills
+    expected = {p["prompt_token_ids"][0]: (p["prompt_token_ids"], o.outputs[0].token_ids)
+                for p, o in zip(prompts, outputs)}  # by the first token, which tells the prompts apart
+    for call in calls:
+        for tokens in call.values():
+            prompt_ids, output_ids = expected[tokens[0]]
+            num_outputs = len(tokens) - len(prompt_ids)
+            assert num_outputs > 0 and tokens == prompt_ids + output_ids[:num_outputs]
+    assert sum(bool(r.draft_token_ids) for r in collected) >= 2  # (prompt lookup of one token finds drafts)
+    for runner_output, next_step in zip(collected, submitted[1:]):
+        for s in next_step.scheduled:
+            drafts = runner_output.draft_token_ids.get(s.request_id, [])
+            assert s.num_draft_tokens <= len(drafts)
+            assert s.token_ids[len(s.token_ids) - s.num_draft_tokens :] == drafts[: s.num_draft_tokens]
