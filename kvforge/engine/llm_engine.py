@@ -128,7 +128,8 @@ class LLMEngine:
 
     def reset_caches(self) -> None:
         """Forget what finished requests left behind: the prefix cache's free blocks and, with speculation, the
-        proposer's memory of them (the suffix trie of finished requests). Running requests are not touched."""
+        proposer's memory of them (the suffix trie of finished requests: the runner's proposer forgets it before the
+        next step). Running requests are not touched."""
         self._check_running()
         self.kv_cache_manager.reset_prefix_cache()
         if self.scheduler.speculation is not None:
