@@ -126,6 +126,7 @@ class Scheduler:
             needs_sample=start + num_new == request.num_tokens,
             banned_token_ids=self._banned_tokens(request),
             num_draft_tokens=len(drafts.token_ids),
+            propose_drafts=self._proposes_after(request, start + num_new),
             draft_probs=drafts.probs,
             load_state_from=load_state_from,
             save_state_to=save_state_to,
@@ -168,6 +169,12 @@ class Scheduler:
         """Whether the request decodes (one token left to compute) and may carry drafts."""
         # NOTE: a grammar's bitmask is built for the next token only: constrained requests do not draft
         return request.num_tokens - request.num_computed_tokens == 1 and request.grammar is None
+
+    def _proposes_after(self, request: Request, num_computed: int) -> bool:
+        """Whether the runner proposes drafts after a step that computes the request up to num_computed tokens."""
+        speculation = self.speculation
+        return (speculation is not None and speculation.draft_model is None and num_computed == request.num_tokens
+                and request.grammar is None and speculation.wants_drafts(request))
 
     def _drafts(self, request: Request, budget: int) -> Drafts:
         """Draft tokens (as many as the step's plan allows) for a request that decodes."""

@@ -40,6 +40,13 @@ class Speculation:
         """Before a step's drafts: the requests that decode in it."""
         self.planned = self.policy.plan([r.request_id for r in decoding])
 
+    def wants_drafts(self, request: Request) -> bool:
+        """Whether the runner is to propose drafts after the request's step: unless the latest plan gave it none and
+        it does not probe soon (proposing costs host time per request; at speculative_max_rows decoding requests
+        nobody drafts)."""
+        planned = self.planned.get(request.request_id)
+        return planned is None or planned > 0 or self.policy.probes_soon(request.request_id)
+
     def take(self, request_id: str, draft_token_ids: Mapping[str, list[int]]) -> None:
         """The request appended a step's sampled tokens; draft_token_ids: the runner's drafts to follow them."""
         drafts = draft_token_ids.get(request_id)

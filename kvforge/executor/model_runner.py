@@ -292,13 +292,14 @@ class ModelRunner:
 
     def _propose(self, requests: list[ScheduledRequest], result: ModelRunnerOutput) -> None:
         """After sampling: each sampling request's tokens take what it sampled in place of its drafts, and the
-        proposer drafts the next step's tokens of all of them (but the constrained: their grammar's bitmask covers
-        one token) in one call."""
+        proposer drafts the next step's tokens of those the scheduler asks drafts for in one call."""
         batch = []
         for s in requests:
             state = self.requests[s.request_id]
             state.append_sampled(s.num_draft_tokens, result.sampled_token_ids[s.request_id])
-            if state.sampling_params.structured_output is None:
+            if s.propose_drafts:
                 batch.append((s.request_id, state.token_ids))
+        if not batch:
+            return
         drafts = self.proposer.propose(batch, self.max_draft_tokens)
         result.draft_token_ids = {request_id: d for (request_id, _), d in zip(batch, drafts, strict=True) if d}

@@ -96,6 +96,7 @@ class SpeculationPolicy:
         self.costs = costs
         self.adaptive = adaptive
         self.requests: dict[str, _Acceptance] = {}
+        self.num_planned_requests = 0  # decoding requests in the latest plan
 
     def acceptance(self, request_id: str) -> float:
         """The request's estimated chance that a draft is accepted, given the drafts before it were."""
@@ -132,6 +133,7 @@ class SpeculationPolicy:
         """The most drafts each of this step's decoding requests may verify (the proposer may offer fewer);
         probes take rows the plan left within max_rows."""
         states = [self.requests.setdefault(request_id, _Acceptance()) for request_id in request_ids]
+        self.num_planned_requests = len(states)
         counts = self._counts(states)
         rows_left = self.max_rows - len(states) - sum(counts)
         plan = {}
@@ -142,6 +144,13 @@ class SpeculationPolicy:
             plan[request_id] = 1 if state.probing else count
             state.idle_steps += 1
         return plan
+
+    def probes_soon(self, request_id: str) -> bool:
+        """Whether the request, without drafts in the latest plan, is due to probe with one (if the next step has
+        rows left: the latest plan's did)."""
+        state = self.requests.get(request_id)
+        return (self.adaptive and state is not None and state.idle_steps >= state.probe_interval
+                and self.num_planned_requests < self.max_rows)
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """The request verified num_drafts drafts and accepted the first num_accepted."""

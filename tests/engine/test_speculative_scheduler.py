@@ -40,7 +40,8 @@ def _step(scheduler, returned: dict[str, list[int]]):
 def test_drafts_share_the_budget_and_accepted_ones_advance_the_request():
     scheduler = _make(budget=16)
     a = _add(scheduler, "a", range(10, 16))
-    _step(scheduler, {"a": [7]})  # prefill: no drafts
+    output, _ = _step(scheduler, {"a": [7]})  # prefill: no drafts, but the runner proposes some for the next step
+    assert output.scheduled[0].num_draft_tokens == 0 and output.scheduled[0].propose_drafts
     _add(scheduler, "b", range(40, 80))
     output, result = _step(scheduler, {"a": [100, 101, 9], "b": []})  # a accepts 2 of 4 drafts
     assert [(s.request_id, len(s.token_ids), s.num_draft_tokens) for s in output.scheduled] == [
@@ -97,6 +98,7 @@ def test_rows_past_max_rows_go_without_drafts_and_nothing_leaks():
     _step(scheduler, dict.fromkeys("abc", [7]))
     output, _ = _step(scheduler, dict.fromkeys("abc", [9]))
     assert all(s.num_draft_tokens == 0 for s in output.scheduled)  # 3 decoding requests fill the 3 rows
+    assert not any(s.propose_drafts for s in output.scheduled)  # and the runner need not propose for them
     scheduler.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
     output, _ = _step(scheduler, {"a": [100, 3], "b": [4]})
     assert [s.num_draft_tokens for s in output.scheduled] == [1, 0]  # one row left: the first request's
