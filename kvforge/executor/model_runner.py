@@ -295,10 +295,10 @@ class ModelRunner:
         proposer drafts the next step's tokens of those the scheduler asks drafts for in one call."""
         batch = []
         for s in requests:
-            state = self.requests[s.request_id]
-            state.append_sampled(s.num_draft_tokens, result.sampled_token_ids[s.request_id])
+            token_ids = self.requests.append_sampled(s.request_id, s.num_draft_tokens,
+                                                     result.sampled_token_ids[s.request_id])
             if s.propose_drafts:
-                batch.append((s.request_id, state.token_ids))
+                batch.append((s.request_id, token_ids))
         if not batch:
             return
         drafts = self.proposer.propose(batch, self.max_draft_tokens)
