@@ -34,9 +34,9 @@ from kvforge.kernels.cpu.half_gemv import native_bf16_gemm
 # 512 rows. To be re-measured on a quiet machine at 2 threads.
 UNPACK_MIN_ROWS = 128
 # Weights of more elements keep the int8 kernel at every row count: the buffer is as large as the largest weight that
-# unpacks (Llama-3-8B's merged gate_up, 28672 x 4096, 224 MiB in bfloat16; a vocabulary's LM head, 128256 x 2048,
-# would be 500 MiB).
-UNPACK_MAX_WEIGHTS = 1 << 27
+# unpacks (a vocabulary's LM head, 128256 x 2048 in bfloat16, would be 500 MiB; Llama-3-8B's MLP, 14336 x 4096,
+# 112 MiB).
+UNPACK_MAX_WEIGHTS = 1 << 26
 
 
 @functools.cache
