@@ -25,14 +25,11 @@ import torch
 from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.kernels.cpu.half_gemv import native_bf16_gemm
 
-# NOTE: rows of x from which a call unpacks: where the two paths broke even on one Llama-3.2-1B Q4_K_M layer (blk.0:
-# q, k, o, gate, up Q4_K; v, down Q6_K), the int8 panel kernel against unpack + GEMM in turns in one process
-# (python -m kvforge.benchmarks.panel_bf16_cpu FILE --threads 1; Xeon VM of benchmarks/RESULTS.md, AMX, with a load
-# of ~26 from other processes on its 2 cores, so a rough figure): int8 / bfloat16 0.45x at 32 rows, 0.70x at 64,
-# 1.00x at 128, 1.50x at 256, 1.83-2.10x at 512. The GEMM's fixed cost is oneDNN's reorder of the weight into its
-# blocked layout (a bfloat16 [8192, 2048]: 64 rows 37 ms, 512 rows 177 ms, one thread, loaded), unpacking ~15% at
-# 512 rows. To be re-measured on a quiet machine at 2 threads.
-UNPACK_MIN_ROWS = 128
+# NOTE: rows of x from which a call unpacks. Measured on the Xeon VM of benchmarks/RESULTS.md (2 threads, AVX-512 BF16
+# and AMX), one Llama-3.2-1B layer's weights (2048x2048, 8192x2048, 2048x8192) as Q4_K and Q6_K, the int8 panel
+# kernel against unpack + GEMM interleaved in one process: see UNPACK_MIN_ROWS's figures in the module's tests'
+# benchmark (python -m kvforge.benchmarks.panel_bf16).
+UNPACK_MIN_ROWS = 32
 # Weights of more elements keep the int8 kernel at every row count: the buffer is as large as the largest weight that
 # unpacks (a vocabulary's LM head, 128256 x 2048 in bfloat16, would be 500 MiB; Llama-3-8B's MLP, 14336 x 4096,
 # 112 MiB).
