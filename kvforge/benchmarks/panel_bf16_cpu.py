@@ -1,9 +1,8 @@
 """Kept GGUF weights at prompt and decode sizes on the CPU: the int8 panel kernel against the weight unpacked to
-bfloat16 and torch's bfloat16 GEMM (kernels/cpu/panel_bf16.py), on one layer of a real file; and (--decode) one row
-of x against every kept matrix of the file, each GGUF type's read rate against a copy.
+bfloat16 and torch's bfloat16 GEMM (kernels/cpu/panel_bf16.py), on one layer of a real file.
 
     python -m kvforge.benchmarks.panel_bf16_cpu FILE.gguf [--layer 0] [--rows 1,16,32,64,512] [--rounds 9]
-        [--threads 2] [--decode]
+        [--threads 2]
 
 Each of the layer's matrices (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down: a Llama-3.2-1B file's
 are 2048x2048, 512x2048, 512x2048, 2048x2048, 8192x2048, 8192x2048, 2048x8192) is decoded from the file and packed
@@ -11,11 +10,6 @@ as the loader packs it (one PanelArena, whose buffer the unpacked weights share)
 paths take turns (A B A B ...) over the whole layer, `rounds` times; the table gives each path's median time for
 the layer, the median of the rounds' ratios (int8 / bfloat16: above 1 the bfloat16 GEMM is faster), and the
 unpacking alone. A ratio is what to read on a shared machine: both paths meet the same load in each round.
-
---decode packs every matrix of the file the panel kernel takes (each on its own, not merged as the engine merges q, k,
-v and gate, up), one after another in one arena in the file's order, and times one row of x through all of each GGUF
-type's matrices (the bytes the kernel reads a pass: its layout's) in turns with a 1 GiB copy (2 x 1 GiB a time, as
-scripts/bench_gguf_sizes_vs_llamacpp.sh counts it): each type's GB/s and its median fraction of the copy's.
 """
 
 from __future__ import annotations
@@ -54,44 +48,6 @@ def layer_kernels(path: str, layer: int) -> list[tuple[str, PanelKernel]]:
     return kernels
 
 
-def file_kernels(path: str) -> dict[str, list[PanelKernel]]:
-    """Every matrix of the file the panel kernel takes, packed in the file's order into one arena, by GGUF type."""
-    reader = GGUFReader(path)
-    matrices = [t for t in reader.tensors if len(t.shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16")]
-    total = sum(int(t.n_bytes) for t in matrices)
-    arena = PanelArena.for_model(total, huge_pages=False)
-    by_type: dict[str, list[PanelKernel]] = {}
-    for tensor in matrices:
-        shape = (int(tensor.shape[1]), int(tensor.shape[0]))
-        weight = decode_blocks(np.asarray(tensor.data).reshape(shape[0], -1), tensor.tensor_type, shape)
-        kernel = select_kernel(weight, torch.device("cpu"), torch.float32, TORCH_OPS, arena=arena)
-        if isinstance(kernel, PanelKernel):
-            by_type.setdefault(tensor.tensor_type.name, []).append(kernel)
-    return by_type
-
-
-def decode_rates(path: str, rounds: int) -> None:
-    by_type = file_kernels(path)
-    source, target = torch.ones(1 << 30, dtype=torch.uint8), torch.empty(1 << 30, dtype=torch.uint8)
-    passes = {}
-    for name, kernels in by_type.items():
-        inputs = [torch.randn(1, k.in_features) for k in kernels]
-        passes[name] = (lambda ks=kernels, xs=inputs: [k.multiply(x) for k, x in zip(ks, xs)],
-                        sum(k.weight.numel() for k in kernels))
-    times: dict[str, list[float]] = {name: [] for name in ["copy", *passes]}
-    for _ in range(rounds):
-        times["copy"].append(_timed(lambda: target.copy_(source)))
-        for name, (call, _) in passes.items():
-            times[name].append(_timed(call))
-    copy_rates = [2 * (1 << 30) / t / 1e9 for t in times["copy"]]
-    print(f"copy {max(copy_rates):.1f} GB/s (fastest of {rounds})")
-    print(f"{'type':>6} {'MB a pass':>9} {'GB/s':>7} {'of copy':>8}")
-    for name, (_, nbytes) in passes.items():
-        rates = [nbytes / t / 1e9 for t in times[name]]
-        fraction = statistics.median(r / c for r, c in zip(rates, copy_rates))
-        print(f"{name:>6} {nbytes / 1e6:>9.1f} {max(rates):>7.1f} {fraction:>8.0%}", flush=True)
-
-
 def _timed(call) -> float:
     start = time.perf_counter()
     call()
@@ -105,14 +61,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,32,64,512")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--decode", action="store_true", help="one row of x through every matrix, against a copy")
     args = parser.parse_args()
-    if not (panels_available() and (args.decode or unpack_available())):
-        raise SystemExit("needs the C++ kernels with AVX-512 VNNI and (but with --decode) a CPU multiplying bfloat16")
+    if not (panels_available() and unpack_available()):
+        raise SystemExit("needs the C++ kernels with AVX-512 VNNI and a CPU that multiplies bfloat16")
     torch.set_num_threads(args.threads)
-    if args.decode:
-        decode_rates(args.file, args.rounds)
-        return
     kernels = layer_kernels(args.file, args.layer)
     for name, _ in kernels:
         print(name)
@@ -120,11 +72,11 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = [torch.randn(rows, k.in_features) for _, k in kernels]
 
-        def int8(inputs: list[torch.Tensor] = inputs) -> None:
+        def int8() -> None:
             for (_, k), x in zip(kernels, inputs):
                 panel_linear(x, k.weight, k.factor, k.bits, k.out_features)
 
-        def bf16(inputs: list[torch.Tensor] = inputs) -> None:
+        def bf16() -> None:
             for (_, k), x in zip(kernels, inputs):
                 panel_linear_bf16(x, k.weight, k.factor, k.bits, k.out_features, k.unpack_buffer)
 

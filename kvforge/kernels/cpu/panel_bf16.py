@@ -12,7 +12,7 @@ weight costs more than it saves. A weight goes this way where `unpacks` says so 
 `takes_rows` does (its rows); elsewhere (AVX-512 CPUs without BF16, small row counts, a compiled graph) the int8
 panel kernel runs.
 
-Numerics: x and W rounded to bfloat16 (2^-8 of each), float32 sums, the product rounded to bfloat16 (2^-8 of it):
+Numerics: x and W rounded to bfloat16 (2^-9 of each), float32 sums, the product rounded to bfloat16 (2^-9 of it):
 about 2e-3 of a layer's output, within the bound the int8 path is held to (x rounded to 8 bits per 32 columns).
 """
 
