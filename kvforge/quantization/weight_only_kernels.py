@@ -10,9 +10,7 @@ Each kernel is a small module holding the weight in the layout it streams best, 
     gather_rows(ids)   rows W[ids] [len(ids), K] float32 (an embedding lookup that dequantizes only those rows)
 
     panels     the C++ AVX-512 VNNI kernel (kernels/cpu/quant_panels.py): 4-, 6- and 8-bit codes, any zero points,
-               x rounded to int8 per 32 columns, 16 weight rows interleaved per panel; from UNPACK_MIN_ROWS rows of x
-               on a CPU that multiplies bfloat16 (AVX-512 BF16, AMX), the weight unpacked to bfloat16 into the
-               model's one buffer and torch's bfloat16 GEMM (kernels/cpu/panel_bf16.py)
+               x rounded to int8 per 32 columns at every batch size, 16 weight rows interleaved per panel
     native     the C++ AVX2 kernels (kernels/cpu/quant_gemv.py): 4- and 8-bit codes, any zero points; the
                decode GEMV rounds x to int8 per 32 columns, as llama.cpp does
     int8pack   torch's _weight_int8pack_mm: symmetric per-row 8-bit codes
@@ -32,7 +30,6 @@ import torch
 from torch import nn
 
 from kvforge.kernels.cpu import packed_gemm
-from kvforge.kernels.cpu.panel_bf16 import UnpackBuffer, panel_linear_bf16, takes_rows, unpacks
 from kvforge.kernels.cpu.quant_gemv import pack_weight, quant_linear_cpu
 from kvforge.kernels.cpu.quant_panels import pack_panels, panel_linear, panel_rows
 from kvforge.kernels.ops import OpTable
@@ -101,13 +98,8 @@ class PanelKernel(WeightOnlyKernel):
                                             for name in ("codes", "scales", "zeros")),
                                           weight.bits, place=None if arena is None else arena.place)
         self.register_buffer("weight", packed, persistent=False)
-        in_features = shards[0].codes.shape[1]
-        self.unpacks = unpacks(self.out_features, in_features)  # many rows take the bfloat16 GEMM
-        self.unpack_buffer = arena.unpack_buffer if isinstance(arena, PanelArena) else None  # None: one per call
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
-        if self.unpacks and takes_rows(x.shape[0]):
-            return panel_linear_bf16(x, self.weight, self.factor, self.bits, self.out_features, self.unpack_buffer)
         return panel_linear(x, self.weight, self.factor, self.bits, self.out_features)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -124,8 +116,7 @@ class PanelArena:
     reads one run of memory, and the hardware prefetchers run on from one weight into the next. The regions are
     reserved, not written: the arena is one mapping of zero pages (in 2 MiB pages where asked, loader/huge_pages.py),
     backed as the weights are written into it, so no packed weight is ever copied and its untouched end takes no
-    memory. A weight in another number of parts, or one that no longer fits, gets memory of its own. unpack_buffer:
-    the one buffer the model's panel weights are unpacked into for the bfloat16 GEMM of many rows."""
+    memory. A weight in another number of parts, or one that no longer fits, gets memory of its own."""
 
     def __init__(self, parts: int, region_bytes: int, huge_pages: bool) -> None:
         self.parts = parts
@@ -133,7 +124,6 @@ class PanelArena:
         size = parts * self.region
         self._memory = huge_page_arena(size) if huge_pages else zeroed_memory(size)
         self._used = 0  # bytes placed in each region
-        self.unpack_buffer = UnpackBuffer()
 
     @classmethod
     def for_model(cls, weight_bytes: int, huge_pages: bool) -> PanelArena:

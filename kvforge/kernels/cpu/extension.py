@@ -15,8 +15,6 @@ implementation below, so torch.compile traces them as opaque nodes:
     quant_gemv_isa() -> "avx512-vnni" | "avx2" | "portable"  (the build's instruction set, logged at engine start)
     quant_gemm_panels(x [M, K], weight, bits, out_features, factor) -> [M, N] fp32   (quant_panels.py, AVX-512 VNNI
         builds)
-    panel_unpack_bf16(weight, bits, out_features, factor, out bf16 [K, N]) -> ()   (the panel layout's W^T in
-        bfloat16, for the bfloat16 GEMM of many rows: panel_bf16.py; AVX-512 builds, panel_unpack_available())
     panel_factors(scales [], zeros [], bits) -> (symmetric, largest |scale| or |offset|)   (a weight's row shards)
     pack_panels(codes [], scales [], zeros [], bits, symmetric, multiplier, out uint8 [T, >= part bytes]) -> ()
         (the panel layout of a weight's row shards, written into out at load time)   (quant_panels.py)
@@ -224,10 +222,6 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvforge_cpu::quant_gemm_panels")
     def _(x, weight, bits, out_features, factor):
         return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
-
-    @torch.library.register_fake("kvforge_cpu::panel_unpack_bf16")
-    def _(weight, bits, out_features, factor, out):
-        return None
 
     @torch.library.register_fake("kvforge_cpu::quant_dequantize")
     def _(qweight, scales, offsets, bits):
