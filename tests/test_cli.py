@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def _kvforge(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvforge.cli", *args], capture_output=True, text=True,
@@ -51,6 +53,7 @@ def test_bad_values_give_one_line_and_exit_code_2(tiny_llama_dir, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("kvforge: error:") and message in lines[0]
 
 
+@pytest.mark.slow  # two compiles in fresh processes: ~35 s
 def test_compile_fills_the_caches_a_later_start_compiles_from(tiny_llama_dir, tmp_path):
     """`kvforge compile` compiles each batch size (here one) into Inductor's on-disk caches: the second time, from
     them."""
