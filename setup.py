@@ -66,9 +66,11 @@ def _extensions() -> list[CppExtension]:
     variants = builds.variants_to_build(os.environ.get(builds.BUILD_VARIANTS_ENV, ""), platform.machine(),
                                         builds.cpu_flags())
     digest = builds.sources_digest()
-    sources = [str(path.relative_to(ROOT)) for path in builds.sources()]
-    headers = [str(path.relative_to(ROOT)) for path in sorted(builds.CSRC.glob("*.h"))]
+    generated = builds.write_generated(ROOT / "build" / "kernels" / "generated")  # the ops' bindings (builds.py)
+    sources = [str(path.relative_to(ROOT)) for path in builds.sources(generated)]
+    headers = [str(path.relative_to(ROOT)) for path in [*sorted(builds.CSRC.glob("*.h")), generated / "ops.h"]]
     return [CppExtension(f"{CPU_PACKAGE}.{variant.module_name(digest)}", sources, depends=headers,
+                         include_dirs=[str(generated.relative_to(ROOT))],
                          extra_compile_args=[*builds.COMMON_FLAGS, *variant.march_flags],
                          extra_link_args=list(builds.LINK_FLAGS))
             for variant in variants]

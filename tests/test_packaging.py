@@ -47,7 +47,8 @@ def test_the_sdist_holds_the_build_and_every_source_and_header(tmp_path: Path) -
     name = _run(sys.executable, "-c", hook, cwd=ROOT, env=_clean_env()).stdout.split()[-1]
     with tarfile.open(tmp_path / name) as sdist:
         members = {member.partition("/")[2] for member in sdist.getnames()}
-    wanted = {"setup.py", "pyproject.toml", "kvforge/kernels/cpu/builds.py", *_csrc_files()}
+    wanted = {"setup.py", "pyproject.toml", "kvforge/kernels/cpu/builds.py", "kvforge/kernels/cpu/bindings.py",
+              *_csrc_files()}
     assert wanted <= members, sorted(wanted - members)
 
 

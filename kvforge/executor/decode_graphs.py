@@ -79,7 +79,8 @@ def inductor_options(device: torch.device, cpp_wrapper: bool) -> dict[str, objec
     """The Inductor configuration a decode step compiles with: shape and alignment asserts off (the inputs are
     static, and the opaque ops' fake implementations are tested against the kernels; measured: ~1.5 ms a step of the
     default model), the C++ or the Python wrapper, and on the CPU the kernels' build in the cache key and, for the
-    C++ wrapper, their C entry points (csrc/c_shims.cpp), which it then calls instead of the dispatcher."""
+    C++ wrapper, their C entry points (kernels/cpu/bindings.py: c_shim), which it then calls instead of the
+    dispatcher."""
     options: dict[str, object] = dict(size_asserts=False, alignment_asserts=False, cpp_wrapper=cpp_wrapper)
     if device.type == "cpu" and cpu_kernels() is not None:
         options["post_grad_custom_post_pass"] = _kernels_build(cpu_kernels().__name__)

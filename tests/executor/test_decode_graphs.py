@@ -188,8 +188,9 @@ def test_the_kernels_build_keys_the_compiled_steps_on_the_cpu_only() -> None:
 
 @needs_cpu_kernels
 def test_the_cpp_wrapper_gets_the_kernels_c_entry_points_in_a_cacheable_form() -> None:
-    """The ops a decode step calls are declared to Inductor with their C entry points (csrc/c_shims.cpp), keyed so
-    that Inductor finds each op there and can pickle its configuration (or it would cache no graph)."""
+    """The ops a decode step calls are declared to Inductor with their C entry points (kernels/cpu/bindings.py:
+    c_shim), keyed so that Inductor finds each op there and can pickle its configuration (or it would cache no
+    graph)."""
     shims = inductor_options(torch.device("cpu"), cpp_wrapper=True)["aot_inductor.custom_ops_to_c_shims"]
     ops = torch.ops.kvforge_cpu
     for op in (ops.quant_gemm_panels.default, ops.paged_decode.default, ops.cache_write.default):

@@ -19,8 +19,18 @@ from, so a build of other sources (a checkout whose kernels were edited since) i
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+if __package__:
+    from kvforge.kernels.cpu import bindings
+else:  # NOTE: setup.py reads this file by its path, without importing kvforge (the whole engine): bindings too
+    _spec = importlib.util.spec_from_file_location("kvforge_cpu_bindings", Path(__file__).parent / "bindings.py")
+    bindings = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = bindings  # NOTE: dataclasses look their module up there
+    _spec.loader.exec_module(bindings)
 
 CSRC = Path(__file__).parent / "csrc"
 # setup.py: which variants to build, comma-separated ISA names or "host" (the one this machine runs); default all
@@ -108,12 +118,110 @@ def variants_to_build(requested: str, machine: str, flags: frozenset[str]) -> tu
     return tuple(dict.fromkeys(chosen))
 
 
-def sources() -> list[Path]:
-    """The C++ files of every build (the headers they include sit beside them)."""
-    return sorted(CSRC.glob("*.cpp"))
+def sources(generated: Path) -> list[Path]:
+    """The C++ files of every build: csrc/'s (the headers they include sit beside them) and the generated
+    bindings.cpp in `generated` (write_generated())."""
+    return [*sorted(CSRC.glob("*.cpp")), generated / "bindings.cpp"]
 
 
 def sources_digest() -> str:
-    """A digest of the sources' names and contents, headers included."""
+    """A digest of the sources' names and contents, headers and generated files included."""
     files = sorted(f for f in CSRC.iterdir() if f.suffix in (".cpp", ".h"))
-    return hashlib.sha256(b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)).hexdigest()[:16]
+    texts = [(f.name, f.read_bytes()) for f in files] + [(n, t.encode()) for n, t in generated_sources().items()]
+    return hashlib.sha256(b"".join(name.encode() + b"\0" + text for name, text in texts)).hexdigest()[:16]
+
+
+def write_generated(folder: Path) -> Path:
+    """Writes generated_sources() into `folder` (made if missing), each file only where its text changed (a build
+    of unchanged sources then compiles nothing again); returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in generated_sources().items():
+        path = folder / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    return folder
+
+
+# The C++ type of each schema type, as an argument and as a result (Tensor(a!), a mutated tensor, is a Tensor).
+CPP_TYPES = {"Tensor": "at::Tensor", "Tensor?": "std::optional<at::Tensor>", "Tensor[]": "std::vector<at::Tensor>",
+             "int": "int64_t", "float": "double", "bool": "bool", "str": "std::string", "()": "void"}
+# Each argument type a C entry point takes, and how its parameter becomes the kernel's argument.
+_SHIM_ARGS = {"Tensor": ("AtenTensorHandle {}", "tensor({})"),
+              "Tensor?": ("AtenTensorHandle* {}", "pointer_to_optional<at::Tensor>({})"),
+              "int": ("int64_t {}", "{}"), "float": ("double {}", "{}")}
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """An op's schema taken apart: its arguments as (type, name) and its results' types."""
+
+    name: str
+    arguments: tuple[tuple[str, str], ...]
+    results: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, schema: str) -> Schema:
+        name, _, rest = schema.partition("(")
+        arguments, _, results = rest.rpartition(") -> ")
+        args = []
+        for argument in filter(None, (a.strip() for a in arguments.split(","))):
+            kind, _, arg_name = argument.partition("=")[0].rpartition(" ")
+            args.append(("Tensor" if kind.startswith("Tensor(") else kind, arg_name))
+        results = results.strip()
+        if results.startswith("("):
+            results = results[1:-1]
+        return cls(name, tuple(args), tuple(r.strip() for r in results.split(",") if r.strip()))
+
+    def cpp_declaration(self) -> str:
+        types = [CPP_TYPES[r] for r in self.results]
+        result = "void" if not types else types[0] if len(types) == 1 else f"std::tuple<{', '.join(types)}>"
+        return f"{result} {self.name}({', '.join(f'{CPP_TYPES[t]} {n}' for t, n in self.arguments)})"
+
+    def shim_declaration(self) -> str:
+        """The C entry point's declaration, as Inductor's C++ wrapper declares it: tensors by handle, optional
+        tensors by a pointer to a handle (nullptr: None), and last the result, through a pointer to a new handle
+        (nullptr where the op returns nothing)."""
+        unsupported = [t for t, _ in self.arguments if t not in _SHIM_ARGS] + [r for r in self.results if r != "Tensor"]
+        if unsupported or len(self.results) > 1:
+            raise ValueError(f"{self.name}: a C entry point takes only {', '.join(_SHIM_ARGS)} arguments and returns "
+                             f"one Tensor or nothing, not {', '.join(unsupported) or self.results}")
+        params = [_SHIM_ARGS[t][0].format(n) for t, n in self.arguments]
+        params.append("AtenTensorHandle* result" if self.results else "AtenTensorHandle* /*no_result*/")
+        return f"AOTITorchError aoti_torch_cpu_{self.name}({', '.join(params)})"
+
+    def shim_definition(self) -> str:
+        call = f"kvforge_cpu::{self.name}({', '.join(_SHIM_ARGS[t][1].format(n) for t, n in self.arguments)})"
+        body = f"*result = new_tensor_handle({call});" if self.results else f"{call};"
+        return f"{self.shim_declaration()} {{\n  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({{ {body} }});\n}}\n"
+
+
+_GENERATED = "// Generated by kvforge/kernels/cpu/builds.py from bindings.py, the ops' declarations: edit those.\n"
+
+
+def generated_sources() -> dict[str, str]:
+    """{file name: text} of the generated sources: ops.h and bindings.cpp (the module's doc)."""
+    ops = [(op, Schema.parse(op.schema)) for op in bindings.OPS]
+    header = "\n".join([
+        _GENERATED + "// The C++ declarations of the ops' kernels, each defined in a csrc/ file as "
+        "kvforge_cpu::<name>.",
+        "#pragma once\n", "#include <ATen/ATen.h>\n", "#include <optional>\n#include <string>\n#include <tuple>",
+        "#include <vector>\n", "namespace kvforge_cpu {\n", *(f"{s.cpp_declaration()};" for _, s in ops),
+        "\n}  // namespace kvforge_cpu\n"])
+    plain = [s for _, s in ops if not any(t.startswith("Tensor") for t, _ in s.arguments)]
+    defs = [f'  m.def("{op.schema}", &kvforge_cpu::{s.name});' if s in plain else f'  m.def("{op.schema}");'
+            for op, s in ops]
+    impls = []
+    for key in dict.fromkeys(k for op, s in ops if s not in plain for k in op.dispatch):
+        served = [s for op, s in ops if s not in plain and key in op.dispatch]
+        lines = [f'  m.impl("{s.name}", &kvforge_cpu::{s.name});' for s in served]
+        impls.append(f"TORCH_LIBRARY_IMPL({bindings.NAMESPACE}, {key}, m) {{\n" + "\n".join(lines) + "\n}\n")
+    registrations = "\n".join([
+        _GENERATED + "// The ops' definitions and registrations (torch.ops.kvforge_cpu.*), and the C entry points that"
+        " Inductor's\n// C++ wrapper calls instead of the dispatcher (bindings.py: c_shim).",
+        "#include <torch/csrc/inductor/aoti_torch/utils.h>\n#include <torch/library.h>\n", '#include "ops.h"\n',
+        f"TORCH_LIBRARY({bindings.NAMESPACE}, m) {{", *defs, "}\n", *impls,
+        "using torch::aot_inductor::new_tensor_handle;\nusing torch::aot_inductor::pointer_to_optional;\n",
+        "namespace {\n", "const at::Tensor& tensor(AtenTensorHandle handle) {",
+        "  return *torch::aot_inductor::tensor_handle_to_tensor_pointer(handle);\n}\n", "}  // namespace\n",
+        'extern "C" {\n', *(s.shim_definition() for op, s in ops if op.c_shim), '}  // extern "C"\n'])
+    return {"ops.h": header, "bindings.cpp": registrations}

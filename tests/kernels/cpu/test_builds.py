@@ -60,3 +60,23 @@ def test_module_names_tell_variants_and_sources_apart() -> None:
     names = {v.module_name(digest) for v in builds.VARIANTS for digest in ("sources-a", "sources-b")}
     assert len(names) == 2 * len(builds.VARIANTS)
     assert all(name.isidentifier() for name in names)
+
+
+def test_the_loaded_ops_are_the_declared_ones() -> None:
+    """Every op the loaded build registers under torch.ops.kvforge_cpu is declared in bindings.py, with the schema
+    declared there (a kernel file registering an op of its own would be caught here), and the C entry points handed
+    to Inductor are those of the declared ops."""
+    import torch
+
+    from kvforge.kernels.cpu import bindings
+    from kvforge.kernels.cpu.extension import c_shims, cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no build of the C++ kernels")
+    registered = {name.partition("::")[2] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith(f"{bindings.NAMESPACE}::")}
+    assert registered == {op.name for op in bindings.OPS}
+    for op in bindings.OPS:
+        schema = getattr(torch.ops.kvforge_cpu, op.name).default._schema
+        assert schema == torch._C.parse_schema(f"{bindings.NAMESPACE}::{op.schema}"), op.name
+    assert {shim.name for shim in c_shims()} == {"quant_gemm_panels", "paged_decode", "cache_write"}

@@ -11,27 +11,28 @@
 #include <cmath>
 #include <cstdint>
 
-#include "vec16.h"
+#include "vec.h"
 
 namespace kvforge_cpu {
 namespace {
 
-typedef int32_t ivec16 __attribute__((vector_size(64)));  // a vec16's lanes' column indices
+using Vec = Lanes16;
+constexpr int64_t kLanes = Vec::kWidth;
 constexpr int64_t kGrainElements = 65536;
 
 // a takes b's place where b is larger, or where b is a NaN and a is not
-inline ivec16 takes(vec16 a, vec16 b) { return (b > a) | ((b != b) & (a == a)); }
+inline Vec::I takes(Vec::V a, Vec::V b) { return (b > a) | ((b != b) & (a == a)); }
 
 int64_t argmax_row(const float* row, int64_t n) {
-  const ivec16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  vec16 best = {};
-  ivec16 index = lanes;
+  const Vec::I lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Vec::V best = {};
+  Vec::I index = lanes;
   int64_t c = 0;
   if (n >= kLanes) {
-    best = load16(row);
+    best = Vec::load(row);
     for (c = kLanes; c + kLanes <= n; c += kLanes) {
-      const vec16 v = load16(row + c);
-      const ivec16 take = takes(best, v);
+      const Vec::V v = Vec::load(row + c);
+      const Vec::I take = takes(best, v);
       best = take ? v : best;
       index = take ? lanes + static_cast<int32_t>(c) : index;
     }
@@ -67,7 +68,3 @@ at::Tensor argmax_rows(at::Tensor logits) {
 }
 
 }  // namespace kvforge_cpu
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("argmax_rows", &kvforge_cpu::argmax_rows); }

@@ -15,6 +15,9 @@ namespace kvforge_cpu {
 #ifdef __AVX2__
 namespace {
 
+using F = Avx2;  // 8-float vectors, as GCC's tuning has them for the AVX-512 CPUs too
+constexpr int64_t kLineFloats = kCacheLine / sizeof(float);
+
 struct DenseTiles {
   const float* x;       // [M, K]
   const float* weight;  // [N, K]
@@ -26,22 +29,22 @@ struct DenseTiles {
     const float* rows[NR];
     for (int r = 0; r < NR; ++r) rows[r] = weight + (n0 + r) * K;
     const int64_t ahead = kPrefetchTiles * NR * K;  // floats
-    __m256 acc[MT][NR];
+    F::V acc[MT][NR];
     for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+      for (int r = 0; r < NR; ++r) acc[m][r] = F::zero();
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-      __m256 xv[MT];
-      for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + (m0 + m) * K + k);
+    for (; k + F::kWidth <= K; k += F::kWidth) {
+      F::V xv[MT];
+      for (int m = 0; m < MT; ++m) xv[m] = F::load(x + (m0 + m) * K + k);
       for (int r = 0; r < NR; ++r) {
-        if (k % 16 == 0) prefetch(rows[r] + k + ahead);  // 16 floats: a cache line
-        const __m256 w = _mm256_loadu_ps(rows[r] + k);
-        for (int m = 0; m < MT; ++m) acc[m][r] = _mm256_fmadd_ps(w, xv[m], acc[m][r]);
+        if (k % kLineFloats == 0) prefetch(rows[r] + k + ahead);
+        const F::V w = F::load(rows[r] + k);
+        for (int m = 0; m < MT; ++m) acc[m][r] = F::fma(w, xv[m], acc[m][r]);
       }
     }
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < NR; ++r) {
-        float sum = hsum(acc[m][r]);
+        float sum = F::sum(acc[m][r]);
         for (int64_t j = k; j < K; ++j) sum += x[(m0 + m) * K + j] * rows[r][j];
         out[(m0 + m) * N + n0 + r] = sum;
       }
@@ -52,7 +55,7 @@ struct DenseTiles {
 #endif
 
 // x: [M, K] float32, weight: [N, K] float32 contiguous -> x W^T [M, N] float32 (AVX2 builds only).
-at::Tensor dense_gemv(at::Tensor x, const at::Tensor& weight) {
+at::Tensor dense_gemv(at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.device().is_cpu(),
               "weight must be a contiguous float32 [N, K] CPU tensor");
@@ -76,7 +79,7 @@ at::Tensor dense_gemv(at::Tensor x, const at::Tensor& weight) {
 // (mkldnn::_linear_pointwise), which Inductor cannot lower on a weight it did not pack, called here so that a
 // compiled step sees one opaque op. Above a few rows it beats F.linear's BLAS on every layer shape of the default
 // model (kernels/cpu/dense_gemv.py has the figures).
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor onednn_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -86,16 +89,3 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
 }
 
 }  // namespace kvforge_cpu
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("dense_gemv(Tensor x, Tensor weight) -> Tensor");
-  m.def("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
-  m.impl("dense_gemv", &kvforge_cpu::dense_gemv);
-  m.impl("onednn_linear", &kvforge_cpu::onednn_linear);
-}
-
-// A weight packed by mkldnn::_reorder_linear_weight is an opaque oneDNN tensor, whose calls dispatch here.
-TORCH_LIBRARY_IMPL(kvforge_cpu, MkldnnCPU, m) { m.impl("onednn_linear", &kvforge_cpu::onednn_linear); }

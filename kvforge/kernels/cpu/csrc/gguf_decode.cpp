@@ -234,7 +234,3 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_decode(at::Tensor blocks, in
 }
 
 }  // namespace kvforge_cpu
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) { m.def("gguf_decode(Tensor blocks, int type) -> (Tensor, Tensor, Tensor)"); }
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("gguf_decode", &kvforge_cpu::gguf_decode); }

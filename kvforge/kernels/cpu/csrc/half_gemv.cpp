@@ -11,58 +11,14 @@
 //            bfloat16  the 16 bits moved to the top half of a 32-bit lane (zero-extend, shift left by 16): exact
 //
 // Two vector widths, both in every AVX-512 build (vector_bits picks one, 0 the widest built): V = 8 with AVX2 + F16C
-// registers (__m256, the only path of the AVX2 build) and V = 16 with AVX-512 ones (__m512). The tiles and the
-// prefetching are quant_gemv.h's, as dense_gemv.cpp's.
+// registers (vec.h's Avx2, the only path of the AVX2 build) and V = 16 with AVX-512 ones (Avx512). The tiles and
+// the prefetching are quant_gemv.h's, as dense_gemv.cpp's.
 #include "quant_gemv.h"
 
 namespace kvforge_cpu {
 
 #if defined(__AVX2__) && defined(__F16C__)
 namespace {
-
-struct Avx2 {
-  using Vec = __m256;
-  static constexpr int64_t kWidth = 8;
-  static Vec zero() { return _mm256_setzero_ps(); }
-  static Vec load_x(const float* p) { return _mm256_loadu_ps(p); }
-  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(Vec v) { return hsum(v); }
-  template <bool BF16>
-  static Vec load_w(const uint16_t* p) {
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-    else return _mm256_cvtph_ps(bits);
-  }
-};
-
-#ifdef __AVX512F__
-struct Avx512 {
-  using Vec = __m512;
-  static constexpr int64_t kWidth = 16;
-  static Vec zero() { return _mm512_setzero_ps(); }
-  static Vec load_x(const float* p) { return _mm512_loadu_ps(p); }
-  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
-  template <bool BF16>
-  static Vec load_w(const uint16_t* p) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-    else return _mm512_cvtph_ps(bits);
-  }
-};
-#endif
-
-template <bool BF16>
-float widen(uint16_t bits) {
-  if constexpr (BF16) {
-    const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-    float value;
-    std::memcpy(&value, &wide, sizeof value);
-    return value;
-  } else {
-    return _cvtsh_ss(bits);
-  }
-}
 
 template <class Isa, bool BF16>
 struct HalfTiles {
@@ -74,27 +30,27 @@ struct HalfTiles {
   template <int MT, int NR>
   void run(int64_t m0, int64_t n0) const {
     constexpr int64_t V = Isa::kWidth;
-    constexpr int64_t kLineValues = 32;  // 16-bit values in a 64-byte cache line
+    constexpr int64_t kLineValues = kCacheLine / sizeof(uint16_t);
     const uint16_t* rows[NR];
     for (int r = 0; r < NR; ++r) rows[r] = weight + (n0 + r) * K;
     const int64_t ahead = kPrefetchTiles * NR * K;  // values
-    typename Isa::Vec acc[MT][NR];
+    typename Isa::V acc[MT][NR];
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < NR; ++r) acc[m][r] = Isa::zero();
     int64_t k = 0;
     for (; k + V <= K; k += V) {
-      typename Isa::Vec xv[MT];
-      for (int m = 0; m < MT; ++m) xv[m] = Isa::load_x(x + (m0 + m) * K + k);
+      typename Isa::V xv[MT];
+      for (int m = 0; m < MT; ++m) xv[m] = Isa::load(x + (m0 + m) * K + k);
       for (int r = 0; r < NR; ++r) {
         if (k % kLineValues == 0) prefetch(rows[r] + k + ahead);
-        const auto w = Isa::template load_w<BF16>(rows[r] + k);
-        for (int m = 0; m < MT; ++m) acc[m][r] = Isa::fmadd(w, xv[m], acc[m][r]);
+        const auto w = Isa::template load_half<BF16>(rows[r] + k);
+        for (int m = 0; m < MT; ++m) acc[m][r] = Isa::fma(w, xv[m], acc[m][r]);
       }
     }
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < NR; ++r) {
         float sum = Isa::sum(acc[m][r]);
-        for (int64_t j = k; j < K; ++j) sum += x[(m0 + m) * K + j] * widen<BF16>(rows[r][j]);
+        for (int64_t j = k; j < K; ++j) sum += x[(m0 + m) * K + j] * Avx2::widen_half<BF16>(rows[r][j]);
         out[(m0 + m) * N + n0 + r] = sum;
       }
   }
@@ -122,7 +78,7 @@ int64_t half_gemv_widest() {
 
 // x: [M, K] float32, weight: [N, K] float16 or bfloat16 contiguous -> x W^T [M, N] float32. vector_bits: 256 (AVX2)
 // or 512 (AVX-512), 0 for the widest this build has.
-at::Tensor half_gemv(at::Tensor x, const at::Tensor& weight, int64_t vector_bits) {
+at::Tensor half_gemv(at::Tensor x, at::Tensor weight, int64_t vector_bits) {
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || weight.scalar_type() == at::kHalf) && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.device().is_cpu(),
@@ -153,10 +109,3 @@ at::Tensor half_gemv(at::Tensor x, const at::Tensor& weight, int64_t vector_bits
 }
 
 }  // namespace kvforge_cpu
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("half_gemv(Tensor x, Tensor weight, int vector_bits=0) -> Tensor");
-  m.def("half_gemv_widest() -> int", &kvforge_cpu::half_gemv_widest);
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("half_gemv", &kvforge_cpu::half_gemv); }

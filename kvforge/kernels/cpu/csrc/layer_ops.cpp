@@ -192,18 +192,3 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(at::Tensor positions, at::Te
 }
 
 }  // namespace kvforge_cpu
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, bool is_neox) -> "
-        "(Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
-  m.impl("rms_norm", &kvforge_cpu::rms_norm);
-  m.impl("fused_add_rms_norm", &kvforge_cpu::fused_add_rms_norm);
-  m.impl("silu_and_mul", &kvforge_cpu::silu_and_mul);
-  m.impl("rotary_embedding", &kvforge_cpu::rotary_embedding);
-}

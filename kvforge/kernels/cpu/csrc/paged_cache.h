@@ -18,11 +18,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "vec16.h"
-
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace kvforge_cpu::paged {
 
@@ -37,10 +33,8 @@ inline const float* fp8_e4m3_table() {
   return table.data();
 }
 
-using kvforge_cpu::kLanes;  // the kernels' vector (vec16.h), for those that use this namespace
-using kvforge_cpu::load16;
-using kvforge_cpu::store16;
-using kvforge_cpu::vec16;
+using Vec = kvforge_cpu::Lanes16;  // the kernels' vector (vec.h), for those that use this namespace
+constexpr int64_t kLanes = Vec::kWidth;
 
 // One cached row (a token's key or value for one kv head) as floats.
 template <typename C>
@@ -52,11 +46,13 @@ inline void widen_row(const C* src, float* dst, int64_t n) {
   } else if constexpr (std::is_same_v<C, c10::Half>) {
     int64_t d = 0;
 #if defined(__AVX512F__)
-    for (; d + 16 <= n; d += 16)
-      _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
-#elif defined(__F16C__)
-    for (; d + 8 <= n; d += 8)
-      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+    using F = Avx512;
+#elif defined(__AVX2__) && defined(__F16C__)
+    using F = Avx2;
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+    for (; d + F::kWidth <= n; d += F::kWidth)
+      F::store(dst + d, F::template load_half<false>(reinterpret_cast<const uint16_t*>(src + d)));
 #endif
     for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
   } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
@@ -68,12 +64,6 @@ inline void widen_row(const C* src, float* dst, int64_t n) {
 #pragma omp simd
     for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
   }
-}
-
-inline void prefetch_rows(const void* first, int64_t rows, int64_t stride_bytes, int64_t row_bytes) {
-  const char* p = static_cast<const char*>(first);
-  for (int64_t r = 0; r < rows; ++r, p += stride_bytes)
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
 // A layer's attention options (kernels/paged_attention.py): the query at position p sees keys first_key(p) .. p
@@ -123,7 +113,7 @@ struct Paged {
 // floats. The cache itself when it holds floats and D == Dp; else `tile` [n, Dp], into which they are widened (columns
 // D.. stay as the caller zeroed them).
 template <typename C>
-inline const float* tile_rows(const Paged<C>& c, const C* cache, int64_t slot, int64_t kv_head, int64_t n, int64_t Dp,
+inline const float* rows_as_floats(const Paged<C>& c, const C* cache, int64_t slot, int64_t kv_head, int64_t n, int64_t Dp,
                               float* tile, int64_t& stride) {
   const int64_t D = c.head_dim, token_stride = c.token_stride();
   const C* rows = cache + slot * token_stride + kv_head * D;
@@ -151,13 +141,14 @@ inline void walk_tiles(const Paged<C>& c, const C* cache, const int32_t* table, 
   for (int64_t b0 = t_begin, b1; b0 < t_end; b0 = b1) {
     const int64_t block = b0 / bs, slot0 = static_cast<int64_t>(table[block]) * bs;
     b1 = std::min((block + 1) * bs, t_end);
-    if (b1 < t_end)
-      prefetch_rows(cache + static_cast<int64_t>(table[block + 1]) * bs * stride + kv_head * D,
-                    std::min(bs, t_end - b1), stride * static_cast<int64_t>(sizeof(C)), D * sizeof(C));
+    if (b1 < t_end) {
+      const C* next = cache + static_cast<int64_t>(table[block + 1]) * bs * stride + kv_head * D;
+      for (int64_t r = 0; r < std::min(bs, t_end - b1); ++r) prefetch_bytes<kToL2>(next + r * stride, D * sizeof(C));
+    }
     for (int64_t t0 = b0; t0 < b1; t0 += kLanes) {
       const int64_t n = std::min(kLanes, b1 - t0), slot = slot0 + t0 - block * bs;
       int64_t tile_stride;
-      const float* rows = tile_rows(c, cache, slot, kv_head, n, Dp, tile, tile_stride);
+      const float* rows = rows_as_floats(c, cache, slot, kv_head, n, Dp, tile, tile_stride);
       if (n == kLanes)  // a full tile: its loops have a fixed trip count, unrolled with their vectors in registers
         visit(t0, std::integral_constant<int64_t, kLanes>{}, rows, tile_stride, slot);
       else

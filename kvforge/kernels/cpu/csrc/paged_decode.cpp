@@ -49,19 +49,19 @@ inline void axpy(float a, const float* v, float* acc, int64_t n) {
 constexpr int fold_lane(int i, int h) { return (i < 8 ? 0 : 16) + i % 8 / h * 2 * h + i % h; }
 
 template <int h, int... I>
-inline vec16 fold(vec16 a, vec16 b, std::integer_sequence<int, I...>) {
+inline Vec::V fold(Vec::V a, Vec::V b, std::integer_sequence<int, I...>) {
   return __builtin_shufflevector(a, b, fold_lane(I, h)...) + __builtin_shufflevector(a, b, (fold_lane(I, h) + h)...);
 }
 
 template <int h>
-inline vec16 fold(vec16 a, vec16 b) {
+inline Vec::V fold(Vec::V a, Vec::V b) {
   return fold<h>(a, b, std::make_integer_sequence<int, kLanes>{});
 }
 
 // The lane sums of 16 vectors (16 tokens' partial dot products) as one vector, in token order: 15 folds, where a
 // horizontal sum per token would be a chain of dependent adds each.
-inline vec16 lane_sums(const vec16* p) {
-  vec16 a[8], b[4], c[2];
+inline Vec::V lane_sums(const Vec::V* p) {
+  Vec::V a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i) a[i] = fold<8>(p[2 * i], p[2 * i + 1]);
   for (int i = 0; i < 4; ++i) b[i] = fold<4>(a[2 * i], a[2 * i + 1]);
   for (int i = 0; i < 2; ++i) c[i] = fold<2>(b[2 * i], b[2 * i + 1]);
@@ -90,17 +90,17 @@ void attend_part(const Paged<C>& c, const Options& o, const float* q, int64_t gr
     for (int64_t g0 = 0; g0 < group; g0 += kHeadBlock) {
       with_block<kHeadBlock>(group - g0, [&](auto heads) {
         constexpr int G = decltype(heads)::value;
-        vec16 p[G][kLanes] = {};  // p[g][i]: head g0 + g's partial products with token t0 + i
+        Vec::V p[G][kLanes] = {};  // p[g][i]: head g0 + g's partial products with token t0 + i
         for (int64_t c0 = 0; c0 < chunks; c0 += kChunkBlock) {
           with_block<kChunkBlock>(chunks - c0, [&](auto chunk_block) {
             constexpr int CB = decltype(chunk_block)::value;
-            vec16 qr[G][CB];
+            Vec::V qr[G][CB];
             for (int g = 0; g < G; ++g)
-              for (int ch = 0; ch < CB; ++ch) qr[g][ch] = load16(q + (g0 + g) * Dp + (c0 + ch) * kLanes);
+              for (int ch = 0; ch < CB; ++ch) qr[g][ch] = Vec::load(q + (g0 + g) * Dp + (c0 + ch) * kLanes);
             for (int64_t i = 0; i < n; ++i) {
-              vec16 sum[G] = {};
+              Vec::V sum[G] = {};
               for (int ch = 0; ch < CB; ++ch) {
-                const vec16 k = load16(rows + i * stride + (c0 + ch) * kLanes);
+                const Vec::V k = Vec::load(rows + i * stride + (c0 + ch) * kLanes);
                 for (int g = 0; g < G; ++g) sum[g] += qr[g][ch] * k;
               }
               for (int g = 0; g < G; ++g) p[g][i] += sum[g];
@@ -109,7 +109,7 @@ void attend_part(const Paged<C>& c, const Options& o, const float* q, int64_t gr
         }
         for (int g = 0; g < G; ++g) {
           float out[kLanes];
-          store16(out, lane_sums(p[g]) * load16(k_scale));
+          Vec::store(out, lane_sums(p[g]) * Vec::load(k_scale));
           std::memcpy(scores.data() + (g0 + g) * len + t0 - t_begin, out, n * sizeof(float));
         }
       });
@@ -144,16 +144,16 @@ void attend_part(const Paged<C>& c, const Options& o, const float* q, int64_t gr
         for (int64_t c0 = 0; c0 < chunks; c0 += kChunkBlock) {
           with_block<kChunkBlock>(chunks - c0, [&](auto chunk_block) {
             constexpr int CB = decltype(chunk_block)::value;
-            vec16 a[G][CB];
+            Vec::V a[G][CB];
             for (int g = 0; g < G; ++g)
-              for (int ch = 0; ch < CB; ++ch) a[g][ch] = load16(acc + (g0 + g) * Dp + (c0 + ch) * kLanes);
+              for (int ch = 0; ch < CB; ++ch) a[g][ch] = Vec::load(acc + (g0 + g) * Dp + (c0 + ch) * kLanes);
             for (int64_t i = 0; i < n; ++i)
               for (int ch = 0; ch < CB; ++ch) {
-                const vec16 v = load16(rows + i * stride + (c0 + ch) * kLanes);
+                const Vec::V v = Vec::load(rows + i * stride + (c0 + ch) * kLanes);
                 for (int g = 0; g < G; ++g) a[g][ch] += w[g][i] * v;
               }
             for (int g = 0; g < G; ++g)
-              for (int ch = 0; ch < CB; ++ch) store16(acc + (g0 + g) * Dp + (c0 + ch) * kLanes, a[g][ch]);
+              for (int ch = 0; ch < CB; ++ch) Vec::store(acc + (g0 + g) * Dp + (c0 + ch) * kLanes, a[g][ch]);
           });
         }
       });
@@ -259,10 +259,10 @@ void decode_kernel(T* out, const T* query, const Paged<C>& c, const Options& opt
 // [num_blocks, block_size, num_kv_heads] float32 for int8 / float8_e4m3fn codes. Returns [num_seqs, num_heads,
 // head_dim] in the query dtype.
 // sliding_window, softcap, sinks ([num_heads] float32): see Options (0, 0, None: plain causal attention).
-at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+at::Tensor kvforge_cpu::paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                           c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> value_scale,
-                           int64_t sliding_window, double softcap, c10::optional<at::Tensor> sinks) {
+                           std::optional<at::Tensor> key_scale, std::optional<at::Tensor> value_scale,
+                           int64_t sliding_window, double softcap, std::optional<at::Tensor> sinks) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode takes contiguous tensors");
@@ -283,7 +283,7 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value
 // slot_mapping [num_tokens] (int64; negative: a padding token, skipped); cache [num_blocks, block_size, *row_shape]
 // with contiguous rows, its two leading dims strided as they may be (e.g. the K half of a joint K/V tensor).
 //   slot s -> cache[s / block_size, s % block_size]
-void cache_write(at::Tensor rows, at::Tensor cache, at::Tensor slot_mapping) {
+void kvforge_cpu::cache_write(at::Tensor rows, at::Tensor cache, at::Tensor slot_mapping) {
   TORCH_CHECK(rows.scalar_type() == cache.scalar_type(), "cache_write: rows of ", rows.scalar_type(),
               " into a cache of ", cache.scalar_type());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
@@ -307,16 +307,4 @@ void cache_write(at::Tensor rows, at::Tensor cache, at::Tensor slot_mapping) {
     std::memcpy(dst + (slot / block_size) * block_stride + (slot % block_size) * slot_stride, src + i * row_bytes,
                 row_bytes);
   }
-}
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, Tensor? key_scale=None, Tensor? value_scale=None, int sliding_window=0, float softcap=0.0, "
-        "Tensor? sinks=None) -> Tensor");
-  m.def("cache_write(Tensor rows, Tensor(a!) cache, Tensor slot_mapping) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
-  m.impl("paged_decode", &paged_decode);
-  m.impl("cache_write", &cache_write);
 }

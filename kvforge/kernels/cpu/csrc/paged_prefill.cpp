@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "ops.h"
 #include "paged_cache.h"
 
 namespace {
@@ -102,14 +103,14 @@ void stage_tile(Staged<C>& st, int64_t seq, int64_t kv_head, int64_t tile, int64
 // S rows [r0, r0 + RB) against one transposed key tile: s[rb] = sum_d q[r0 + rb][d] kt[d].
 template <int RB>
 inline void tile_scores(const float* q, const float* kt, int64_t Dp, int64_t r0, float* s) {
-  vec16 acc[RB] = {};
+  Vec::V acc[RB] = {};
   const float* rows[RB];
   for (int rb = 0; rb < RB; ++rb) rows[rb] = q + (r0 + rb) * Dp;
   for (int64_t d = 0; d < Dp; ++d) {
-    const vec16 k = load16(kt + d * kLanes);
+    const Vec::V k = Vec::load(kt + d * kLanes);
     for (int rb = 0; rb < RB; ++rb) acc[rb] += rows[rb][d] * k;
   }
-  for (int rb = 0; rb < RB; ++rb) store16(s + (r0 + rb) * kLanes, acc[rb]);
+  for (int rb = 0; rb < RB; ++rb) Vec::store(s + (r0 + rb) * kLanes, acc[rb]);
 }
 
 template <typename T, typename C>
@@ -168,16 +169,16 @@ void attend_item(const Staged<C>& st, const Options& opt, const Item& item, cons
         for (int64_t c0 = 0; c0 < chunks; c0 += kChunkBlock) {
           with_block<kChunkBlock>(chunks - c0, [&](auto chunk_block) {
             constexpr int CB = decltype(chunk_block)::value;
-            vec16 a[RB][CB];
+            Vec::V a[RB][CB];
             for (int rb = 0; rb < RB; ++rb)
-              for (int ch = 0; ch < CB; ++ch) a[rb][ch] = load16(acc + (r0 + rb) * Dp + (c0 + ch) * kLanes);
+              for (int ch = 0; ch < CB; ++ch) a[rb][ch] = Vec::load(acc + (r0 + rb) * Dp + (c0 + ch) * kLanes);
             for (int64_t j = 0; j < n; ++j)
               for (int ch = 0; ch < CB; ++ch) {
-                const vec16 v = load16(v_rows + j * v_stride + (c0 + ch) * kLanes);
+                const Vec::V v = Vec::load(v_rows + j * v_stride + (c0 + ch) * kLanes);
                 for (int rb = 0; rb < RB; ++rb) a[rb][ch] += s[(r0 + rb) * kLanes + j] * v;
               }
             for (int rb = 0; rb < RB; ++rb)
-              for (int ch = 0; ch < CB; ++ch) store16(acc + (r0 + rb) * Dp + (c0 + ch) * kLanes, a[rb][ch]);
+              for (int ch = 0; ch < CB; ++ch) Vec::store(acc + (r0 + rb) * Dp + (c0 + ch) * kLanes, a[rb][ch]);
           });
         }
       });
@@ -243,11 +244,11 @@ void prefill_kernel(T* out, const T* query, const Paged<C>& c, const Options& op
 // [query_start_loc[s], query_start_loc[s + 1]) and seq_lens[s] tokens of context, the queries its last ones. Caches,
 // block tables and scales as paged_decode takes them. Returns [num_tokens, num_heads, head_dim] in the query dtype:
 // the rows of sequences with more than one query token; those of the others are left unwritten.
-at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+at::Tensor kvforge_cpu::paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                             at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,
-                            double scale, c10::optional<at::Tensor> key_scale,
-                            c10::optional<at::Tensor> value_scale, int64_t sliding_window, double softcap,
-                            c10::optional<at::Tensor> sinks) {
+                            double scale, std::optional<at::Tensor> key_scale,
+                            std::optional<at::Tensor> value_scale, int64_t sliding_window, double softcap,
+                            std::optional<at::Tensor> sinks) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   block_tables.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
               "paged_prefill takes contiguous tensors");
@@ -275,11 +276,3 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor valu
   });
   return out;
 }
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor? key_scale=None, Tensor? value_scale=None, "
-        "int sliding_window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }

@@ -187,14 +187,3 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
 }
 
 }  // namespace kvforge_cpu
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("panel_factors(Tensor[] scales, Tensor[] zeros, int bits) -> (bool, float)");
-  m.def("pack_panels(Tensor[] codes, Tensor[] scales, Tensor[] zeros, int bits, bool symmetric, float multiplier, "
-        "Tensor(a!) out) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
-  m.impl("panel_factors", &kvforge_cpu::panel_factors);
-  m.impl("pack_panels", &kvforge_cpu::pack_panels);
-}

@@ -80,5 +80,3 @@ void cache_python_arenas() {
 }
 
 }  // namespace kvforge_cpu
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) { m.def("cache_python_arenas() -> ()", &kvforge_cpu::cache_python_arenas); }

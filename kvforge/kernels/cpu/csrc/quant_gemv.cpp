@@ -35,53 +35,21 @@ template <int BITS>
 inline float lane_factor(int j) { return j == top_vector<BITS>() ? 1.f : 1.f / static_cast<float>(1u << (BITS * j)); }
 
 #ifdef __AVX2__
-using Vec = __m256;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vset(float s) { return _mm256_set1_ps(s); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return hsum(v); }
+using F = Avx2;
 
-using Block = __m256i;
+using Block = F::I;
 template <int BITS>
 inline Block load_block(const uint8_t* row, int64_t k) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k / block_columns<BITS>() * 32));
+  return F::load_bytes(row + k / block_columns<BITS>() * 32);
 }
 // code * 2^(BITS J) in each lane (just code for the top vector).
 template <int BITS, int J>
-inline Vec decode_vec(Block words) {
-  if (J == top_vector<BITS>()) return _mm256_cvtepi32_ps(_mm256_srli_epi32(words, 32 - BITS));
-  return _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(((1 << BITS) - 1) << (BITS * J))));
+inline F::V decode_vec(Block words) {
+  if (J == top_vector<BITS>()) return F::to_float(_mm256_srli_epi32(words, 32 - BITS));
+  return F::to_float(_mm256_and_si256(words, _mm256_set1_epi32(((1 << BITS) - 1) << (BITS * J))));
 }
 #else
-// Portable fallback with the same structure: eight lanes in an array, loops the compiler may vectorize.
-struct Vec {
-  float v[8];
-};
-inline Vec vzero() { return Vec{}; }
-inline Vec vset(float s) {
-  Vec r;
-  for (int i = 0; i < 8; ++i) r.v[i] = s;
-  return r;
-}
-inline Vec vload(const float* p) {
-  Vec r;
-  for (int i = 0; i < 8; ++i) r.v[i] = p[i];
-  return r;
-}
-inline void vstore(float* p, Vec v) {
-  for (int i = 0; i < 8; ++i) p[i] = v.v[i];
-}
-inline Vec vfma(Vec a, Vec b, Vec c) {
-  for (int i = 0; i < 8; ++i) c.v[i] += a.v[i] * b.v[i];
-  return c;
-}
-inline float vsum(Vec v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v.v[i];
-  return s;
-}
+using F = Scalar8;  // the same structure, eight lanes in an array
 
 using Block = const uint8_t*;  // the block's 32 bytes
 template <int BITS>
@@ -89,9 +57,9 @@ inline Block load_block(const uint8_t* row, int64_t k) {
   return row + k / block_columns<BITS>() * 32;
 }
 template <int BITS, int J>
-inline Vec decode_vec(Block bytes) {
+inline F::V decode_vec(Block bytes) {
   const float factor = 1.f / lane_factor<BITS>(J);
-  Vec r;
+  F::V r;
   for (int i = 0; i < 8; ++i) {
     const int bit = BITS * J;  // of word i, stored little-endian in bytes 4i .. 4i + 3
     const int code = (bytes[4 * i + bit / 8] >> (bit % 8)) & ((1 << BITS) - 1);
@@ -113,16 +81,16 @@ struct GemvArgs {
 
 // Vector J of the blocks of NR weight rows, times the matching 8 columns of MT rows of x.
 template <int BITS, int MT, int NR, int J>
-inline void fma_vec(const GemvArgs& a, const float* x, const Block* blocks, int64_t column, Vec (&acc)[MT][NR]) {
+inline void fma_vec(const GemvArgs& a, const float* x, const Block* blocks, int64_t column, F::V (&acc)[MT][NR]) {
   for (int r = 0; r < NR; ++r) {
-    const Vec w = decode_vec<BITS, J>(blocks[r]);
-    for (int m = 0; m < MT; ++m) acc[m][r] = vfma(w, vload(x + m * a.K + column), acc[m][r]);
+    const F::V w = decode_vec<BITS, J>(blocks[r]);
+    for (int m = 0; m < MT; ++m) acc[m][r] = F::fma(w, F::load(x + m * a.K + column), acc[m][r]);
   }
 }
 
 // The 32 columns at k: vectors 4 HALF .. 4 HALF + 3 of their block (HALF = 1: second half of a 4-bit block).
 template <int BITS, int MT, int NR, int HALF>
-inline void fma_columns(const GemvArgs& a, const float* x, const uint8_t* const* rows, int64_t k, Vec (&acc)[MT][NR]) {
+inline void fma_columns(const GemvArgs& a, const float* x, const uint8_t* const* rows, int64_t k, F::V (&acc)[MT][NR]) {
   Block blocks[NR];
   for (int r = 0; r < NR; ++r) blocks[r] = load_block<BITS>(rows[r], k);
   fma_vec<BITS, MT, NR, 4 * HALF + 0>(a, x, blocks, k + 0, acc);
@@ -139,21 +107,21 @@ inline void dot_tile(const GemvArgs& a, int64_t m0, int64_t n0) {
   for (int r = 0; r < NR; ++r) rows[r] = a.qweight + (n0 + r) * a.row_bytes;
   const int64_t ahead = kPrefetchTiles * NR;  // rows
   prefetch_factors(a.scales, a.offsets, a.G, n0 + ahead, NR);
-  Vec total[MT][NR];
+  F::V total[MT][NR];
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < NR; ++r) total[m][r] = vzero();
+    for (int r = 0; r < NR; ++r) total[m][r] = F::zero();
   for (int64_t g = 0; g < a.G; ++g) {
-    Vec acc[MT][NR];
+    F::V acc[MT][NR];
     for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < NR; ++r) acc[m][r] = vzero();
+      for (int r = 0; r < NR; ++r) acc[m][r] = F::zero();
     for (int64_t k = g * a.group_size; k < (g + 1) * a.group_size; k += kBlock) {
       for (int r = 0; r < NR; ++r) prefetch(rows[r] + k * BITS / 8 + ahead * a.row_bytes);
       if (BITS == 4 && (k & 32)) fma_columns<BITS, MT, NR, 1>(a, x, rows, k, acc);
       else fma_columns<BITS, MT, NR, 0>(a, x, rows, k, acc);
     }
     for (int r = 0; r < NR; ++r) {
-      const Vec scale = vset(a.scales[(n0 + r) * a.G + g]);
-      for (int m = 0; m < MT; ++m) total[m][r] = vfma(acc[m][r], scale, total[m][r]);
+      const F::V scale = F::set1(a.scales[(n0 + r) * a.G + g]);
+      for (int m = 0; m < MT; ++m) total[m][r] = F::fma(acc[m][r], scale, total[m][r]);
     }
   }
   for (int r = 0; r < NR; ++r) {
@@ -162,7 +130,7 @@ inline void dot_tile(const GemvArgs& a, int64_t m0, int64_t n0) {
       const float* xsum = a.xsum + (m0 + m) * a.G;
       float offset_dot = 0.f;
       for (int64_t g = 0; g < a.G; ++g) offset_dot += offsets[g] * xsum[g];
-      a.out[(m0 + m) * a.N + n0 + r] = vsum(total[m][r]) + offset_dot;
+      a.out[(m0 + m) * a.N + n0 + r] = F::sum(total[m][r]) + offset_dot;
     }
   }
 }
@@ -175,14 +143,14 @@ struct FloatTiles {
 };
 
 template <int BITS, int J>
-inline void dequantize_vec(float* out, const Block& block, float scale, Vec offset) {
-  vstore(out, vfma(decode_vec<BITS, J>(block), vset(scale * lane_factor<BITS>(J)), offset));
+inline void dequantize_vec(float* out, const Block& block, float scale, F::V offset) {
+  F::store(out, F::fma(decode_vec<BITS, J>(block), F::set1(scale * lane_factor<BITS>(J)), offset));
 }
 
 template <int BITS, int HALF>
 inline void dequantize_columns(float* out_row, const uint8_t* row, int64_t k, float scale, float offset) {
   const Block block = load_block<BITS>(row, k);
-  const Vec shift = vset(offset);
+  const F::V shift = F::set1(offset);
   dequantize_vec<BITS, 4 * HALF + 0>(out_row + k + 0, block, scale, shift);
   dequantize_vec<BITS, 4 * HALF + 1>(out_row + k + 8, block, scale, shift);
   dequantize_vec<BITS, 4 * HALF + 2>(out_row + k + 16, block, scale, shift);
@@ -318,19 +286,3 @@ std::string quant_gemv_isa() {
 }
 
 }  // namespace kvforge_cpu
-
-// Registered as torch ops (torch.ops.kvforge_cpu.*), so this file needs no share of the module's pybind init.
-// Declared, then implemented for the CPU key only: tracing (torch.compile) sees opaque ops with the fake
-// implementations that kernels/cpu/extension.py registers.
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("quant_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits, bool int8_activations) "
-        "-> Tensor");
-  m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor offsets, int bits) -> Tensor");
-  m.def("quant_gemv_vectorized() -> bool", &kvforge_cpu::quant_gemv_vectorized);
-  m.def("quant_gemv_isa() -> str", &kvforge_cpu::quant_gemv_isa);
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
-  m.impl("quant_gemv", &kvforge_cpu::quant_gemv);
-  m.impl("quant_dequantize", &kvforge_cpu::quant_dequantize);
-}

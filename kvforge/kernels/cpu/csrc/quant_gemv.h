@@ -11,9 +11,8 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "ops.h"
+#include "vec.h"
 
 namespace kvforge_cpu {
 
@@ -26,53 +25,34 @@ constexpr int64_t kRowBlock = 64;  // weight rows that all tiles of x pass over 
 // tiles ahead measured the same within noise.
 constexpr int64_t kPrefetchTiles = 2;
 
-inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
-
 // The scales and offsets of weight rows [n, n + rows), G groups a row.
 inline void prefetch_factors(const float* scales, const float* offsets, int64_t G, int64_t n, int64_t rows) {
-  for (int64_t i = n * G; i < (n + rows) * G; i += 16) {  // 16 floats: a cache line
-    prefetch(scales + i);
-    prefetch(offsets + i);
-  }
+  prefetch_bytes(scales + n * G, rows * G * static_cast<int64_t>(sizeof(float)));
+  prefetch_bytes(offsets + n * G, rows * G * static_cast<int64_t>(sizeof(float)));
 }
 
 template <int BITS>
 constexpr int64_t block_columns() { return 8 * 32 / BITS; }  // columns of 32 bytes of codes
 
 #ifdef __AVX2__
-// The sum of the 8 lanes of v.
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// The largest of the 8 lanes of v.
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
 // x rounded to int8 per 32 columns (quant_gemv_int8.cpp, quant_panels.cpp): q of 32 columns of x (in column order)
 // and their dx = max |x| / 127; returns the sum of q.
 inline int32_t quantize_block(const float* x, int8_t* q, float* dx) {
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 v[4], amax = _mm256_setzero_ps();
+  Avx2::V v[4], amax = Avx2::zero();
   for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
+    v[i] = Avx2::load(x + 8 * i);
+    amax = _mm256_max_ps(amax, Avx2::abs(v[i]));
   }
-  *dx = hmax(amax) / 127.f;
+  *dx = Avx2::max(amax) / 127.f;
   if (*dx == 0.f) {
     std::memset(q, 0, kBlock);
     return 0;
   }
-  const __m256 d = _mm256_set1_ps(*dx);
+  const Avx2::V d = Avx2::set1(*dx);
   alignas(32) int32_t codes[kBlock];
   for (int i = 0; i < 4; ++i) {
     // NOTE: x / dx and round half to even, as torch.round(x / dx) (the tests' reference), not x * (1 / dx).
-    const __m256 rounded = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const Avx2::V rounded = _mm256_round_ps(_mm256_div_ps(v[i], d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), _mm256_cvtps_epi32(rounded));
   }
   int32_t sum = 0;
@@ -96,7 +76,7 @@ at::Tensor quant_gemv_int8(const at::Tensor& x, const at::Tensor& qweight, const
 
 // out[m0 .. m0 + MT, n0 .. n0 + NR] for n0 = begin, begin + NR, ..., then single weight rows up to end.
 template <int MT, int NR, class Tiles>
-void tile_rows(const Tiles& tiles, int64_t m0, int64_t begin, int64_t end) {
+void tiles_over_rows(const Tiles& tiles, int64_t m0, int64_t begin, int64_t end) {
   int64_t n = begin;
   for (; n + NR <= end; n += NR) tiles.template run<MT, NR>(m0, n);
   for (; n < end; ++n) tiles.template run<MT, 1>(m0, n);
@@ -114,11 +94,11 @@ void for_each_tile(const Tiles& tiles, int64_t M, int64_t N, int64_t K) {
     for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
       const int64_t n1 = std::min(end, n0 + kRowBlock);
       int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4) tile_rows<4, 2>(tiles, m0, n0, n1);
+      for (; m0 + 4 <= M; m0 += 4) tiles_over_rows<4, 2>(tiles, m0, n0, n1);
       switch (M - m0) {
-        case 3: tile_rows<3, 2>(tiles, m0, n0, n1); break;
-        case 2: tile_rows<2, 2>(tiles, m0, n0, n1); break;
-        case 1: tile_rows<1, 4>(tiles, m0, n0, n1); break;
+        case 3: tiles_over_rows<3, 2>(tiles, m0, n0, n1); break;
+        case 2: tiles_over_rows<2, 2>(tiles, m0, n0, n1); break;
+        case 1: tiles_over_rows<1, 4>(tiles, m0, n0, n1); break;
         default: break;
       }
     }

@@ -51,7 +51,7 @@ struct Int8Args {
 };
 
 // [v[0], v[1], v[0], v[1], ...]: the scales of two consecutive 32-column blocks, in the int32 lanes' order.
-inline __m256 broadcast_pair(const float* v) {
+inline Avx2::V broadcast_pair(const float* v) {
   int64_t pair;
   std::memcpy(&pair, v, sizeof(pair));
   return _mm256_castsi256_ps(_mm256_set1_epi64x(pair));
@@ -111,11 +111,11 @@ struct Codes<8> {
 // The factors of the int32 lanes of dot() for block of codes t: x's dx of its x blocks, and a weight row's scales
 // of their groups g0 (and g1, the group of the second x block of 4-bit codes).
 template <int BITS>
-inline __m256 x_factors(const float* dx, int64_t t) {
+inline Avx2::V x_factors(const float* dx, int64_t t) {
   return BITS == 8 ? _mm256_broadcast_ss(dx + t) : broadcast_pair(dx + 2 * t);
 }
 template <int BITS>
-inline __m256 weight_factors(const float* scales, int32_t g0, int32_t g1) {
+inline Avx2::V weight_factors(const float* scales, int32_t g0, int32_t g1) {
   if (BITS == 8) return _mm256_broadcast_ss(scales + g0);
   return _mm256_blend_ps(_mm256_broadcast_ss(scales + g0), _mm256_broadcast_ss(scales + g1), 0xAA);
 }
@@ -124,14 +124,14 @@ inline __m256 weight_factors(const float* scales, int32_t g0, int32_t g1) {
 template <int BITS>
 inline float offset_dot(const float* offsets, const float* scales, const float* xsum, int64_t G) {
   const float shift = BITS == 8 ? 128.f : 0.f;
-  __m256 acc = _mm256_setzero_ps();
+  Avx2::V acc = Avx2::zero();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
-    const __m256 offset =
-        _mm256_fmadd_ps(_mm256_set1_ps(shift), _mm256_loadu_ps(scales + g), _mm256_loadu_ps(offsets + g));
-    acc = _mm256_fmadd_ps(offset, _mm256_loadu_ps(xsum + g), acc);
+    const Avx2::V offset =
+        Avx2::fma(Avx2::set1(shift), Avx2::load(scales + g), Avx2::load(offsets + g));
+    acc = Avx2::fma(offset, Avx2::load(xsum + g), acc);
   }
-  float sum = hsum(acc);
+  float sum = Avx2::sum(acc);
   for (; g < G; ++g) sum += (offsets[g] + shift * scales[g]) * xsum[g];
   return sum;
 }
@@ -159,21 +159,21 @@ struct Int8Tiles {
     }
     const int64_t ahead = kPrefetchTiles * NR;  // rows
     prefetch_factors(a.scales, a.offsets, a.G, n0 + ahead, NR);
-    __m256 acc[MT][NR];
+    Avx2::V acc[MT][NR];
     for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+      for (int r = 0; r < NR; ++r) acc[m][r] = Avx2::zero();
     for (int64_t t = 0; t < num_blocks; ++t) {
-      __m256 x_factor[MT];
+      Avx2::V x_factor[MT];
       for (int m = 0; m < MT; ++m) x_factor[m] = x_factors<BITS>(dx[m], t);
       const int64_t b = t * block_columns<BITS>() / kBlock;  // the first x block of the codes
       const int32_t g0 = block_group[b], g1 = block_group[b + block_columns<BITS>() / kBlock - 1];
       for (int r = 0; r < NR; ++r) {
         prefetch(rows[r] + 32 * t + ahead * a.row_bytes);
-        const Codes<BITS> codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + 32 * t)));
-        const __m256 scale = weight_factors<BITS>(scales[r], g0, g1);
+        const Codes<BITS> codes(Avx2::load_bytes(rows[r] + 32 * t));
+        const Avx2::V scale = weight_factors<BITS>(scales[r], g0, g1);
         for (int m = 0; m < MT; ++m) {
           const __m256i sums = codes.dot(xq[m] + t * block_columns<BITS>());
-          acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, x_factor[m]), acc[m][r]);
+          acc[m][r] = Avx2::fma(Avx2::to_float(sums), Avx2::mul(scale, x_factor[m]), acc[m][r]);
         }
       }
     }
@@ -181,7 +181,7 @@ struct Int8Tiles {
       for (int m = 0; m < MT; ++m) {
         const int64_t n = n0 + r;
         const float* xsum = a.xsum + (m0 + m) * a.G;
-        a.out[(m0 + m) * a.N + n] = hsum(acc[m][r]) + offset_dot<BITS>(a.offsets + n * a.G, a.scales + n * a.G,
+        a.out[(m0 + m) * a.N + n] = Avx2::sum(acc[m][r]) + offset_dot<BITS>(a.offsets + n * a.G, a.scales + n * a.G,
                                                                         xsum, a.G);
       }
   }

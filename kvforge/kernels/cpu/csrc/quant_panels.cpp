@@ -79,7 +79,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // weight rows per panel: one int32 lane each of a 512-bit vector
 
-inline void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+using F = Avx512;
 
 template <int BITS>
 constexpr int64_t vectors_per_block() { return 32 * BITS / 8 / 4; }  // of 64 bytes
@@ -106,11 +106,9 @@ struct PanelArgs {
   float factor;
 };
 
-inline __m512 load_halves(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline F::V load_halves(const uint8_t* p) { return F::load_half<false>(reinterpret_cast<const uint16_t*>(p)); }
 
-inline __m512i broadcast4(const int8_t* q) {
+inline F::I broadcast4(const int8_t* q) {
   int32_t word;
   std::memcpy(&word, q, sizeof(word));
   return _mm512_set1_epi32(word);
@@ -125,53 +123,53 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
   const int64_t K = a.K, G = a.G, blocks = K / kBlock, chunks = HALF_BLOCKS ? 1 : blocks / G;
   constexpr int64_t header = SYM ? 32 : 64;  // a panel's bytes of a group's scales (and offsets)
   const int64_t group_bytes = W * (header + chunks * V * 64);
-  const __m512 minus_zero = _mm512_set1_ps(BITS == 8 ? -128.f : BITS == 6 ? -32.f : -8.f);  // SYM: -zero * scales
+  const F::V minus_zero = F::set1(BITS == 8 ? -128.f : BITS == 6 ? -32.f : -8.f);  // SYM: -zero * scales
   const int8_t* const xq = a.xq + m0 * K;
   const float* const dx = a.dx + m0 * blocks;
   const float* const xsum = a.xsum + m0 * G;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  __m512 acc[MT][NP];
+  const F::I low_nibbles = _mm512_set1_epi8(0x0F);
+  F::V acc[MT][NP];
   for (int m = 0; m < MT; ++m)
-    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p) acc[m][p] = F::zero();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t group = g * group_bytes;
-    __m512 scale[NP];
+    F::V scale[NP];
     for (int p = 0; p < NP; ++p) {
-      if (PREFETCH) prefetch_to_l2(ahead + group + 64 * (first + p));
+      if (PREFETCH) prefetch<kToL2>(ahead + group + 64 * (first + p));
       scale[p] = load_halves(tile + group + 32 * (first + p));
-      const __m512 offset =
-          SYM ? _mm512_mul_ps(scale[p], minus_zero) : load_halves(tile + group + 32 * (W + first + p));
+      const F::V offset =
+          SYM ? F::mul(scale[p], minus_zero) : load_halves(tile + group + 32 * (W + first + p));
       for (int m = 0; m < MT; ++m)
-        acc[m][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * G + g]), acc[m][p]);
+        acc[m][p] = F::fma(offset, F::set1(xsum[m * G + g]), acc[m][p]);
     }
     for (int64_t i = 0; i < chunks; ++i) {
       const int64_t b = HALF_BLOCKS ? g / 2 : g * chunks + i;
       const int64_t half = HALF_BLOCKS ? 16 * (g % 2) : 0;  // the chunk's first column in its block
-      __m512i sums[MT][NP];
+      F::I sums[MT][NP];
       for (int m = 0; m < MT; ++m)
         for (int p = 0; p < NP; ++p) sums[m][p] = _mm512_setzero_si512();
       if constexpr (BITS == 6) {
         // pairs of nibble vectors and their top bits: [nibbles 2h | nibbles 2h + 1 | top bits h], h < V / 3
-        const __m512i top_bits = _mm512_set1_epi8(0x30);
+        const F::I top_bits = _mm512_set1_epi8(0x30);
         for (int64_t h = 0; h < V / 3; ++h)
           for (int p = 0; p < NP; ++p) {
             const int64_t at = group + header * W + 64 * ((i * V + 3 * h) * W + first + p), next = 64 * W;
             if (PREFETCH)
-              for (int64_t v = 0; v < 3; ++v) prefetch_to_l2(ahead + at + v * next);
-            const __m512i top = _mm512_loadu_si512(tile + at + 2 * next);
+              for (int64_t v = 0; v < 3; ++v) prefetch<kToL2>(ahead + at + v * next);
+            const F::I top = F::load_bytes(tile + at + 2 * next);
             for (int s = 0; s < 2; ++s) {
-              const __m512i words = _mm512_loadu_si512(tile + at + s * next);
+              const F::I words = F::load_bytes(tile + at + s * next);
               // bits 4-5 of the codes: planes 2s and 2s + 1 of the top byte
-              const __m512i top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
-              const __m512i top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
-              const __m512i low = _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits,
+              const F::I top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
+              const F::I top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
+              const F::I low = _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits,
                                                             0xF8);  // a | (b & c)
-              const __m512i high = _mm512_ternarylogic_epi32(
+              const F::I high = _mm512_ternarylogic_epi32(
                   _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles), top_high, top_bits, 0xF8);
               for (int m = 0; m < MT; ++m) {
                 const int8_t* q = xq + m * K + 32 * b + half + 16 * h + 8 * s;
-                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], low, broadcast4(q));
-                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], high, broadcast4(q + 4));
+                sums[m][p] = F::dot_u8s8(sums[m][p], low, broadcast4(q));
+                sums[m][p] = F::dot_u8s8(sums[m][p], high, broadcast4(q + 4));
               }
             }
           }
@@ -179,36 +177,36 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
         for (int64_t j = 0; j < V; ++j)
           for (int p = 0; p < NP; ++p) {
             const int64_t at = group + header * W + 64 * ((i * V + j) * W + first + p);
-            if (PREFETCH) prefetch_to_l2(ahead + at);
-            const __m512i words = _mm512_loadu_si512(tile + at);
+            if (PREFETCH) prefetch<kToL2>(ahead + at);
+            const F::I words = F::load_bytes(tile + at);
             if (BITS == 8) {
               for (int m = 0; m < MT; ++m)
-                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], words, broadcast4(xq + m * K + 32 * b + half + 4 * j));
+                sums[m][p] = F::dot_u8s8(sums[m][p], words, broadcast4(xq + m * K + 32 * b + half + 4 * j));
             } else {
-              const __m512i low = _mm512_and_si512(words, low_nibbles);
-              const __m512i high = _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles);
+              const F::I low = _mm512_and_si512(words, low_nibbles);
+              const F::I high = _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles);
               for (int m = 0; m < MT; ++m) {
                 const int8_t* q = xq + m * K + 32 * b + half + 8 * j;
-                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], low, broadcast4(q));
-                sums[m][p] = _mm512_dpbusd_epi32(sums[m][p], high, broadcast4(q + 4));
+                sums[m][p] = F::dot_u8s8(sums[m][p], low, broadcast4(q));
+                sums[m][p] = F::dot_u8s8(sums[m][p], high, broadcast4(q + 4));
               }
             }
           }
       }
       for (int m = 0; m < MT; ++m) {
-        const __m512 d = _mm512_set1_ps(dx[m * blocks + b]);
+        const F::V d = F::set1(dx[m * blocks + b]);
         for (int p = 0; p < NP; ++p)
-          acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m][p]), _mm512_mul_ps(scale[p], d), acc[m][p]);
+          acc[m][p] = F::fma(F::to_float(sums[m][p]), F::mul(scale[p], d), acc[m][p]);
       }
     }
   }
-  const __m512 factor = _mm512_set1_ps(a.factor);
+  const F::V factor = F::set1(a.factor);
   for (int p = 0; p < NP; ++p) {
     const int64_t n = (p0 + first + p) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n);
     if (valid <= 0) break;  // padding panels, at the end of the last part
     const __mmask16 mask = valid >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
     for (int m = 0; m < MT; ++m)
-      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n, mask, _mm512_mul_ps(acc[m][p], factor));
+      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n, mask, F::mul(acc[m][p], factor));
   }
 }
 
@@ -373,10 +371,3 @@ bool quant_panels_available() {
 }
 
 }  // namespace kvforge_cpu
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("quant_gemm_panels(Tensor x, Tensor weight, int bits, int out_features, float factor) -> Tensor");
-  m.def("quant_panels_available() -> bool", &kvforge_cpu::quant_panels_available);
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("quant_gemm_panels", &kvforge_cpu::quant_gemm_panels); }

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "ops.h"
 #include "paged_cache.h"
 
 namespace {
@@ -80,12 +81,12 @@ void attend_rows(const Rows& q, T* out, int64_t first, int64_t L, int64_t r0, in
   }
   for (int64_t t0 = 0; t0 < Lp; t0 += kLanes) {
     const float* kt = sc.kt.data() + t0 * Dp;
-    vec16 acc[RB] = {};
+    Vec::V acc[RB] = {};
     for (int64_t d = 0; d < Dp; ++d) {
-      const vec16 kd = load16(kt + d * kLanes);
+      const Vec::V kd = Vec::load(kt + d * kLanes);
       for (int rb = 0; rb < RB; ++rb) acc[rb] += qs[rb * Dp + d] * kd;
     }
-    for (int rb = 0; rb < RB; ++rb) store16(sc.s.data() + rb * Lp + t0, acc[rb]);
+    for (int rb = 0; rb < RB; ++rb) Vec::store(sc.s.data() + rb * Lp + t0, acc[rb]);
   }
   float inv_sum[RB];
   for (int rb = 0; rb < RB; ++rb) {
@@ -104,10 +105,10 @@ void attend_rows(const Rows& q, T* out, int64_t first, int64_t L, int64_t r0, in
   for (int64_t c0 = 0; c0 < chunks; c0 += kChunkBlock) {
     with_block<kChunkBlock>(chunks - c0, [&](auto chunk_block) {
       constexpr int CB = decltype(chunk_block)::value;
-      vec16 a[RB][CB] = {};
+      Vec::V a[RB][CB] = {};
       for (int64_t j = 0; j < L; ++j)
         for (int ch = 0; ch < CB; ++ch) {
-          const vec16 vj = load16(sc.v.data() + j * Dp + (c0 + ch) * kLanes);
+          const Vec::V vj = Vec::load(sc.v.data() + j * Dp + (c0 + ch) * kLanes);
           for (int rb = 0; rb < RB; ++rb) a[rb][ch] += sc.s[rb * Lp + j] * vj;
         }
       for (int rb = 0; rb < RB; ++rb) {
@@ -115,7 +116,7 @@ void attend_rows(const Rows& q, T* out, int64_t first, int64_t L, int64_t r0, in
         T* dst = out + ((first + r / group) * num_heads + kv_head * group + r % group) * D;
         float chunk[kLanes];
         for (int ch = 0; ch < CB; ++ch) {
-          store16(chunk, a[rb][ch] * inv_sum[rb]);
+          Vec::store(chunk, a[rb][ch] * inv_sum[rb]);
           const int64_t d0 = (c0 + ch) * kLanes, n = std::min<int64_t>(kLanes, D - d0);
           for (int64_t d = 0; d < n; ++d) dst[d0 + d] = static_cast<T>(chunk[d]);
         }
@@ -167,7 +168,7 @@ Rows rows_of(const at::Tensor& t, const at::Tensor& query, const char* name) {
 // query [T, H, D], key and value [T, Hkv, D] (row strides free, each row's heads contiguous), query_start_loc
 // [S + 1] int64: sequence s is rows query_start_loc[s] .. query_start_loc[s + 1]. Returns [T, H, D] contiguous in
 // the query dtype: each query attended over its sequence's keys (causal: those up to it).
-at::Tensor varlen_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor query_start_loc,
+at::Tensor kvforge_cpu::varlen_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor query_start_loc,
                             double scale, bool causal) {
   const Rows q = rows_of(query, query, "query"), k = rows_of(key, query, "key"), v = rows_of(value, query, "value");
   TORCH_CHECK(key.sizes() == value.sizes() && query.size(1) % key.size(1) == 0,
@@ -188,10 +189,3 @@ at::Tensor varlen_attention(at::Tensor query, at::Tensor key, at::Tensor value, 
   });
   return out;
 }
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("varlen_attention(Tensor query, Tensor key, Tensor value, Tensor query_start_loc, float scale, "
-        "bool causal) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("varlen_attention", &varlen_attention); }
