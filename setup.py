@@ -70,7 +70,7 @@ def _extensions() -> list[CppExtension]:
     sources = [str(path.relative_to(ROOT)) for path in builds.sources(generated)]
     headers = [str(path.relative_to(ROOT)) for path in [*sorted(builds.CSRC.glob("*.h")), generated / "ops.h"]]
     return [CppExtension(f"{CPU_PACKAGE}.{variant.module_name(digest)}", sources, depends=headers,
-                         include_dirs=[str(generated.relative_to(ROOT))],
+                         include_dirs=[str(generated)],  # NOTE: absolute: ninja compiles in build_temp
                          extra_compile_args=[*builds.COMMON_FLAGS, *variant.march_flags],
                          extra_link_args=list(builds.LINK_FLAGS))
             for variant in variants]

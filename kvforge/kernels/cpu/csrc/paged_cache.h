@@ -141,10 +141,9 @@ inline void walk_tiles(const Paged<C>& c, const C* cache, const int32_t* table, 
   for (int64_t b0 = t_begin, b1; b0 < t_end; b0 = b1) {
     const int64_t block = b0 / bs, slot0 = static_cast<int64_t>(table[block]) * bs;
     b1 = std::min((block + 1) * bs, t_end);
-    if (b1 < t_end) {
-      const C* next = cache + static_cast<int64_t>(table[block + 1]) * bs * stride + kv_head * D;
-      for (int64_t r = 0; r < std::min(bs, t_end - b1); ++r) prefetch_bytes<kToL2>(next + r * stride, D * sizeof(C));
-    }
+    if (b1 < t_end)
+      prefetch_rows<kToL2>(cache + static_cast<int64_t>(table[block + 1]) * bs * stride + kv_head * D,
+                           std::min(bs, t_end - b1), stride * static_cast<int64_t>(sizeof(C)), D * sizeof(C));
     for (int64_t t0 = b0; t0 < b1; t0 += kLanes) {
       const int64_t n = std::min(kLanes, b1 - t0), slot = slot0 + t0 - block * bs;
       int64_t tile_stride;

@@ -27,8 +27,10 @@ constexpr int64_t kPrefetchTiles = 2;
 
 // The scales and offsets of weight rows [n, n + rows), G groups a row.
 inline void prefetch_factors(const float* scales, const float* offsets, int64_t G, int64_t n, int64_t rows) {
-  prefetch_bytes(scales + n * G, rows * G * static_cast<int64_t>(sizeof(float)));
-  prefetch_bytes(offsets + n * G, rows * G * static_cast<int64_t>(sizeof(float)));
+  for (int64_t i = n * G; i < (n + rows) * G; i += kCacheLine / static_cast<int64_t>(sizeof(float))) {
+    prefetch(scales + i);
+    prefetch(offsets + i);
+  }
 }
 
 template <int BITS>

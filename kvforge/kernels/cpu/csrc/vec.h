@@ -11,8 +11,8 @@
 //   Avx2      AVX2 + FMA (x86-64-v3, with F16C): 8 floats in a ymm.
 //   Avx512    AVX-512F (+ VNNI for the int8 dot product): 16 floats in a zmm.
 //
-// Loads and stores are unaligned (rows need no alignment). Prefetching, for every build: prefetch<Locality>(p), and
-// prefetch_bytes for the lines of a range.
+// Loads and stores are unaligned (rows need no alignment). Prefetching, for every build: prefetch<Locality>(p) for a
+// line, prefetch_rows for the lines of strided rows.
 #pragma once
 
 #include <cstdint>
@@ -34,11 +34,12 @@ constexpr int kToL1 = 3, kToL2 = 2;
 template <int Locality = kToL1>
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, Locality); }
 
-// The lines of bytes [p, p + bytes).
+// The lines of `rows` rows of row_bytes bytes each, stride_bytes apart, from `first`.
 template <int Locality = kToL1>
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += kCacheLine) prefetch<Locality>(c + b);
+inline void prefetch_rows(const void* first, int64_t rows, int64_t stride_bytes, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r, p += stride_bytes)
+    for (int64_t b = 0; b < row_bytes; b += kCacheLine) prefetch<Locality>(p + b);
 }
 
 // ---- Lanes16 (every build) ------------------------------------------------------------------------------------
