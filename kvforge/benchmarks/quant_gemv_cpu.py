@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.executor.decode_graphs import CPP_WRAPPER_MAX_BATCH, inductor_options
-from kvforge.kernels.cpu import packed_gemm
+from kvforge.kernels.cpu import builds, packed_gemm
 from kvforge.kernels.cpu.dense_gemv import ONEDNN, pack_for_onednn
 from kvforge.kernels.cpu.extension import CSRC, cpu_kernels
 from kvforge.kernels.cpu.quant_gemv import native_kernels_available, pack_weight, quant_linear_cpu
@@ -55,7 +55,8 @@ LM_HEAD = (49152, 576)
 NUM_LAYERS = 30
 
 
-# NOTE: compiled after the kernels' declarations (csrc/ops.h), whose text thereby joins the build's cache key
+# NOTE: compiled after the kernels' declarations (the generated ops.h: builds.py), whose text thereby joins the build's
+# cache key
 _FROM_CPP = r"""
 #include <ATen/Parallel.h>
 
@@ -106,7 +107,7 @@ def _from_cpp() -> types.ModuleType:
     (whose symbols it resolves when loaded; needs cpu_kernels())."""
     from torch.utils.cpp_extension import load_inline
 
-    source = (CSRC / "ops.h").read_text() + _FROM_CPP
+    source = builds.generated_sources()["ops.h"] + _FROM_CPP
     # NOTE: named by the source and its checkout, as the extension (extension.py): two checkouts' benches never load
     # (or rebuild over) each other's module
     digest = hashlib.sha256(f"{CSRC}\n{source}".encode()).hexdigest()[:12]

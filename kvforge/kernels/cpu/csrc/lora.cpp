@@ -11,15 +11,17 @@
 //   y      [T, N]        the columns of matrix m start at N_0 + ... + N_{m-1}
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <vector>
 
-#include "vec16.h"
+#include "ops.h"
+#include "vec.h"
 
 namespace kvforge_cpu {
 namespace {
 
+using Vec = Lanes16;
+constexpr int64_t kLanes = Vec::kWidth;
 constexpr int64_t kRows = 4;  // rows of one adapter per task (4 accumulators: registers to spare on AVX2)
 
 struct LoRATask {
@@ -28,26 +30,20 @@ struct LoRATask {
   int64_t count;  // <= kRows
 };
 
-inline float sum_lanes(vec16 v) {
-  float sum = 0.0f;
-  for (int i = 0; i < kLanes; ++i) sum += v[i];
-  return sum;
-}
-
 // h[i, w] = x[rows[i]] . a[w] for the task's rows (n of them) and every w < W
 void shrink(const float* x, int64_t K, const float* a, int64_t W, const int64_t* rows, int64_t n, float* h) {
   const float* xr[kRows];
   for (int64_t i = 0; i < n; ++i) xr[i] = x + rows[i] * K;
   for (int64_t w = 0; w < W; ++w) {
     const float* aw = a + w * K;
-    vec16 acc[kRows] = {};
+    Vec::V acc[kRows] = {};
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) {
-      const vec16 av = load16(aw + k);
-      for (int64_t i = 0; i < n; ++i) acc[i] += av * load16(xr[i] + k);
+      const Vec::V av = Vec::load(aw + k);
+      for (int64_t i = 0; i < n; ++i) acc[i] += av * Vec::load(xr[i] + k);
     }
     for (int64_t i = 0; i < n; ++i) {
-      float sum = sum_lanes(acc[i]);
+      float sum = Vec::sum(acc[i]);
       for (int64_t j = k; j < K; ++j) sum += aw[j] * xr[i][j];
       h[i * W + w] = sum;
     }
@@ -61,13 +57,13 @@ void expand(const float* h, int64_t W, const float* bt, int64_t R, int64_t N, fl
   for (int64_t i = 0; i < n; ++i) yr[i] = y + rows[i] * stride_y;
   int64_t c = 0;
   for (; c + kLanes <= N; c += kLanes) {
-    vec16 acc[kRows];
-    for (int64_t i = 0; i < n; ++i) acc[i] = load16(yr[i] + c);
+    Vec::V acc[kRows];
+    for (int64_t i = 0; i < n; ++i) acc[i] = Vec::load(yr[i] + c);
     for (int64_t r = 0; r < R; ++r) {
-      const vec16 bv = load16(bt + r * N + c);
+      const Vec::V bv = Vec::load(bt + r * N + c);
       for (int64_t i = 0; i < n; ++i) acc[i] += h[i * W + r] * bv;
     }
-    for (int64_t i = 0; i < n; ++i) store16(yr[i] + c, acc[i]);
+    for (int64_t i = 0; i < n; ++i) Vec::store(yr[i] + c, acc[i]);
   }
   for (; c < N; ++c)
     for (int64_t i = 0; i < n; ++i) {
@@ -81,7 +77,7 @@ void expand(const float* h, int64_t W, const float* bt, int64_t R, int64_t N, fl
 
 // y [T, N] float32 (rows contiguous, updated in place), x [T, K], a [S, M * R, K], bt: M tensors [S, R, N_m]
 // (sum N_m = N), slots [T] int64 (-1: none); all float32 contiguous except y's row stride.
-void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::TensorList bt, const at::Tensor& slots) {
+void lora_apply(at::Tensor y, at::Tensor x, at::Tensor a, std::vector<at::Tensor> bt, at::Tensor slots) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat,
               "lora_apply: x, a and y must be float32");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && a.dim() == 3 && a.is_contiguous() && a.size(2) == x.size(1),
@@ -140,9 +136,3 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::Tens
 }
 
 }  // namespace kvforge_cpu
-
-TORCH_LIBRARY_FRAGMENT(kvforge_cpu, m) {
-  m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor[] bt, Tensor slots) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) { m.impl("lora_apply", &kvforge_cpu::lora_apply); }

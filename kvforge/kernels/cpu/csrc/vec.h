@@ -6,7 +6,7 @@
 // format (unpacking a block's codes, say) stays in that kernel, in its section's instructions.
 //
 //   Lanes16   every build: 16 floats as a GCC vector, lowered to the registers -march gives (one zmm with AVX-512,
-//             two ymm with AVX2); arithmetic and comparisons by operators. The attention kernels and argmax.
+//             two ymm with AVX2); arithmetic and comparisons by operators. The attention kernels, argmax and LoRA.
 //   Scalar8   every build: 8 floats in an array, loops the compiler may vectorize; the portable build's GEMV.
 //   Avx2      AVX2 + FMA (x86-64-v3, with F16C): 8 floats in a ymm.
 //   Avx512    AVX-512F (+ VNNI for the int8 dot product): 16 floats in a zmm.
@@ -55,6 +55,12 @@ struct Lanes16 {
     return v;
   }
   static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+  // The sum of the 16 lanes, first to last.
+  static float sum(V v) {
+    float s = 0.f;
+    for (int i = 0; i < 16; ++i) s += v[i];
+    return s;
+  }
 };
 
 // ---- Scalar8 (every build) ------------------------------------------------------------------------------------
