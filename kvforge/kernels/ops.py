@@ -31,6 +31,7 @@ from kvforge.kernels.causal_conv1d import causal_conv1d_ref, causal_conv1d_trito
 from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.kernels.cpu.layer_ops import (
     fused_add_rms_norm_cpu,
+    layer_norm_cpu,
     rms_norm_cpu,
     rotary_embedding_cpu,
     silu_and_mul_cpu,
@@ -45,6 +46,7 @@ from kvforge.kernels.gated_delta_rule import (
     gated_delta_prefill_triton,
 )
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton
+from kvforge.kernels.layer_norm import layer_norm_ref
 from kvforge.kernels.lora import lora_expand_cpu, lora_expand_triton, lora_shrink_cpu, lora_shrink_triton
 from kvforge.kernels.mla_decode import mla_decode_ref, mla_decode_triton
 from kvforge.kernels.moe_lora import ExpertLoRA
@@ -326,6 +328,7 @@ class OpTable:
     traces: bool  # torch.compile traces every op (no host sync inside): the decode step can be compiled
     rms_norm: Callable[..., Tensor]
     fused_add_rms_norm: Callable[..., tuple[Tensor, Tensor]]
+    layer_norm: Callable[..., Tensor]  # the reference on GPUs, where torch.compile fuses it
     rotary_embedding: Callable[..., tuple[Tensor, Tensor]]
     silu_and_mul: Callable[..., Tensor]
     reshape_and_cache: Callable[..., None]
@@ -363,6 +366,7 @@ TORCH_OPS = OpTable(
     traces=False,
     rms_norm=rms_norm_ref,
     fused_add_rms_norm=fused_add_rms_norm_ref,
+    layer_norm=layer_norm_ref,
     rotary_embedding=rotary_embedding_ref,
     silu_and_mul=silu_and_mul_ref,
     reshape_and_cache=reshape_and_cache_ref,
@@ -384,6 +388,7 @@ TRITON_OPS = OpTable(  # unbound: its launches read the current platform (bound 
     traces=True,
     rms_norm=torch.ops.kvforge.rms_norm,
     fused_add_rms_norm=torch.ops.kvforge.fused_add_rms_norm,
+    layer_norm=layer_norm_ref,
     rotary_embedding=torch.ops.kvforge.rotary_embedding,
     silu_and_mul=torch.ops.kvforge.silu_and_mul,
     reshape_and_cache=torch.ops.kvforge.reshape_and_cache,
@@ -411,7 +416,8 @@ def _cpu_ops() -> OpTable:
         return TORCH_OPS
     return dataclasses.replace(TORCH_OPS, traces=True, reshape_and_cache=reshape_and_cache_cpu,
                                paged_decode=_paged_decode_cpu, rms_norm=rms_norm_cpu,
-                               fused_add_rms_norm=fused_add_rms_norm_cpu, rotary_embedding=rotary_embedding_cpu,
+                               fused_add_rms_norm=fused_add_rms_norm_cpu, layer_norm=layer_norm_cpu,
+                               rotary_embedding=rotary_embedding_cpu,
                                silu_and_mul=silu_and_mul_cpu, lora_fused=lora_fused_cpu)
 
 

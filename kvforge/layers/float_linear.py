@@ -38,14 +38,13 @@ class FloatKernel(KernelModule):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias, self.dense_gemv, self.onednn_weight)
 
-    def apply_fused(self, x: torch.Tensor, activation: str | None,
-                    residual: torch.Tensor | None) -> torch.Tensor | None:
-        """activation(apply(x)) or apply(x) + residual in one oneDNN call, where oneDNN multiplies x's rows (float32,
-        more than the GEMV's, eager); None elsewhere."""
+    def apply_fused(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """activation(apply(x)) in one oneDNN call, where oneDNN multiplies x's rows (float32, more than the GEMV's,
+        eager); None elsewhere."""
         if (self.onednn_weight is None or x.dim() != 2 or x.dtype != torch.float32
                 or x.shape[0] <= DENSE_GEMV_MAX_TOKENS or torch.compiler.is_dynamo_compiling()):
             return None
-        return onednn_linear_fused(x, self.onednn_weight, self.bias, activation, residual)
+        return onednn_linear_fused(x, self.onednn_weight, self.bias, activation)
 
 
 class FloatFormat:

@@ -101,19 +101,15 @@ class Linear(nn.Module):
             y = self.kernel.apply(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         return y if self.lora is None else self.lora(x, y)  # NOTE: before a row-parallel layer's all-reduce
 
-    def forward_fused(self, x: torch.Tensor, activation: str | None = None,
-                      residual: torch.Tensor | None = None) -> torch.Tensor:
-        """FUSED_ACTIVATIONS[activation](self(x)), or self(x) + residual (x [num_tokens, in_features]): in one pass
-        where the kernel fuses it into the multiply (float32 rows through oneDNN: float_linear.py), else in steps."""
-        if (activation is None) == (residual is None):
-            raise ValueError("forward_fused takes an activation or a residual, one of them")
+    def forward_fused(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """FUSED_ACTIVATIONS[activation](self(x)) (x [num_tokens, in_features]): in one pass where the kernel fuses it
+        into the multiply (float32 rows through oneDNN: float_linear.py), else in two."""
         fused = getattr(self.kernel, "apply_fused", None)
         if fused is not None and self.lora is None:
-            out = fused(x, activation, residual)
+            out = fused(x, activation)
             if out is not None:
                 return out
-        y = self(x)
-        return y + residual if activation is None else FUSED_ACTIVATIONS[activation](y)
+        return FUSED_ACTIVATIONS[activation](self(x))
 
 
 # The activations Linear.forward_fused applies, by name (the CPU's oneDNN post-ops: kernels/cpu/dense_gemv.py).

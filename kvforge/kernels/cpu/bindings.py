@@ -98,6 +98,10 @@ OPS = (
     Op("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", lambda a: like(a.x)),
     Op("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
        lambda a: (like(a.x), like(a.x))),
+    # layer_norm.cpp (layer_ops.py): LayerNorm(x + residual) of the encoders' post-norm layers; its scalar loop (tests)
+    Op("layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps) -> Tensor", lambda a: like(a.x)),
+    Op("layer_norm_scalar(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps) -> Tensor",
+       lambda a: like(a.x)),
     Op("silu_and_mul(Tensor x) -> Tensor", lambda a: new(a.x, a.x.shape[0], a.x.shape[1] // 2)),
     Op("rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, bool is_neox) "
        "-> (Tensor, Tensor)", lambda a: (new(a.query, *a.query.shape), new(a.key, *a.key.shape))),

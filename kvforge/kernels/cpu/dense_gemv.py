@@ -57,13 +57,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 ONEDNN_ACTIVATIONS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", None)}
 
 
-def onednn_linear_fused(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-                        residual: torch.Tensor | None) -> torch.Tensor:
-    """activation(x W^T + b), or x W^T + b + residual, in one oneDNN call on the packed weight: the post-op is
-    applied to each output block while it is in cache, instead of in another pass over the whole output.
+def onednn_linear_fused(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                        activation: str) -> torch.Tensor:
+    """activation(x W^T + b) in one oneDNN call on the packed weight: the post-op is applied to each output block
+    while it is in cache, instead of in another pass over the whole output.
     NOTE: mkldnn::_linear_pointwise itself, not the opaque onednn_linear: only eager steps call this."""
-    if residual is not None:
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
     attr, algorithm = ONEDNN_ACTIVATIONS[activation]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, [], algorithm)
 
