@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The same benchmarks at two commits, side by side on one quiet machine: single-stream decode (kvforge bench latency,
-# 128 + 128 tokens) and 64 streams (kvforge bench throughput, 128 + 128), for the default GGUF file kept quantized,
-# float32, and float32 quantized at load time (w8a16, w4a16, w8a8, fp8; FORMATS="gguf" picks some), then the host
-# time of a 64-stream decode step (kvforge profile, eager). The two commits take turns, twice, so a drift of the
-# machine shows as a difference between the rounds, not between the commits. Prints a table of medians at the end.
+# The same benchmarks at two commits, side by side on one quiet machine: greedy tokens, single-stream decode (kvforge
+# bench latency, 128 + 128 tokens) and 64 streams (kvforge bench throughput, 128 + 128), for the default GGUF file
+# kept quantized, float32, and float32 quantized at load time (w8a16, w4a16, w8a8, fp8; FORMATS="gguf" picks some),
+# then the host time of a 64-stream decode step (kvforge profile, eager). The two commits take turns, twice, so a
+# drift of the machine shows as a difference between the rounds, not between the commits. Prints a table of
+# medians at the end.
 # Usage: [FORMATS="gguf float32 ..."] bash scripts/bench_before_after.sh [BEFORE_REV (default main)]
 #        [AFTER_REV (default HEAD)] [OUT_DIR]
 set -euo pipefail
@@ -29,8 +30,9 @@ outputs = LLM(kv_cache_memory="256MiB", **kwargs).generate(
     SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
 print(json.dumps([o.outputs[0].token_ids for o in outputs]))'
 rm -f "$out"/*_greedy.txt
-for kwargs in '{}' '{"dtype": "float32"}' '{"quantization": "w8a16"}' '{"quantization": "w4a16"}' \
-              '{"quantization": "w8a8"}' '{"quantization": "fp8"}'; do
+formats=${FORMATS:-gguf float32 w8a16 w4a16 w8a8 fp8}
+for tag in $formats; do
+  kwargs=$([ "$tag" = float32 ] && echo '{"dtype": "float32"}' || echo "{\"quantization\": \"$tag\"}")
   for name in before after; do
     (cd "$out/tree_$name" && PYTHONPATH=$PWD "$python" -c "$greedy" "$kwargs") > "$out/${name}_greedy.txt.part"
     echo "$kwargs $(cat "$out/${name}_greedy.txt.part")" >> "$out/${name}_greedy.txt"
@@ -40,7 +42,7 @@ rm -f "$out"/*_greedy.txt.part
 if cmp -s "$out/before_greedy.txt" "$out/after_greedy.txt"; then echo "greedy tokens: the same"; else
   echo "greedy tokens DIFFER:"; diff "$out/before_greedy.txt" "$out/after_greedy.txt" || true; fi
 for round in 1 2; do
-  for tag in ${FORMATS:-gguf float32 w8a16 w4a16 w8a8 fp8}; do
+  for tag in $formats; do
     format=$([ "$tag" = float32 ] && echo "--dtype float32" || echo "--quantization $tag")
     for name in before after; do
       dir="$out/tree_$name"
