@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -55,27 +54,18 @@ def _movable(tensor: torch.Tensor) -> bool:
             and tensor.untyped_storage().nbytes() == tensor.nbytes)
 
 
-def smaps_mappings() -> Iterator[tuple[int, int, list[str]]]:
-    """This process's memory mappings as /proc/self/smaps lists them: (start, end, the lines after the first)."""
-    start = end = 0
-    lines: list[str] | None = None
+def huge_page_bytes(address: int, length: int) -> int:
+    """Bytes in huge pages now of the memory mappings that overlap [address, address + length) (/proc/self/smaps)."""
+    total = 0
+    inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split(maxsplit=1)[0]
         if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
-            if lines is not None:
-                yield start, end, lines
             start, end = (int(bound, 16) for bound in head.split("-"))
-            lines = []
-        elif lines is not None:
-            lines.append(line)
-    if lines is not None:
-        yield start, end, lines
-
-
-def huge_page_bytes(address: int, length: int) -> int:
-    """Bytes in huge pages now of the memory mappings that overlap [address, address + length) (/proc/self/smaps)."""
-    return sum(int(line.split()[1]) * 1024 for start, end, lines in smaps_mappings()
-               if start < address + length and address < end for line in lines if line.startswith("AnonHugePages:"))
+            inside = start < address + length and address < end
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 def huge_page_arena(nbytes: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ allocated them."""
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from kvforge.loader.huge_pages import (
     huge_page_bytes,
     huge_pages_offered,
     move_to_huge_pages,
-    smaps_mappings,
 )
 from tests.tiny_models import assert_logits_match, save_model
 
@@ -87,11 +87,18 @@ def test_engine_weights_in_huge_pages_match_transformers(tiny_llama) -> None:
 
 
 def _mappings_marked_for_huge_pages(tensors: list[torch.Tensor]) -> list[str]:
-    """The mappings ("start-end" and their smaps lines) that hold any of the tensors and were marked MADV_HUGEPAGE
-    ("hg" in VmFlags)."""
-    return [f"{start:x}-{end:x}\n" + "\n".join(lines) for start, end, lines in smaps_mappings()
-            if any(start < t.data_ptr() + t.nbytes and t.data_ptr() < end for t in tensors)
-            and any(line.startswith("VmFlags:") and " hg" in line for line in lines)]
+    """The /proc/self/smaps entries that hold any of the tensors and were marked MADV_HUGEPAGE ("hg" in VmFlags)."""
+    marked, entry, holds = [], [], False
+    for line in [*Path("/proc/self/smaps").read_text().splitlines(), "0-0 end"]:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+            if holds and any(row.startswith("VmFlags:") and " hg" in row for row in entry):
+                marked.append("\n".join(entry))
+            start, end = (int(bound, 16) for bound in head.split("-"))
+            holds = any(start < t.data_ptr() + t.nbytes and t.data_ptr() < end for t in tensors)
+            entry = []
+        entry.append(line)
+    return marked
 
 
 def test_no_huge_pages_leaves_the_weights_where_torch_put_them(tiny_llama) -> None:
@@ -101,7 +108,6 @@ def test_no_huge_pages_leaves_the_weights_where_torch_put_them(tiny_llama) -> No
     llm = LLM(str(folder), kv_cache_memory="16MiB", huge_pages=False, kv_cache_dtype="float32")
     assert_logits_match(llm, reference, PROMPTS)
     tensors = _tensors(llm.engine.runner.model)
-    marked = _mappings_marked_for_huge_pages(tensors)
-    assert not marked, marked
+    assert not _mappings_marked_for_huge_pages(tensors), _mappings_marked_for_huge_pages(tensors)
     on = LLM(str(folder), kv_cache_memory="16MiB", kv_cache_dtype="float32")  # the same check sees the arena
     assert _mappings_marked_for_huge_pages(_tensors(on.engine.runner.model))
