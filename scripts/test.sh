@@ -23,6 +23,6 @@ if [ $# -gt 0 ]; then
   exit $?
 fi
 status=0
-run --ignore=tests/profiler || status=$?
+run --ignore=tests/profiler --durations=20 || status=$?
 run tests/profiler || status=$?
 exit "$status"

@@ -60,8 +60,11 @@ def test_a_wheel_runs_the_default_model_on_the_kernels_it_came_with(tmp_path: Pa
         f"{sys.executable} -m venv {venv} && {python} -m pip install -q torch=={torch.__version__}", shell=True,
         env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        # NOTE: this venv's tools first on PATH, as scripts/setup.sh has them: with another `ninja` (its build log
+        # does not match) the build compiles every object again instead of reusing build/kernels'
+        tools = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", dist, ROOT,
-             env=_clean_env(KVFORGE_CPU_VARIANTS="host"), timeout=1200)
+             env=_clean_env(KVFORGE_CPU_VARIANTS="host", PATH=tools), timeout=1200)
     finally:
         venv_log = make_venv.communicate(timeout=600)[0]
     assert make_venv.returncode == 0, venv_log
