@@ -9,8 +9,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from kvforge.kernels.ops import op_table
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton, quantize_per_token_ref
+from kvforge.kernels.ops import op_table
 from kvforge.kernels.quant_gemm import pack_codes, quant_gemm_ref, quant_gemm_triton, unpack_codes
 from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS, decode_blocks
 from kvforge.quantization.quantized_weight import RowShards
