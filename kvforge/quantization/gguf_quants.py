@@ -37,14 +37,15 @@ GGUF_TENSORS = {"codes": torch.uint8, "scales": torch.float32, "zeros": torch.fl
 
 class GGUFMethod(WeightOnlyMethod):
     """A Linear whose checkpoint shards are all kept GGUF blocks: it loads their codes [N, K], scales
-    [N, K / group_size] and zero points [N, K / group_size]. bits is the widest of the shards' codes (narrower
-    codes fit, as they are, in a wider layer: 4 in 6 or 8, 6 in 8); group_size is the smallest of the shards' (16 or
-    32): a shard in groups of 32 repeats each scale and zero point for the two halves of its groups. A merged layer
-    (q, k, v; gate, up) keeps its shards' tensors as they are, RowShards, for the kernel to pack without a copy of
-    them into one tensor; one GGUFMethod per layer (keep_gguf_quantized gives each its own)."""
+    [N, K / group_size] and zero points [N, K / group_size]. bits is the widest of the shards' codes, group_size the
+    smallest of the shards' groups (16 or 32): the layer's shape. A merged layer (q, k, v; gate, up) keeps its shards'
+    tensors as they are, RowShards, each in its own width (shard_bits, one per shard; default: all `bits`), so that
+    the kernel packs them without a copy into one tensor, and shards of different widths or groups (a Q4_K_M file's
+    Q4_K q and k beside a Q6_K v) get a kernel per run of them (shard_runs.py) rather than the widest codes in the
+    narrowest groups; one GGUFMethod per layer (keep_gguf_quantized gives each its own)."""
 
-    def __init__(self, bits: int, group_size: int = GGUF_GROUP_SIZE) -> None:
-        self.bits, self.group_size = bits, group_size
+    def __init__(self, bits: int, group_size: int = GGUF_GROUP_SIZE, shard_bits: tuple[int, ...] = ()) -> None:
+        self.bits, self.group_size, self.shard_bits = bits, group_size, shard_bits
         self._shards: dict[tuple[str, int], torch.Tensor] = {}  # (tensor name, shard) -> a merged layer's tensor
 
     def create_weights(self, layer: Linear) -> None:
@@ -81,7 +82,8 @@ class GGUFMethod(WeightOnlyMethod):
     def to_quantized_weight(self, layer: Linear) -> QuantizedWeight | RowShards:
         if len(layer.shard_sizes) == 1:
             return QuantizedWeight(layer.codes.data, layer.scales.data, layer.zeros.data, self.bits)
-        shards = [QuantizedWeight(*(self._shards.pop((name, shard)) for name in GGUF_TENSORS), self.bits)
+        bits = self.shard_bits or (self.bits,) * len(layer.shard_sizes)
+        shards = [QuantizedWeight(*(self._shards.pop((name, shard)) for name in GGUF_TENSORS), bits[shard])
                   for shard in range(len(layer.shard_sizes))]
         return RowShards(shards, self.bits, self.group_size)
 
@@ -115,9 +117,9 @@ def keep_gguf_quantized(
         layer = linears.get(layer_name)
         if layer is None or len(shards) != len(layer.shard_sizes):
             continue
-        shard_layouts = [layouts[name] for name in shards.values()]
-        bits, group_size = max(lay.bits for lay in shard_layouts), min(lay.group_size for lay in shard_layouts)
-        layer.set_format(GGUFMethod(bits, group_size))
+        shard_bits = tuple(layouts[shards[shard]].bits for shard in range(len(shards)))
+        group_size = min(layouts[name].group_size for name in shards.values())
+        layer.set_format(GGUFMethod(max(shard_bits), group_size, shard_bits))
         kept_names.update(shards.values())
     if len(kept_names) < len(layouts):
         logger.info("%d GGUF tensors share a layer with float ones and are dequantized",

@@ -9,7 +9,8 @@ A format owns a Linear's weight from construction to its kernel:
 
 Weight-only formats end in the same runtime whatever the checkpoint format: a QuantizedWeight handed to
 `select_kernel`, which picks the fastest kernel object for the layer's device once
-(quantization/weight_only_kernels.py).
+(quantization/weight_only_kernels.py; a merged layer's shards of different widths get one per run of them,
+quantization/shard_runs.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 
 from kvforge.kernels.ops import current_ops
 from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards, quantize_rtn
-from kvforge.quantization.weight_only_kernels import WeightOnlyKernel, select_kernel
+from kvforge.quantization.shard_runs import ShardRunsKernel, select_merged_kernel
+from kvforge.quantization.weight_only_kernels import WeightOnlyKernel
 
 if TYPE_CHECKING:
     from kvforge.layers.linear import Linear
@@ -53,13 +55,13 @@ class WeightOnlyMethod(LinearMethod):
     def to_quantized_weight(self, layer: Linear) -> QuantizedWeight | RowShards:
         raise NotImplementedError
 
-    def prepare_kernel(self, layer: Linear) -> WeightOnlyKernel:
-        """The fastest kernel for the layer's device, holding the weight in its layout; the checkpoint's tensors
-        are dropped."""
+    def prepare_kernel(self, layer: Linear) -> WeightOnlyKernel | ShardRunsKernel:
+        """The fastest kernel for the layer's device, holding the weight in its layout (a merged layer whose shards
+        differ in width: one per run of them, quantization/shard_runs.py); the checkpoint's tensors are dropped."""
         weight = self.to_quantized_weight(layer)
         drop_parameters(layer, *[name for name, _ in layer.named_parameters(recurse=False) if name != "bias"])
-        return select_kernel(weight, layer.param_device, layer.param_dtype, current_ops(), arena=layer.weight_arena,
-                             bias=layer.bias)
+        return select_merged_kernel(weight, layer.param_device, layer.param_dtype, current_ops(),
+                                    arena=layer.weight_arena, bias=layer.bias)
 
 
 class RTNMethod(WeightOnlyMethod):

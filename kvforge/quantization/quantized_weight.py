@@ -70,6 +70,18 @@ class RowShards:
                                torch.empty(groups, dtype=torch.float32, device="meta"),
                                torch.empty(groups, dtype=torch.float32, device="meta"), self.bits)
 
+    def runs(self) -> list[QuantizedWeight | RowShards]:
+        """The shards in runs of the same bits and group size, in order: a run of one shard as its QuantizedWeight,
+        a longer one as RowShards of its own bits and groups (a merged layer's kernel per run, quantization/
+        shard_runs.py, reads each shard in its own width rather than the widest one's)."""
+        runs: list[list[QuantizedWeight]] = []
+        for shard in self.shards:
+            if runs and (runs[-1][0].bits, runs[-1][0].group_size) == (shard.bits, shard.group_size):
+                runs[-1].append(shard)
+            else:
+                runs.append([shard])
+        return [run[0] if len(run) == 1 else RowShards(run, run[0].bits, run[0].group_size) for run in runs]
+
     def stacked(self) -> QuantizedWeight:
         """The one QuantizedWeight [sum N_s, K] in groups of group_size (a copy)."""
         def stack(name: str) -> torch.Tensor:

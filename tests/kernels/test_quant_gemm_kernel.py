@@ -10,8 +10,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from kvforge.kernels.int8_gemm import int8_gemm_ref, int8_gemm_triton, quantize_per_token_ref
+from kvforge.kernels.ops import op_table
 from kvforge.kernels.quant_gemm import pack_codes, quant_gemm_ref, quant_gemm_triton, unpack_codes
 from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS, decode_blocks
+from kvforge.quantization.quantized_weight import RowShards
+from kvforge.quantization.shard_runs import select_merged_kernel
+from tests.quantization.test_gguf_quants import MIXED_IN, MIXED_ROWS, MIXED_SHARDS, mixed_shards
 
 # Byte offsets of the float16 d / dmin fields of each GGUF block type (the rest of a random block is any bytes).
 GGUF_SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,),
@@ -93,3 +97,18 @@ def test_gguf_blocks_through_the_generic_kernel_match_gguf(device: torch.device,
                             weight.zeros.to(device), weight.bits)
     expected = x @ reference.t()
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_merged_layer_of_mixed_gguf_types_through_the_triton_kernels(device: torch.device) -> None:
+    """A Q4_K_M file's q, k (Q4_K) and v (Q6_K) in one merged layer on the Triton op table: a generic kernel per width
+    (q and k in 4-bit codes, v in 8-bit ones, not all three in 8), equal to the `gguf` package's dequantization
+    followed by a float matmul."""
+    blocks = mixed_shards(0)
+    weights = [decode_blocks(data, q, (MIXED_ROWS, MIXED_IN)) for data, q in zip(blocks, MIXED_SHARDS)]
+    kernel = select_merged_kernel(RowShards(weights, 6, 16), device, torch.float32, op_table("triton"))
+    assert [run.bits for run in kernel.runs] == [4, 8]
+    reference = torch.from_numpy(np.concatenate([dequantize(d, q) for d, q in zip(blocks, MIXED_SHARDS)]))
+    x = torch.randn(3, MIXED_IN)
+    expected = x @ reference.t()
+    got = kernel.apply(x.to(device)).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -17,6 +17,7 @@ from kvforge.quantization.gguf_quants import GGUFMethod
 from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards
 from kvforge.quantization.weight_only_kernels import select_kernel
 from tests.kernels.cpu.test_quant_gemv_cpu import native_layer_input
+from tests.loader.test_gguf import random_blocks
 
 KEPT = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 
@@ -116,6 +117,58 @@ def test_shards_in_groups_of_32_and_16_stack_to_the_same_weight() -> None:
     as_shards = select_kernel(RowShards(shards, bits=6, group_size=16), torch.device("cpu"), torch.float32, TORCH_OPS)
     as_one = select_kernel(stacked, torch.device("cpu"), torch.float32, TORCH_OPS)
     assert as_shards.name == as_one.name and torch.equal(as_shards.apply(x), as_one.apply(x))
+
+
+# A Q4_K_M file's attention: q and k Q4_K (4-bit codes in groups of 32), v Q6_K (6-bit codes in groups of 16); each
+# 256 rows, 16 panels of the CPU panel layout, which any thread count up to 16 splits without padding rows.
+MIXED_SHARDS = [Q.Q4_K, Q.Q4_K, Q.Q6_K]
+MIXED_ROWS, MIXED_IN = 256, 256
+
+
+def mixed_shards(seed: int) -> list[np.ndarray]:
+    """Random blocks of MIXED_SHARDS (the gguf package quantizes no K-quant), as a file holds them."""
+    rng = np.random.default_rng(seed)
+    return [random_blocks(rng, qtype, (MIXED_ROWS, MIXED_IN)) for qtype in MIXED_SHARDS]
+
+
+def gguf_layer(blocks: list[np.ndarray], qtypes: list[Q], bias: torch.Tensor | None = None) -> Linear:
+    """A Linear of the shards (one merged layer if several), loaded as a GGUF file's layer is (keep_gguf_quantized's
+    GGUFMethod: each shard in its own width, the layer's groups the narrowest)."""
+    weights = [decode_blocks(data, q, (MIXED_ROWS, MIXED_IN)) for data, q in zip(blocks, qtypes)]
+    bits = tuple(w.bits for w in weights)
+    layer = Linear(MIXED_IN, [MIXED_ROWS] * len(weights), bias=bias is not None)
+    layer.set_format(GGUFMethod(max(bits), min(w.group_size for w in weights), bits))
+    for shard, weight in enumerate(weights):
+        for name in ("codes", "scales", "zeros"):
+            layer.load_shard(name, shard, getattr(weight, name))
+        if bias is not None:
+            layer.load_shard("bias", shard, bias[MIXED_ROWS * shard : MIXED_ROWS * (shard + 1)])
+    layer.process_weights_after_loading()
+    return layer
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_merged_layer_of_mixed_types_keeps_each_shard_in_its_own(num_tokens: int) -> None:
+    """q, k Q4_K and v Q6_K in one merged layer: the layer computes with the gguf package's weights, and reads what
+    the three shards read as layers of their own (not q and k in v's 6-bit codes and groups of 16)."""
+    blocks = mixed_shards(num_tokens)
+    bias = torch.randn(3 * MIXED_ROWS)
+    layer = gguf_layer(blocks, MIXED_SHARDS, bias)
+    reference = torch.from_numpy(np.concatenate([dequantize(d, q) for d, q in zip(blocks, MIXED_SHARDS)]))
+    x = torch.randn(num_tokens, MIXED_IN)
+    kernels = layer.kernel.name.split("+")
+    assert len(kernels) == 2  # q and k in one run, v in another
+    runs = [reference[: 2 * MIXED_ROWS], reference[2 * MIXED_ROWS :]]  # each run's kernel sees x as it rounds it
+    expected = torch.cat([native_layer_input(x, kernel=k) @ rows.t() for k, rows in zip(kernels, runs)], 1) + bias
+    # NOTE: int4pack rounds x and the scales to bfloat16, the panel layout the K-quants' scales (a half times a 6-bit
+    # sub-block scale) to halves (measured 4e-5 of the scale here); the other kernels are exact up to float32 rounding
+    tolerance = 2e-2 if "int4pack" in kernels else 2e-4 if "panels" in kernels else 1e-5
+    assert (layer(x) - expected).abs().max() <= tolerance * (x.abs() @ reference.abs().t()).max()
+    own = sum(gguf_layer([data], [q]).kernel.weight_bytes() for data, q in zip(blocks, MIXED_SHARDS))
+    assert layer.kernel.weight_bytes() == own + bias.nbytes
+    weights = [decode_blocks(data, q, (MIXED_ROWS, MIXED_IN)) for data, q in zip(blocks, MIXED_SHARDS)]
+    widened = select_kernel(RowShards(weights, 6, 16), torch.device("cpu"), torch.float32, TORCH_OPS)
+    assert layer.kernel.weight_bytes() < widened.weight_bytes()  # what one kernel of the widest shard's codes read
 
 
 @pytest.mark.gpu
