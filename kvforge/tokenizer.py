@@ -155,7 +155,8 @@ class Tokenizer:
         tokenize: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render `messages` with the model's Jinja chat template, as Hugging Face does.
+        """Render `messages` with the model's Jinja chat template, as Hugging Face does: a message's reasoning, under
+        any of the names it goes by (_REASONING_NAMES), reaches the template as reasoning_content and as thinking.
 
         Extra keyword arguments (tools, enable_thinking, ...) are passed to the template.
         """
@@ -165,7 +166,7 @@ class Tokenizer:
             self._template = _compile_template(self.chat_template)
         try:
             text = self._template.render(
-                messages=messages,
+                messages=[_with_reasoning_names(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -179,6 +180,21 @@ class Tokenizer:
 # The end-of-turn markers of the chat formats (Gemma's, harmony's return and call, Llama 3's, ChatML's) that end a
 # reply as their checkpoints' generation configs say, where a GGUF file names no end-of-turn token.
 _END_OF_TURN_TOKENS = frozenset({"<end_of_turn>", "<|return|>", "<|call|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>"})
+
+
+# The names a message's reasoning goes by: reasoning_content, which Qwen's and DeepSeek's templates read (and the API
+# returns), thinking, which GPT-OSS's reads (to write the analysis before a call back into the prompt), and reasoning
+_REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
+
+
+def _with_reasoning_names(message: dict[str, Any]) -> dict[str, Any]:
+    """message with its reasoning (under the first of _REASONING_NAMES it has, not None) as reasoning_content and (if
+    it has no thinking of its own) as thinking, as Hugging Face's apply_chat_template passes it."""
+    reasoning = next((message[name] for name in _REASONING_NAMES if message.get(name) is not None), None)
+    if reasoning is None:
+        return message
+    thinking = message["thinking"] if message.get("thinking") is not None else reasoning
+    return {**message, "reasoning_content": reasoning, "thinking": thinking}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
