@@ -12,8 +12,8 @@ and the arguments follow the function's JSON schema; with "auto" it allows a cal
 not start as a call does ("<", or "{" for Llama 3's JSON; any text for Mistral's, whose calls start with a special
 token). With `parallel_tool_calls` (the default) a reply may hold several calls, one after the other (a newline
 between Hermes calls, "; " between Llama 3's); without it, exactly one. A chat template that renders `tools` gets
-them as they are, and the assistant's earlier calls with their arguments as objects (as Hugging Face's templates
-take them); for one that does not (the default model's), GENERIC_TOOL_PROMPT is added to the system message, the
+them as they are (and the assistant's earlier calls as Tokenizer.apply_chat_template passes them: their arguments
+as objects); for one that does not (the default model's), GENERIC_TOOL_PROMPT is added to the system message, the
 assistant's earlier calls are written back in the format above and `role: "tool"` messages become user messages
 wrapped in <tool_response> tags.
 """
@@ -58,8 +58,6 @@ def plan_tools(body: ChatCompletionRequest, messages: list[dict[str, Any]], toke
     if choice != "none" and not body.tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     renders_tools = template is not None and "tools" in template
-    if renders_tools:
-        messages = [_with_argument_objects(m) for m in messages]
     if choice == "none":  # earlier calls and results still go back to the model
         return ToolPlan(messages if renders_tools else [_generic_message(m) for m in messages], {}, None, None)
     tools = [t.function for t in body.tools]
@@ -85,28 +83,6 @@ def special_ids(call_format: CallFormat, tokenizer: Tokenizer) -> dict[str, int]
     """The ids of those of call_format's special tokens that tokenizer's vocabulary has."""
     ids = {token: tokenizer.backend.token_to_id(token) for token in call_format.special_tokens}
     return {token: token_id for token, token_id in ids.items() if token_id is not None}
-
-
-def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message whose calls' arguments (JSON text in the API) are the objects they spell, as chat templates
-    take them (GPT-OSS's and Llama 3's write `arguments | tojson`, which would quote the text once more); arguments
-    that are not a JSON object's text stay as they are."""
-    calls = message.get("tool_calls")
-    if message["role"] != "assistant" or not calls:
-        return message
-    return {**message, "tool_calls": [_call_with_argument_object(call) for call in calls]}
-
-
-def _call_with_argument_object(call: dict[str, Any]) -> dict[str, Any]:
-    function = call.get("function") or {}
-    arguments = function.get("arguments")
-    if not isinstance(arguments, str):
-        return call
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:  # NOTE: not JSON: the template gets the text the client sent
-        return call
-    return {**call, "function": {**function, "arguments": value}} if isinstance(value, dict) else call
 
 
 def _generic_messages(messages: list[dict[str, Any]], tools: list[FunctionDefinition]) -> list[dict[str, Any]]:
