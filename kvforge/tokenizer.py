@@ -155,7 +155,11 @@ class Tokenizer:
         tokenize: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render `messages` with the model's Jinja chat template, as Hugging Face does.
+        """Render `messages` with the model's Jinja chat template, as Hugging Face does: a message's reasoning, under
+        any of the names it goes by (_REASONING_NAMES), reaches the template as reasoning_content and as thinking; an
+        assistant's calls whose arguments are a JSON object's text (as the OpenAI API sends them) reach it with the
+        object (as Hugging Face's templates take them: GPT-OSS's and Llama 3's write `arguments | tojson`, Qwen3.5's
+        `arguments | items`).
 
         Extra keyword arguments (tools, enable_thinking, ...) are passed to the template.
         """
@@ -165,7 +169,7 @@ class Tokenizer:
             self._template = _compile_template(self.chat_template)
         try:
             text = self._template.render(
-                messages=messages,
+                messages=[_as_templates_take_it(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -179,6 +183,44 @@ class Tokenizer:
 # The end-of-turn markers of the chat formats (Gemma's, harmony's return and call, Llama 3's, ChatML's) that end a
 # reply as their checkpoints' generation configs say, where a GGUF file names no end-of-turn token.
 _END_OF_TURN_TOKENS = frozenset({"<end_of_turn>", "<|return|>", "<|call|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>"})
+
+
+# The names a message's reasoning goes by: reasoning_content, which Qwen's and DeepSeek's templates read (and the API
+# returns), thinking, which GPT-OSS's reads (to write the analysis before a call back into the prompt), and reasoning
+_REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
+
+
+def _as_templates_take_it(message: dict[str, Any]) -> dict[str, Any]:
+    """message with its reasoning under the names templates read and its calls' arguments as objects."""
+    message = _with_reasoning_names(message)
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    return {**message, "tool_calls": [_with_argument_object(call) for call in calls]}
+
+
+def _with_argument_object(call: Any) -> Any:
+    """A call ({"function": {"name", "arguments"}, ...}) with arguments that are a JSON object's text as that
+    object; any other call as it is (NOTE: arguments that are not JSON reach the template as the text sent)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": value}} if isinstance(value, dict) else call
+
+
+def _with_reasoning_names(message: dict[str, Any]) -> dict[str, Any]:
+    """message with its reasoning (under the first of _REASONING_NAMES it has, not None) as reasoning_content and (if
+    it has no thinking of its own) as thinking, as Hugging Face's apply_chat_template passes it."""
+    reasoning = next((message[name] for name in _REASONING_NAMES if message.get(name) is not None), None)
+    if reasoning is None:
+        return message
+    thinking = message["thinking"] if message.get("thinking") is not None else reasoning
+    return {**message, "reasoning_content": reasoning, "thinking": thinking}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -137,6 +137,36 @@ def test_chat_template_matches_transformers(tokenizer, hf_tokenizer, messages, a
     assert ids.count(1) == len(messages) + (messages[0]["role"] != "system") + add_generation_prompt
 
 
+# A tool call and its result as the OpenAI API sends them back: the arguments as JSON text, the reasoning before it
+TOOL_TURNS = [
+    {"role": "user", "content": "The weather in Paris?"},
+    {"role": "assistant", "reasoning_content": "The user asks.", "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": [1, 2]}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]  # fmt: skip
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("name", ["openai-gpt-oss-120b.jinja", "Qwen3.5-4B.jinja"])
+def test_templates_get_a_calls_arguments_as_an_object_and_the_reasoning_as_thinking(tokenizer, hf_tokenizer, name):
+    """GPT-OSS's and Qwen3.5's templates (llama.cpp's copies) render an API-shaped tool turn as transformers renders
+    it with the arguments as an object (its templates' convention): GPT-OSS's writes `arguments | tojson` and the
+    analysis before the call from `thinking`, Qwen3.5's iterates `arguments | items`."""
+    from tests.loader.test_gguf_families import LLAMA_CPP
+
+    path = None if LLAMA_CPP is None else LLAMA_CPP / "models" / "templates" / name
+    if path is None or not path.is_file():
+        pytest.skip("no llama.cpp checkout with its model templates (set LLAMA_CPP_DIR)")
+    ours = Tokenizer(tokenizer.backend, chat_template=path.read_text()).apply_chat_template(TOOL_TURNS,
+                                                                                           tools=[WEATHER_TOOL])
+    turns = json.loads(json.dumps(TOOL_TURNS))
+    turns[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris", "days": [1, 2]}
+    assert ours == hf_tokenizer.apply_chat_template(turns, tools=[WEATHER_TOOL], chat_template=path.read_text(),
+                                                    add_generation_prompt=True, tokenize=False)
+    assert "The user asks." in ours and "Paris" in ours and '\\"city' not in ours
+
+
 def test_no_chat_template_gives_value_error(tokenizer):
     bare = Tokenizer(tokenizer.backend, chat_template=None)
     with pytest.raises(ValueError, match="no chat template"):

@@ -6,15 +6,16 @@ A tool call is written the way Hermes-style templates write it (tool_formats.HER
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-or, when the chat template renders the tools, the way it asks for (Llama 3's JSON, Mistral's [TOOL_CALLS]: see
-tool_formats.py). With `tool_choice` "required" or a named function the grammar allows nothing else, and the
-arguments follow the function's JSON schema; with "auto" it allows a call like that or any text that does not
-start as a call does ("<", or "{" for Llama 3's JSON; any text for Mistral's, whose calls start with a special
+or, when the chat template renders the tools, the way it asks for (Llama 3's JSON, Mistral's [TOOL_CALLS], GPT-OSS's
+harmony: see tool_formats.py). With `tool_choice` "required" or a named function the grammar allows nothing else,
+and the arguments follow the function's JSON schema; with "auto" it allows a call like that or any text that does
+not start as a call does ("<", or "{" for Llama 3's JSON; any text for Mistral's, whose calls start with a special
 token). With `parallel_tool_calls` (the default) a reply may hold several calls, one after the other (a newline
 between Hermes calls, "; " between Llama 3's); without it, exactly one. A chat template that renders `tools` gets
-them as they are; for one that does not (the default model's),
-GENERIC_TOOL_PROMPT is added to the system message, the assistant's earlier calls are written back in the
-format above and `role: "tool"` messages become user messages wrapped in <tool_response> tags.
+them as they are (and the assistant's earlier calls as Tokenizer.apply_chat_template passes them: their arguments
+as objects); for one that does not (the default model's), GENERIC_TOOL_PROMPT is added to the system message, the
+assistant's earlier calls are written back in the format above and `role: "tool"` messages become user messages
+wrapped in <tool_response> tags.
 """
 
 from __future__ import annotations

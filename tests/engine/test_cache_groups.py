@@ -196,3 +196,40 @@ def test_a_window_block_two_requests_share_returns_once_both_have_moved_past_it(
     kv.free(a)
     kv.free(b)
     assert kv.num_free_blocks == 63
+
+
+def test_full_window_and_recurrent_groups_under_one_budget_leak_nothing():
+    """All three kinds of layers in one manager (full attention, a window of 6, linear attention with kept states),
+    stepped by hand: 8 requests, half sharing a 12-token prefix, in chunks of at most 8 tokens and a pool too small
+    for all. After every schedule, each scheduled request's window table holds exactly the blocks from the one its
+    next query reads on, the pool's free count is what no table holds, state slots belong to running requests only
+    (one each), and a prefix hit's slot starts from a kept state; preemptions and prefix hits happen on the way;
+    every block and slot is back at the end."""
+    groups = (*FULL_AND_WINDOW, LayerGroup("recurrent_state", (2, 3)))
+    kv = KVCacheManager(21, 4, True, groups, max_step_tokens=8, num_state_checkpoints=4)  # 20 usable blocks
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16), kv)
+    shared = list(range(1000, 1012))
+    requests = [_add(scheduler, f"r{i}", (shared if i % 2 else []) + [i * 50 + t for t in range(5 + i)], max_tokens=6)
+                for i in range(8)]  # fmt: skip
+    full, window, states = kv.groups
+    for _ in range(300):
+        if not scheduler.num_unfinished:
+            break
+        output = scheduler.schedule()
+        new_ids = {new.request_id for new in output.new_requests}
+        for scheduled in output.scheduled:
+            if scheduled.request_id in new_ids and scheduled.num_computed_tokens:  # a prefix hit: its state is kept
+                assert scheduled.load_state_from is not None and scheduled.num_computed_tokens % 4 == 0
+            table = window.table(scheduled.request_id)
+            first_read = max(0, scheduled.num_computed_tokens - 5) // 4
+            assert [i for i, b in enumerate(table) if b != NULL_BLOCK_ID] == list(range(first_read, len(table)))
+            assert len(full.table(scheduled.request_id)) == len(table)
+        held = {b for group in (full, window) for table in group.block_tables.values() for b in table} - {NULL_BLOCK_ID}
+        assert kv.num_free_blocks == 20 - len(held)
+        assert set(states.slots) <= {r.request_id for r in scheduler.running}
+        assert len(set(states.slots.values())) == len(states.slots)
+        sampled = {s.request_id: [7] for s in output.scheduled if s.needs_sample}
+        scheduler.update_from_output(output, ModelRunnerOutput(sampled))
+    assert all(r.status.finished and r.num_output_tokens == 6 for r in requests)
+    assert scheduler.num_preemptions > 0 and any(r.num_cached_tokens for r in requests)
+    assert kv.num_free_blocks == 20 and states.num_used_slots == 0

@@ -1,6 +1,6 @@
 """Tiny random Gemma 2 and Gemma 3 models: kvforge against transformers (float32), with prompts longer than the
 sliding window, chunked prefill that splits windows, prefix-cache hits, preemption and 16 requests at once, the local
-layers' KV cache groups keeping only their windows' blocks."""
+layers' KV cache groups keeping only their windows' blocks; and (slow) through the Triton kernels in the interpreter."""
 
 from __future__ import annotations
 
@@ -104,3 +104,19 @@ def test_greedy_with_tensor_parallelism(tiny):
     chosen = [prompts[4], prompts[2]]
     llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, tensor_parallel_size=2)
     assert [o.outputs[0].token_ids for o in _generate(llm, chosen)] == _expected(model, chosen)
+
+
+@pytest.mark.slow
+def test_logits_and_greedy_on_the_triton_kernels(tiny):
+    """The Triton kernels (interpreted on the CPU): the local layers' windows and Gemma 2's soft-capped scores in the
+    prefill and decode attention kernels, a 30-token prompt past the window in chunks of 16 that split it: logits
+    within 1e-4 of transformers' and its greedy tokens."""
+    folder, model, prompts = tiny
+    chosen = [prompts[2], prompts[1]]
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, enforce_eager=True,
+              attention_backend="triton", max_num_batched_tokens=16)  # fmt: skip
+    assert {m.ops.backend for m in llm.engine.local_model.modules() if hasattr(m, "ops")} == {"triton"}
+    assert_logits_match(llm, model, chosen)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chosen], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [t[:4] for t in _expected(model, chosen)]

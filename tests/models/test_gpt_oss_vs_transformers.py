@@ -2,7 +2,7 @@
 prefill that splits windows, prefix-cache hits, preemption, speculative decoding, 16 requests at once and tensor
 parallelism 2 (those four slow); and the same model with its experts in MXFP4 (quantized here by the format's
 definition, kept in MXFP4 by kvforge) against transformers running the weights that transformers' own MXFP4
-dequantizer makes of the checkpoint's blocks and scales."""
+dequantizer makes of the checkpoint's blocks and scales, also (slow) through the Triton kernels in the interpreter."""
 
 from __future__ import annotations
 
@@ -148,3 +148,20 @@ def test_tensor_parallel_2(tiny, tmp_path, experts):
         assert_logits_match(llm, model, [prompts[4]])
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_mxfp4_experts_on_the_triton_kernels(tiny, tmp_path):
+    """The MXFP4 checkpoint through the Triton kernels (interpreted on the CPU): the sinks and the window in the
+    prefill and decode attention kernels (a 30-token prompt past the window of 8, in chunks of 16 that split it), the
+    MXFP4 MoE kernel; logits within 1e-4 of transformers' running the dequantized weights, and its greedy tokens."""
+    folder, model, prompts = tiny
+    reference = save_mxfp4_experts(tmp_path, folder, model)
+    chosen = [prompts[2], prompts[1]]
+    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, enforce_eager=True,
+              attention_backend="triton", max_num_batched_tokens=16)  # fmt: skip
+    assert {m.ops.backend for m in llm.engine.local_model.modules() if hasattr(m, "ops")} == {"triton"}
+    assert_logits_match(llm, reference, chosen)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chosen], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [t[:4] for t in _greedy(reference, chosen)]

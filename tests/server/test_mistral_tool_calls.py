@@ -20,10 +20,10 @@ _CHECK_ID = ("{% if c.id is not string or c.id | length != 9 %}"
              "{{ raise_exception('Tool call ids must be 9 alphanumerics') }}{% endif %}")
 _CALLS = {  # how each template writes an assistant's calls back
     "list": ("[TOOL_CALLS] [{% for c in m.tool_calls %}" + _CHECK_ID +
-             '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments }}, "id": "{{ c.id }}"}'
+             '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, "id": "{{ c.id }}"}'
              "{% if not loop.last %}, {% endif %}{% endfor %}]</s>"),
     "args": ("{% for c in m.tool_calls %}" + _CHECK_ID +
-             "[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments }}{% endfor %}</s>"),
+             "[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}</s>"),
 }
 _TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
              "{% if m.role == 'user' %}{% if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}"
