@@ -143,7 +143,8 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
         quantize_vocab_rows(model)
     use_dense_gemv(model)
     if _takes_bf16_matmuls(config, model, device, runner):
-        logger.info("bfloat16 products (AMX) in %d float32 layers (--no-bf16-matmuls: float32)", use_bf16_matmuls(model))
+        num_layers = use_bf16_matmuls(model)
+        logger.info("bfloat16 products (AMX) in %d float32 layers (--no-bf16-matmuls: float32)", num_layers)
     if huge_pages:
         move_to_huge_pages(model)
     model.eval()

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge import LLM
+from kvforge.kernels.cpu.bf16_gemm import bf16_matmuls_supported
 from tests.pooling.conftest import SENTENCES
 
 LONG_TEXT = "the engine pools hidden states into one vector " * 40  # > 256 tokens
@@ -30,6 +31,17 @@ def test_embeddings_match_sentence_transformers(llm, minilm_reference):
     assert ours.shape == minilm_reference.shape
     assert F.cosine_similarity(ours, minilm_reference).min().item() >= 0.9999
     assert torch.allclose(ours.norm(dim=1), torch.ones(len(SENTENCES)), atol=1e-5)  # the Normalize module
+
+
+def test_bf16_matmuls_off_multiplies_in_float32(llm, minilm_dir, minilm_reference):
+    """The default engine takes bfloat16 products where the CPU has AMX (the cosine bound above holds for it); an
+    engine beside it with bf16_matmuls=False multiplies in float32, as sentence-transformers does."""
+    with LLM(str(minilm_dir), max_num_batched_tokens=48, bf16_matmuls=False) as exact:
+        off = _vectors(exact.embed(SENTENCES))
+    assert F.cosine_similarity(off, minilm_reference).min().item() >= 0.999999
+    if bf16_matmuls_supported():
+        on = _vectors(llm.embed(SENTENCES))
+        assert 1e-5 < (on - off).abs().max().item() < 0.01
 
 
 def test_token_ids_dimensions_and_normalize(llm, minilm_reference):
