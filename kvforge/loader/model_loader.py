@@ -79,10 +79,11 @@ def _with_classifier_token_ids(hf_config: dict, tokenizer: Tokenizer) -> dict:
 
 
 def _takes_bf16_matmuls(config: ModelConfig, model: nn.Module, device: torch.device, runner: str) -> bool:
-    """The option asks for bfloat16 products, the model is an encoder run for pooling in float32 on the CPU, and the
-    CPU has the kernel's instructions (AMX)."""
-    return (config.bf16_matmuls and runner == "pooling" and not model.is_causal and device.type == "cpu"
-            and bf16_matmuls_supported())
+    """The option asks for bfloat16 products, the model is one whose outputs hold within their bound with them (an
+    embedding encoder: `takes_bf16_matmuls`) run for pooling on the CPU, and the CPU has the kernel's instructions
+    (AMX). Its float32 layers then take them (a model run in 16 bits has none)."""
+    return (config.bf16_matmuls and runner == "pooling" and getattr(model, "takes_bf16_matmuls", False)
+            and device.type == "cpu" and bf16_matmuls_supported())
 
 
 def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 0,
