@@ -9,7 +9,9 @@
 //
 // A thread takes 32-row blocks of x; for each it rounds the 32 rows to bfloat16 once (zero rows past M) and then
 // runs every 32 x 32 output block of them: four accumulator tiles (C), two tiles of x's rows (A), two of the weight
-// (B). The whole packed weight (at most a few MiB) stays in each core's L2 cache across the row blocks.
+// (B), over all of K; the block's sums go to a 4 KiB buffer in L1 for the epilogue. The whole packed weight (at most a
+// few MiB) stays in each core's L2 cache across the row blocks. NOTE: measured (CPU time, one thread), a pass over K
+// in chunks of 384 inputs, the sums of all the row block's columns kept between them, was 1.05-1.23x slower.
 //
 //     C0 C1      A0 = rows  0..15 of the block    B0 = columns  0..15
 //     C2 C3      A1 = rows 16..31                 B1 = columns 16..31      Ci += Ar . Bc, 32 inputs a step
@@ -45,8 +47,6 @@ constexpr int64_t kBlock = 32;      // rows and columns of an output block
 constexpr int64_t kTileCols = 16;   // columns of a weight tile (and of a C tile)
 constexpr int64_t kStep = 32;       // inputs per tile step: 32 bfloat16 = one 64-byte tile row
 constexpr int64_t kTileElems = 512; // bfloat16 values of a packed weight tile
-// tile steps of inputs a pass over the column blocks takes: 32 rows of 384 bfloat16 (24 KiB) stay in the L1 cache
-constexpr int64_t kChunkSteps = 12;
 
 enum Activation : int64_t { kNone = 0, kGelu = 1, kGeluTanh = 2, kRelu = 3 };
 
@@ -89,22 +89,21 @@ inline float activate(float v) {
 
 // out rows [0, num_rows) of one block, columns [0, 32): act(c + bias)
 template <int64_t kAct>
-WIDE_VECTORS void epilogue(float* out, int64_t ldo, const float* c, int64_t ldc, const float* bias, int64_t num_rows) {
+WIDE_VECTORS void epilogue(float* out, int64_t ldo, const float* c, const float* bias, int64_t num_rows) {
   for (int64_t r = 0; r < num_rows; ++r) {
     float* row = out + r * ldo;
-    const float* acc = c + r * ldc;
+    const float* acc = c + r * kBlock;
 #pragma omp simd simdlen(16)
     for (int64_t j = 0; j < kBlock; ++j) row[j] = activate<kAct>(acc[j] + (bias != nullptr ? bias[j] : 0.f));
   }
 }
 
-void apply_epilogue(int64_t act, float* out, int64_t ldo, const float* c, int64_t ldc, const float* bias,
-                    int64_t num_rows) {
+void apply_epilogue(int64_t act, float* out, int64_t ldo, const float* c, const float* bias, int64_t num_rows) {
   switch (act) {
-    case kGelu: return epilogue<kGelu>(out, ldo, c, ldc, bias, num_rows);
-    case kGeluTanh: return epilogue<kGeluTanh>(out, ldo, c, ldc, bias, num_rows);
-    case kRelu: return epilogue<kRelu>(out, ldo, c, ldc, bias, num_rows);
-    default: return epilogue<kNone>(out, ldo, c, ldc, bias, num_rows);
+    case kGelu: return epilogue<kGelu>(out, ldo, c, bias, num_rows);
+    case kGeluTanh: return epilogue<kGeluTanh>(out, ldo, c, bias, num_rows);
+    case kRelu: return epilogue<kRelu>(out, ldo, c, bias, num_rows);
+    default: return epilogue<kNone>(out, ldo, c, bias, num_rows);
   }
 }
 
@@ -142,23 +141,16 @@ AMX_FUNCTION void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// c [32, 32] (row stride ldc) = (c if accumulate) + a [32 rows of lda bfloat16] . the two weight column blocks b0,
-// b1 (packed: consecutive tiles of 32 inputs), over num_steps tiles of 32 inputs
+// c [32, 32] = a [32 rows of lda bfloat16] . the two weight column blocks b0, b1 (packed: consecutive tiles of 32
+// inputs), over num_steps tiles of 32 inputs
 AMX_FUNCTION void block_product(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1,
-                                int64_t num_steps, float* c, int64_t ldc, bool accumulate) {
+                                int64_t num_steps, float* c) {
   const int64_t a_stride = lda * static_cast<int64_t>(sizeof(uint16_t));
-  const int64_t c_stride = ldc * static_cast<int64_t>(sizeof(float));
-  if (accumulate) {
-    _tile_loadd(0, c, c_stride);
-    _tile_loadd(1, c + kTileCols, c_stride);
-    _tile_loadd(2, c + 16 * ldc, c_stride);
-    _tile_loadd(3, c + 16 * ldc + kTileCols, c_stride);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  constexpr int64_t c_stride = kBlock * sizeof(float);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
   for (int64_t s = 0; s < num_steps; ++s) {
     _tile_loadd(4, a + s * kStep, a_stride);
     _tile_loadd(5, a + 16 * lda + s * kStep, a_stride);
@@ -171,8 +163,8 @@ AMX_FUNCTION void block_product(const uint16_t* a, int64_t lda, const uint16_t* 
   }
   _tile_stored(0, c, c_stride);
   _tile_stored(1, c + kTileCols, c_stride);
-  _tile_stored(2, c + 16 * ldc, c_stride);
-  _tile_stored(3, c + 16 * ldc + kTileCols, c_stride);
+  _tile_stored(2, c + 16 * kBlock, c_stride);
+  _tile_stored(3, c + 16 * kBlock + kTileCols, c_stride);
 }
 
 AMX_FUNCTION void release_tiles() { _tile_release(); }
@@ -229,7 +221,7 @@ at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> 
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * kTileCols, num_steps = packed.size(1);
   TORCH_CHECK(num_steps * kStep == k, "bf16_gemm: x has ", k, " columns, the weight ", num_steps * kStep);
   TORCH_CHECK(activation >= kNone && activation <= kRelu, "bf16_gemm: activation ", activation);
-  const float* bias_data = nullptr;
+  [[maybe_unused]] const float* bias_data = nullptr;  // (the build without AMX has refused above)
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
                 "bf16_gemm: a float32 bias of ", n);
@@ -247,7 +239,7 @@ at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> 
   const int64_t grain = num_row_blocks >= at::get_num_threads() ? num_col_blocks : 1;
   at::parallel_for(0, num_row_blocks * num_col_blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> rows(kBlock * k);  // the row block's x, rounded to bfloat16
-    std::vector<float> sums(kBlock * n);     // its products, summed over the chunks of inputs
+    alignas(64) float block_sums[kBlock * kBlock];  // one output block's sums, before the epilogue
     configure_tiles();
     for (int64_t index = begin; index < end;) {
       const int64_t rb = index / num_col_blocks, first = index % num_col_blocks;
@@ -255,17 +247,12 @@ at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> 
       index += last - first;
       const int64_t row0 = rb * kBlock, num_rows = std::min(kBlock, m - row0);
       round_rows(rows.data(), x_data + row0 * ldx, ldx, k, num_rows);
-      for (int64_t s0 = 0; s0 < num_steps; s0 += kChunkSteps) {
-        const int64_t steps = std::min(kChunkSteps, num_steps - s0);
-        for (int64_t cb = first; cb < last; ++cb) {
-          const uint16_t* b0 = w + (2 * cb * num_steps + s0) * kTileElems;
-          block_product(rows.data() + s0 * kStep, k, b0, b0 + num_steps * kTileElems, steps, sums.data() + cb * kBlock,
-                        n, s0 > 0);
-        }
-      }
-      for (int64_t cb = first; cb < last; ++cb)
-        apply_epilogue(activation, out_data + row0 * n + cb * kBlock, n, sums.data() + cb * kBlock, n,
+      for (int64_t cb = first; cb < last; ++cb) {
+        const uint16_t* b0 = w + 2 * cb * num_steps * kTileElems;
+        block_product(rows.data(), k, b0, b0 + num_steps * kTileElems, num_steps, block_sums);
+        apply_epilogue(activation, out_data + row0 * n + cb * kBlock, n, block_sums,
                        bias_data != nullptr ? bias_data + cb * kBlock : nullptr, num_rows);
+      }
     }
     release_tiles();
   });
