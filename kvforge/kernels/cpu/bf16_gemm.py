@@ -39,7 +39,8 @@ def bf16_weight_fits(weight: torch.Tensor) -> bool:
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 rounded to bfloat16 and packed for bf16_linear: [N / 16, K / 32, 16, 32]."""
+    """weight [N, K] float32 rounded to bfloat16 and packed for bf16_linear: [N / 16, K / 32, 16, 32]. Like
+    bf16_linear, only where bf16_matmuls_supported() (which loads the kernels) has said yes."""
     return torch.ops.kvforge_cpu.bf16_gemm_pack(weight.detach())
 
 
