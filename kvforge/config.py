@@ -57,6 +57,10 @@ class ModelConfig:
     huge_pages: bool = option(
         True, "keep a CPU model's weights in 4 KiB pages: by default they move into 2 MiB pages where Linux offers "
               "them (transparent huge pages), which decode streams faster", flag="--no-huge-pages")
+    bf16_matmuls: bool = option(
+        True, "multiply a BERT embedding model's float32 layers in float32: by default they take bfloat16 products "
+              "where the CPU has AMX (x and the weights rounded to bfloat16, sums and outputs float32; embeddings "
+              "within a cosine of 0.9999 of float32 ones)", flag="--no-bf16-matmuls")
     reasoning_parser: str | None = option(
         None, "how the model marks its reasoning: chat replies carry it apart, in reasoning_content, and a "
               "response_format, guided grammar or tool call applies after it (qwen3: when the reply opens <think>; "

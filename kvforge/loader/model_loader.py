@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kvforge.config import ModelConfig
+from kvforge.kernels.cpu.bf16_gemm import bf16_matmuls_supported, use_bf16_matmuls
 from kvforge.kernels.cpu.dense_gemv import use_dense_gemv
 from kvforge.layers.pooler import PoolerConfig
 from kvforge.loader.heap import release_freed_memory
@@ -77,6 +78,14 @@ def _with_classifier_token_ids(hf_config: dict, tokenizer: Tokenizer) -> dict:
     return {**hf_config, "classifier_from_token_ids": [tokenizer.token_id(token) for token in tokens]}
 
 
+def _takes_bf16_matmuls(config: ModelConfig, model: nn.Module, device: torch.device, runner: str) -> bool:
+    """The option asks for bfloat16 products, the model is one whose outputs hold within their bound with them (an
+    embedding encoder: `takes_bf16_matmuls`) run for pooling on the CPU, and the CPU has the kernel's instructions
+    (AMX). Its float32 layers then take them (a model run in 16 bits has none)."""
+    return (config.bf16_matmuls and runner == "pooling" and getattr(model, "takes_bf16_matmuls", False)
+            and device.type == "cpu" and bf16_matmuls_supported())
+
+
 def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 0,
                runner: str = "generate") -> LoadedModel:
     """Build the architecture named by the checkpoint, for the runner ("generate" or "pooling"), and fill it with its
@@ -134,6 +143,9 @@ def load_model(config: ModelConfig, device: torch.device, kv_cache_bytes: int = 
     if config.quantize_lm_head and quant_config is not None and format_entry(quant_config).quantizes_vocab:
         quantize_vocab_rows(model)
     use_dense_gemv(model)
+    if _takes_bf16_matmuls(config, model, device, runner):
+        num_layers = use_bf16_matmuls(model)
+        logger.info("bfloat16 products (AMX) in %d float32 layers (--no-bf16-matmuls: float32)", num_layers)
     if huge_pages:
         move_to_huge_pages(model)
     model.eval()

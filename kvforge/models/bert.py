@@ -110,6 +110,9 @@ class BertModel(nn.Module):
     is_causal = False
     is_pooling_only = True
     takes_token_types = True  # forward reads each token's type (0 for a single text)
+    # its float32 layers may take bfloat16 products (the bf16_matmuls option): the embeddings stay within a cosine
+    # of 0.9999 of float32's (all-MiniLM-L6-v2 against sentence-transformers, tests/pooling/test_embed.py)
+    takes_bf16_matmuls = True
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
         """dtype: of the parameters (the run dtype)."""
@@ -183,6 +186,8 @@ class BertForSequenceClassification(BertModel):
     """A BERT cross-encoder (sentence-transformers' CrossEncoder, ms-marco-MiniLM-style rerankers): the encoder,
     pooled at its CLS token, then `classifier` (BertClassifierHead). One logit is a relevance score (sigmoid); more
     are class probabilities (softmax)."""
+
+    takes_bf16_matmuls = False  # NOTE: a score's error under bfloat16 products is unmeasured against a reranker
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(hf_config, dtype)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge import LLM
+from kvforge.kernels.cpu.bf16_gemm import bf16_matmuls_supported
 from tests.pooling.conftest import SENTENCES
 
 LONG_TEXT = "the engine pools hidden states into one vector " * 40  # > 256 tokens
@@ -30,6 +31,17 @@ def test_embeddings_match_sentence_transformers(llm, minilm_reference):
     assert ours.shape == minilm_reference.shape
     assert F.cosine_similarity(ours, minilm_reference).min().item() >= 0.9999
     assert torch.allclose(ours.norm(dim=1), torch.ones(len(SENTENCES)), atol=1e-5)  # the Normalize module
+
+
+def test_bf16_matmuls_off_multiplies_in_float32(llm, minilm_dir, minilm_reference):
+    """The default engine takes bfloat16 products where the CPU has AMX (the cosine bound above holds for it); an
+    engine beside it with bf16_matmuls=False multiplies in float32, as sentence-transformers does."""
+    with LLM(str(minilm_dir), max_num_batched_tokens=48, bf16_matmuls=False) as exact:
+        off = _vectors(exact.embed(SENTENCES))
+    assert F.cosine_similarity(off, minilm_reference).min().item() >= 0.999999
+    if bf16_matmuls_supported():
+        on = _vectors(llm.embed(SENTENCES))
+        assert 1e-5 < (on - off).abs().max().item() < 0.01
 
 
 def test_token_ids_dimensions_and_normalize(llm, minilm_reference):
@@ -76,8 +88,12 @@ def test_truncation_keeps_the_last_tokens(llm, minilm_dir):
 
 def test_score_is_cosine_similarity_and_generate_is_refused(llm, minilm_reference):
     scores = [o.outputs.score for o in llm.score(SENTENCES[0], SENTENCES[1:3])]
+    ours = _vectors(llm.embed(SENTENCES[:3]))
+    assert scores == pytest.approx(F.cosine_similarity(ours[:1], ours[1:3]).tolist(), abs=1e-6)
+    # NOTE: bfloat16 products (the default where the CPU has AMX) move a cosine between two texts by up to ~1.5e-3
+    # (512 benchmark sentences); float32 matmuls by under 1e-6
     expected = F.cosine_similarity(minilm_reference[:1], minilm_reference[1:3]).tolist()
-    assert scores == pytest.approx(expected, abs=1e-4)
+    assert scores == pytest.approx(expected, abs=2e-3)
     with pytest.raises(ValueError, match="runner 'generate'"):
         llm.generate("hello")
     with pytest.raises(ValueError, match="no classifier head"):

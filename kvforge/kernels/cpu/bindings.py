@@ -83,6 +83,11 @@ OPS = (
        lambda a: new(a.x, a.x.shape[0], a.weight.shape[0], dtype="float32")),
     Op("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
        lambda a: new(a.x, a.x.shape[0], a.weight.shape[0], dtype="float32"), dispatch=("CPU", "MkldnnCPU")),
+    # bf16_gemm.cpp (bf16_gemm.py): float32 in and out, bfloat16 products (AMX), the weight packed once at load
+    Op("bf16_gemm(Tensor x, Tensor packed, Tensor? bias, int activation) -> Tensor",
+       lambda a: new(a.x, a.x.shape[0], a.packed.shape[0] * 16, dtype="float32")),
+    Op("bf16_gemm_pack(Tensor weight) -> Tensor"),
+    Op("bf16_gemm_supported() -> bool"),
     # half_gemv.cpp (half_gemv.py)
     Op("half_gemv(Tensor x, Tensor weight, int vector_bits=0) -> Tensor",
        lambda a: new(a.x, a.x.shape[0], a.weight.shape[0], dtype="float32")),
