@@ -4,6 +4,10 @@ LoRA, base, ...), then prompt steps in alternation. Each round's ratio is LoRA s
 printed. For a shared, noisy machine, where `kvforge bench lora` (one engine after the other) cannot be trusted:
 
     python scripts/bench_lora_vs_base_steps.py --rounds 8 --steps 3 --prompt-rounds 3 --prompt-len 64 [--eager]
+
+--profile N: then N decode steps of each engine under torch.profiler, and per engine its ops' self time per step
+(share of the step); the rest of the step is the compiled graph's own kernels and Python, which the profiler does not
+see one by one.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import torch.profiler
 
 from kvforge import LLM, LoRARequest, SamplingParams
 from kvforge.benchmarks.lora_adapters import write_adapters
@@ -36,6 +42,23 @@ def _decoding(llm: LLM, prompts: list[list[int]], loras: list) -> None:
             generated[output.request_id] = len(output.outputs[0].token_ids)
 
 
+def _profile(engines: dict[str, LLM], steps: int, top: int = 8) -> None:
+    """Each engine's decode steps under the profiler: the ops of most self time, per step and as a share of it."""
+    for name, llm in engines.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                llm.engine.step()
+            step_ms = (time.perf_counter() - start) / steps * 1e3
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        print(f"{name}: decode step {step_ms:.1f} ms under the profiler")
+        for event in events[:top]:
+            ms = event.self_cpu_time_total / 1e3 / steps
+            print(f"  {event.key:<44} {ms:7.2f} ms {ms / step_ms:6.1%}  {event.count // steps} calls a step")
+        rest = step_ms - sum(e.self_cpu_time_total for e in events) / 1e3 / steps
+        print(f"  {'the rest (compiled kernels, Python)':<44} {rest:7.2f} ms {rest / step_ms:6.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8, help="decode rounds (each engine's turn: --steps steps)")
@@ -43,6 +66,7 @@ def main() -> None:
     parser.add_argument("--prompt-rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--eager", action="store_true", help="decode steps uncompiled (no compile wait)")
+    parser.add_argument("--profile", type=int, default=0, help="then this many decode steps of each engine profiled")
     args = parser.parse_args()
     compiled = {"enforce_eager": True} if args.eager else {"compile_buckets": [NUM_STREAMS]}
     engines = {"base": LLM(**compiled),
@@ -65,12 +89,20 @@ def main() -> None:
         print(f"decode step: base {decode['base'][-1] * 1e3:.1f} ms, LoRA {decode['lora'][-1] * 1e3:.1f} ms")
     ratio = statistics.median(b / lo for b, lo in zip(decode["base"], decode["lora"]))
     print(f"decode steps of {NUM_STREAMS} rows: LoRA / base speed {ratio:.3f} (median of {args.rounds} rounds)")
-    short = random_workload(NUM_STREAMS, (args.prompt_len, args.prompt_len), 8, seed=1,
+    if args.profile:
+        _profile(engines, args.profile)
+    if args.prompt_rounds:
+        _prompts(engines, loras, args.prompt_rounds, args.prompt_len)
+
+
+def _prompts(engines: dict[str, LLM], loras: dict[str, list], rounds: int, prompt_len: int) -> None:
+    """Prompt steps in turns: each round, 16 prompts of prompt_len tokens through each engine."""
+    short = random_workload(NUM_STREAMS, (prompt_len, prompt_len), 8, seed=1,
                             vocab_range=(1000, 40000)).prompts
     prompt: dict[str, list[float]] = {name: [] for name in engines}
     for llm in engines.values():
         llm.engine.abort_request(list(llm.engine.groups))
-    for _ in range(args.prompt_rounds):
+    for _ in range(rounds):
         for name, llm in engines.items():
             llm.reset_caches()
             _add(llm, short, loras[name], 1)
@@ -80,8 +112,8 @@ def main() -> None:
             prompt[name].append(time.perf_counter() - start)
         print(f"prompts: base {prompt['base'][-1] * 1e3:.0f} ms, LoRA {prompt['lora'][-1] * 1e3:.0f} ms")
     ratio = statistics.median(b / lo for b, lo in zip(prompt["base"], prompt["lora"]))
-    print(f"{NUM_STREAMS} prompts of {args.prompt_len} tokens: LoRA / base speed {ratio:.3f} (median of "
-          f"{args.prompt_rounds} rounds)")
+    print(f"{NUM_STREAMS} prompts of {prompt_len} tokens: LoRA / base speed {ratio:.3f} (median of "
+          f"{rounds} rounds)")
 
 
 if __name__ == "__main__":

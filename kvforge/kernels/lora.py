@@ -18,9 +18,10 @@ Three implementations of each product, one contract:
 
 On the CPU with its C++ kernels, a LoRA layer's whole update is one op instead (kernels/cpu/lora.py): the shrink of
 every checkpoint matrix of a merged layer (q/k/v, gate/up) and each matrix's expand, the rows grouped by slot, added
-into the base projection's output in place. Its B is kept rank-major, B^T [slots, R, N] per matrix:
+into the base projection's output in place. Its weights are kept transposed, A^T [slots, K, fused_width(M * R)] (the
+columns past M * R zero) and B^T [slots, R, N] per matrix:
 
-    fused    y[t, cols of m] += (x[t] @ A[slot[t]][m * R : (m + 1) * R]^T) @ BT_m[slot[t]]    (lora_fused_ref)
+    fused    y[t, cols of m] += (x[t] @ AT[slot[t]][:, m * R : (m + 1) * R]) @ BT_m[slot[t]]    (lora_fused_ref)
 """
 
 from __future__ import annotations
@@ -49,12 +50,21 @@ def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: to
     return (y.float() + delta).to(y.dtype)
 
 
-def lora_fused_ref(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor],
+FUSED_VECTOR = 16  # floats per vector of the fused op's shrink, which A^T's columns fill
+
+
+def fused_width(width: int) -> int:
+    """The columns of the fused op's A^T for M * R = width: whole vectors."""
+    return -(-width // FUSED_VECTOR) * FUSED_VECTOR
+
+
+def lora_fused_ref(x: torch.Tensor, y: torch.Tensor, at: torch.Tensor, bt: list[torch.Tensor],
                    slots: torch.Tensor) -> torch.Tensor:
-    """x [T, K], y [T, N], a [S, M * R, K], bt: M matrices' B^T [S, R, N_m] (sum N_m = N), slots [T] -> y with each
-    row's update added (in place, and returned)."""
-    h = lora_shrink_ref(x, a, slots)  # [T, M * R]
-    rank, offset = a.shape[1] // len(bt), 0
+    """x [T, K], y [T, N], at: A^T [S, K, fused_width(M * R)], bt: M matrices' B^T [S, R, N_m] (sum N_m = N), slots
+    [T] -> y with each row's update added (in place, and returned)."""
+    rank = bt[0].shape[1]
+    h = lora_shrink_ref(x, at[:, :, : len(bt) * rank].transpose(1, 2), slots)  # [T, M * R]
+    offset = 0
     for m, b in enumerate(bt):
         cols = y[:, offset : offset + b.shape[2]]
         cols.copy_(lora_expand_ref(h[:, m * rank : (m + 1) * rank], b.transpose(1, 2), slots, cols))

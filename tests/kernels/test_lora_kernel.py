@@ -10,6 +10,7 @@ import torch
 from kvforge.kernels.cpu.extension import cpu_kernels
 from kvforge.kernels.cpu.lora import lora_fused_cpu
 from kvforge.kernels.lora import (
+    fused_width,
     lora_expand_cpu,
     lora_expand_ref,
     lora_expand_triton,
@@ -75,10 +76,12 @@ def test_cpu_fused_kernel_matches_reference(num_rows, dim, rank, num_outs, num_s
     x, _, _, y, slots = _case(num_rows, dim, len(num_outs) * rank, sum(num_outs), num_slots, torch.float32, "cpu")
     slots[-1] = num_slots - 1  # a row with an adapter, always
     a = torch.randn(num_slots, len(num_outs) * rank, dim) / dim**0.5
+    at = torch.zeros(num_slots, dim, fused_width(a.shape[1]))  # A^T, padded to whole vectors
+    at[:, :, : a.shape[1]] = a.transpose(1, 2)
     bt = [torch.randn(num_slots, rank, n) for n in num_outs]
-    want = lora_fused_ref(x, y.clone(), a, bt, slots)
+    want = lora_fused_ref(x, y.clone(), at, bt, slots)
     got = y.clone()
-    assert lora_fused_cpu(x, got, a, bt, slots) is got  # updated in place
+    assert lora_fused_cpu(x, got, at, bt, slots) is got  # updated in place
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[slots < 0], y[slots < 0])  # rows of the base model are left as they were
     row = num_rows - 1  # the reference against plain products, for a row with an adapter

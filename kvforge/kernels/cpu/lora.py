@@ -17,10 +17,10 @@ import torch
 from kvforge.kernels.lora import lora_fused_ref
 
 
-def lora_fused_cpu(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor],
+def lora_fused_cpu(x: torch.Tensor, y: torch.Tensor, at: torch.Tensor, bt: list[torch.Tensor],
                    slots: torch.Tensor) -> torch.Tensor:
     """lora_fused_ref by the C++ kernel (float32; other dtypes take the reference): y updated in place, returned."""
     if x.dtype != torch.float32 or y.dtype != torch.float32:
-        return lora_fused_ref(x, y, a, bt, slots)
-    torch.ops.kvforge_cpu.lora_apply(y, x.contiguous(), a, bt, slots)
+        return lora_fused_ref(x, y, at, bt, slots)
+    torch.ops.kvforge_cpu.lora_apply(y, x.contiguous(), at, bt, slots)
     return y
