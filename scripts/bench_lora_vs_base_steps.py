@@ -1,9 +1,11 @@
-"""Multi-LoRA against the base model, step by step, in one process: a base engine and a LoRA engine (4 adapters of
-rank 16, 16 streams round robin over them) on the default model, decode steps of 16 rows timed in alternation (base,
-LoRA, base, ...), then prompt steps in alternation. Each round's ratio is LoRA speed / base speed; the median is
-printed. For a shared, noisy machine, where `kvforge bench lora` (one engine after the other) cannot be trusted:
+"""Multi-LoRA against the base model, step by step, in one process: a base engine and a LoRA engine per adapter dtype
+(--lora-dtypes; 4 adapters of rank 16, 16 streams round robin over them) on the default model, decode steps of 16 rows
+timed in alternation (base, LoRA float32, LoRA bfloat16, base, ...), then prompt steps in alternation. Each round's
+ratio is LoRA speed / base speed; the median is printed per LoRA engine. For a shared, noisy machine, where
+`kvforge bench lora` (one engine after the other) cannot be trusted:
 
-    python scripts/bench_lora_vs_base_steps.py --rounds 8 --steps 3 --prompt-rounds 3 --prompt-len 64 [--eager]
+    python scripts/bench_lora_vs_base_steps.py --rounds 8 --steps 3 --prompt-rounds 3 --prompt-len 64 [--eager] \
+        [--lora-dtypes float32,bfloat16]
 
 --profile N: then N decode steps of each engine under torch.profiler, and per engine its ops' self time per step
 (share of the step). The compiled graph's own self time is its fused kernels (norms, rotary, activations, residual
@@ -68,13 +70,18 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--eager", action="store_true", help="decode steps uncompiled (no compile wait)")
     parser.add_argument("--profile", type=int, default=0, help="then this many decode steps of each engine profiled")
+    parser.add_argument("--lora-dtypes", default="float32,bfloat16",
+                        help="comma-separated lora_dtype of each LoRA engine (auto, float32, bfloat16, float16)")
     args = parser.parse_args()
     compiled = {"enforce_eager": True} if args.eager else {"compile_buckets": [NUM_STREAMS]}
-    engines = {"base": LLM(**compiled),
-               "lora": LLM(**compiled, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK)}
+    engines = {"base": LLM(**compiled)}
+    for dtype in args.lora_dtypes.split(","):
+        engines[f"LoRA {dtype}"] = LLM(**compiled, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
+                                       lora_dtype=dtype)
     folders = write_adapters(Path(tempfile.mkdtemp()), engines["base"].engine.hf_config, NUM_ADAPTERS, RANK)
     adapters = [LoRARequest(f"adapter-{i}", i + 1, str(f)) for i, f in enumerate(folders)]
-    loras = {"base": [None] * NUM_STREAMS, "lora": [adapters[i % NUM_ADAPTERS] for i in range(NUM_STREAMS)]}
+    loras = {name: [None if name == "base" else adapters[i % NUM_ADAPTERS] for i in range(NUM_STREAMS)]
+             for name in engines}
     prompts = random_workload(NUM_STREAMS, (128, 128), 8, seed=0, vocab_range=(1000, 40000)).prompts
     for name, llm in engines.items():
         if llm.engine.runner.decode_graphs is not None:
@@ -87,9 +94,8 @@ def main() -> None:
             for _ in range(args.steps):
                 llm.engine.step()
             decode[name].append((time.perf_counter() - start) / args.steps)
-        print(f"decode step: base {decode['base'][-1] * 1e3:.1f} ms, LoRA {decode['lora'][-1] * 1e3:.1f} ms")
-    ratio = statistics.median(b / lo for b, lo in zip(decode["base"], decode["lora"]))
-    print(f"decode steps of {NUM_STREAMS} rows: LoRA / base speed {ratio:.3f} (median of {args.rounds} rounds)")
+        print("decode step: " + ", ".join(f"{name} {times[-1] * 1e3:.1f} ms" for name, times in decode.items()))
+    _ratios(f"decode steps of {NUM_STREAMS} rows", decode, args.rounds)
     if args.profile:
         _profile(engines, args.profile)
     if args.prompt_rounds:
@@ -111,10 +117,19 @@ def _prompts(engines: dict[str, LLM], loras: dict[str, list], rounds: int, promp
             while llm.engine.has_unfinished_requests():
                 llm.engine.step()
             prompt[name].append(time.perf_counter() - start)
-        print(f"prompts: base {prompt['base'][-1] * 1e3:.0f} ms, LoRA {prompt['lora'][-1] * 1e3:.0f} ms")
-    ratio = statistics.median(b / lo for b, lo in zip(prompt["base"], prompt["lora"]))
-    print(f"{NUM_STREAMS} prompts of {prompt_len} tokens: LoRA / base speed {ratio:.3f} (median of "
-          f"{rounds} rounds)")
+        print("prompts: " + ", ".join(f"{name} {times[-1] * 1e3:.0f} ms" for name, times in prompt.items()))
+    _ratios(f"{NUM_STREAMS} prompts of {prompt_len} tokens", prompt, rounds)
+
+
+def _ratios(what: str, times: dict[str, list[float]], rounds: int) -> None:
+    """Each LoRA engine's median over the rounds of (base time / its time), and against the first LoRA engine's."""
+    names = [name for name in times if name != "base"]
+    for name in names:
+        ratio = statistics.median(b / lo for b, lo in zip(times["base"], times[name]))
+        print(f"{what}: {name} / base speed {ratio:.3f} (median of {rounds} rounds)")
+    for name in names[1:]:
+        ratio = statistics.median(first / t for first, t in zip(times[names[0]], times[name]))
+        print(f"{what}: {name} / {names[0]} speed {ratio:.3f} (median of {rounds} rounds)")
 
 
 if __name__ == "__main__":

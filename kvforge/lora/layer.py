@@ -10,7 +10,9 @@ one shrink serves them all; each matrix's B then expands its own columns into it
     b_s   [slots, out_s, max_rank]         B of checkpoint matrix s (zero past its rank), one buffer per matrix;
           [slots, max_rank, out_s]         B^T, rank-major, where the op is fused
 
-(the fused op's weights transposed: both of its products then run along their weights' contiguous axis)
+(the fused op's weights transposed: both of its products then run along their weights' contiguous axis). The slots
+are of the engine's lora_dtype (lora/pool.py: slot_dtype), which may differ from the activations': the kernels widen
+the weights as they read them.
 
 Under tensor parallelism each rank holds its share, cut as the base weight is: a column-parallel layer's B by
 output rows (each merged matrix on its own, as `shard_pieces` says), a row-parallel layer's A by input columns,
