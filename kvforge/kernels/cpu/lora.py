@@ -11,7 +11,9 @@ rows 10.8x.
 
 The adapters' weights may be 16-bit (the engine's lora_dtype, bfloat16 by default here): the kernel widens them in
 registers and sums in float32, so a decode step, whose LoRA time is the streaming of the step's adapters, reads half
-the bytes.
+the bytes. Measured (one decode step's 120 calls on the default model: 4 adapters of rank 16, 16 rows; one thread's
+CPU time, interleaved, on a loaded shared VM): bfloat16 1.38x faster than float32, not 2x; by parts (before the
+expand's prefetch) the shrink gained 1.36x and the expand, which reads R strided rank rows per block of columns, 1.12x.
 """
 
 from __future__ import annotations
