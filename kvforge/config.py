@@ -259,6 +259,9 @@ class LoRAConfig:
     max_lora_rank: int = option(16, "largest adapter rank (slots are allocated at this rank)", minimum=1)
     max_cpu_loras: int | None = option(
         None, "most adapters kept in host memory, ready to swap into a slot (default: --max-loras)", minimum=1)
+    lora_dtype: str = option(
+        "auto", "adapter weights in the slots: auto (bfloat16 where the CPU's fused LoRA op reads the step, else the "
+        "model dtype), float32, bfloat16 or float16 (the products accumulate in float32)", choices=DTYPES)
 
     def __post_init__(self) -> None:
         check_options(self)

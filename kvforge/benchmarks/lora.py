@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         loras = [LoRARequest(f"adapter-{i}", i + 1, str(f)) for i, f in enumerate(folders)]
         streams = [loras[i % len(loras)] for i in range(args.num_streams)]
         result["lora_tokens_per_s"] = _tokens_per_s(llm, prompts, args.output_len, streams)
+        result["lora_dtype"] = str(llm.engine.runner.lora.dtype).removeprefix("torch.")  # --lora-dtype, resolved
     result["lora_vs_base"] = result["lora_tokens_per_s"] / result["base_tokens_per_s"]
     result["lora_vs_merged"] = result["lora_tokens_per_s"] / result["merged_tokens_per_s"]
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}

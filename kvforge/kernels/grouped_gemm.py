@@ -46,7 +46,8 @@ def _grouped_gemm_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (row blocks, column blocks). For the BLOCK_M sorted pairs of one block, all of one expert e:
-    out[pair, cols] = a[pair // PAIRS_PER_A_ROW] @ b[e, cols, :]^T (times pair_weights[pair])."""
+    out[pair, cols] = a[pair // PAIRS_PER_A_ROW] @ b[e, cols, :]^T (times pair_weights[pair]); b is read in a's
+    dtype (LoRA weights may be of another than the activations)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ids_ptr + block)
     if expert < 0:
@@ -60,7 +61,7 @@ def _grouped_gemm_kernel(
         k_mask = ks < k_size
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        b = tl.load(b_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        b = tl.load(b_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(a.dtype)
         if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
             a = a.to(tl.float32)
             b = b.to(tl.float32)

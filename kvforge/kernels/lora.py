@@ -4,7 +4,9 @@
     expand   y[t] += h[t] @ B[slot[t]]^T         B [slots, N, R]            ->  y [T, N]
 
 slot[t] = -1: the row has no adapter (h and the update are zero). Ranks below R are zero-padded in A and B, and
-an adapter's scaling (alpha / r) is folded into its B when it is written to its slot (lora/pool.py).
+an adapter's scaling (alpha / r) is folded into its B when it is written to its slot (lora/pool.py). A and B may be
+of another float dtype than x (the engine's lora_dtype: 16-bit adapters under a float32 model, say): every
+implementation widens them as it reads them and sums in float32 (the torch path converts them to x's dtype first).
 
 Three implementations of each product, one contract:
     reference   gather each row's adapter, then one batched GEMV (the BGMV shape): readable, memory T x R x K
@@ -18,9 +20,10 @@ Three implementations of each product, one contract:
 
 On the CPU with its C++ kernels, a LoRA layer's whole update is one op instead (kernels/cpu/lora.py): the shrink of
 every checkpoint matrix of a merged layer (q/k/v, gate/up) and each matrix's expand, the rows grouped by slot, added
-into the base projection's output in place. Its B is kept rank-major, B^T [slots, R, N] per matrix:
+into the base projection's output in place. Its weights are kept transposed, A^T [slots, K, fused_width(M * R)] (the
+columns past M * R zero) and B^T [slots, R, N] per matrix:
 
-    fused    y[t, cols of m] += (x[t] @ A[slot[t]][m * R : (m + 1) * R]^T) @ BT_m[slot[t]]    (lora_fused_ref)
+    fused    y[t, cols of m] += (x[t] @ AT[slot[t]][:, m * R : (m + 1) * R]) @ BT_m[slot[t]]    (lora_fused_ref)
 """
 
 from __future__ import annotations
@@ -49,12 +52,21 @@ def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: to
     return (y.float() + delta).to(y.dtype)
 
 
-def lora_fused_ref(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor],
+FUSED_VECTOR = 16  # floats per vector of the fused op's shrink, which A^T's columns fill
+
+
+def fused_width(width: int) -> int:
+    """The columns of the fused op's A^T for M * R = width: whole vectors."""
+    return -(-width // FUSED_VECTOR) * FUSED_VECTOR
+
+
+def lora_fused_ref(x: torch.Tensor, y: torch.Tensor, at: torch.Tensor, bt: list[torch.Tensor],
                    slots: torch.Tensor) -> torch.Tensor:
-    """x [T, K], y [T, N], a [S, M * R, K], bt: M matrices' B^T [S, R, N_m] (sum N_m = N), slots [T] -> y with each
-    row's update added (in place, and returned)."""
-    h = lora_shrink_ref(x, a, slots)  # [T, M * R]
-    rank, offset = a.shape[1] // len(bt), 0
+    """x [T, K], y [T, N], at: A^T [S, K, fused_width(M * R)], bt: M matrices' B^T [S, R, N_m] (sum N_m = N), slots
+    [T] -> y with each row's update added (in place, and returned)."""
+    rank = bt[0].shape[1]
+    h = lora_shrink_ref(x, at[:, :, : len(bt) * rank].transpose(1, 2), slots)  # [T, M * R]
+    offset = 0
     for m, b in enumerate(bt):
         cols = y[:, offset : offset + b.shape[2]]
         cols.copy_(lora_expand_ref(h[:, m * rank : (m + 1) * rank], b.transpose(1, 2), slots, cols))
@@ -70,7 +82,7 @@ def _one_hot(slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.T
 def lora_shrink_cpu(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """lora_shrink_ref as one GEMM over every slot, then each row keeps its slot's R columns."""
     num_slots, rank, _ = a.shape
-    every = (x @ a.reshape(num_slots * rank, -1).t()).view(-1, num_slots, rank)  # [T, S, R]
+    every = (x @ a.reshape(num_slots * rank, -1).t().to(x.dtype)).view(-1, num_slots, rank)  # [T, S, R]
     return (every * _one_hot(slots, num_slots, x.dtype).unsqueeze(2)).sum(1)
 
 
@@ -78,7 +90,7 @@ def lora_expand_cpu(h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: to
     """lora_expand_ref as one GEMM: h spread into its slot's R columns of [T, S * R], the others zero."""
     num_slots, num_out, rank = b.shape
     spread = (h.unsqueeze(1) * _one_hot(slots, num_slots, h.dtype).unsqueeze(2)).reshape(-1, num_slots * rank)
-    return y + spread @ b.permute(0, 2, 1).reshape(num_slots * rank, num_out)
+    return y + spread @ b.permute(0, 2, 1).reshape(num_slots * rank, num_out).to(h.dtype)
 
 
 @jit
@@ -140,7 +152,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
     require_triton()
     check_tensor("x", x, shape=(None, None), dtypes=FLOAT_DTYPES)
     num_rows, dim = x.shape
-    check_tensor("a", a, shape=(None, None, dim), dtypes=(x.dtype,))
+    check_tensor("a", a, shape=(None, None, dim), dtypes=FLOAT_DTYPES)
     _check_slots(slots, num_rows)
     check_same_device(x=x, a=a, slots=slots)
     rank = a.shape[1]
@@ -168,7 +180,7 @@ def lora_expand_triton(h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y:
     num_rows, rank = h.shape
     check_tensor("y", y, shape=(num_rows, None), dtypes=FLOAT_DTYPES)
     num_out = y.shape[1]
-    check_tensor("b", b, shape=(None, num_out, rank), dtypes=(h.dtype,))
+    check_tensor("b", b, shape=(None, num_out, rank), dtypes=FLOAT_DTYPES)
     _check_slots(slots, num_rows)
     check_same_device(h=h, b=b, slots=slots, y=y)
     h = h.contiguous()

@@ -344,7 +344,7 @@ class OpTable:
     gated_delta_prefill: Callable[..., Tensor]  # mutates its state argument
     gated_delta_decode: Callable[..., Tensor]  # mutates its state argument
     causal_conv1d: Callable[..., Tensor]  # mutates its conv_state argument
-    # a LoRA layer's whole update in one op, its B kept rank-major (kernels/lora.py: lora_fused_ref); None: the
+    # a LoRA layer's whole update in one op, its A and B kept transposed (kernels/lora.py: lora_fused_ref); None: the
     # shrink, then an expand per checkpoint matrix
     lora_fused: Callable[..., Tensor] | None = None
     # The platform whose tuning table and device size the launches read (`for_platform`); None: the current

@@ -4,10 +4,15 @@ by the row's slot (-1: none), in one shrink and one expand (kernels/lora.py).
 A merged layer (QKV, gate-up) gives each of its S checkpoint matrices its own max_rank columns of the rank axis, so
 one shrink serves them all; each matrix's B then expands its own columns into its own outputs:
 
-    a     [slots, S * max_rank, in]        rows s * max_rank ...: A of checkpoint matrix s (zero past its rank)
-    b_s   [slots, out_s, max_rank]         B of checkpoint matrix s (zero past its rank), one buffer per matrix;
-          [slots, max_rank, out_s]         B^T, rank-major, where the op table fuses the whole update in one op
+    a     [slots, S * max_rank, in]        rows s * max_rank ...: A of checkpoint matrix s (zero past its rank);
+          [slots, in, fused_width(...)]    A^T, where the op table fuses the whole update in one op
                                            (ops.lora_fused: the C++ CPU kernel, which adds into y in place)
+    b_s   [slots, out_s, max_rank]         B of checkpoint matrix s (zero past its rank), one buffer per matrix;
+          [slots, max_rank, out_s]         B^T, rank-major, where the op is fused
+
+(the fused op's weights transposed: both of its products then run along their weights' contiguous axis). The slots
+are of the engine's lora_dtype (lora/pool.py: slot_dtype), which may differ from the activations': the kernels widen
+the weights as they read them.
 
 Under tensor parallelism each rank holds its share, cut as the base weight is: a column-parallel layer's B by
 output rows (each merged matrix on its own, as `shard_pieces` says), a row-parallel layer's A by input columns,
@@ -19,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.kernels.lora import fused_width
 from kvforge.kernels.ops import OpTable
 from kvforge.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 
@@ -41,8 +47,10 @@ class LoRASlots(nn.Module):
         self.tp_size, self.tp_rank = getattr(linear, "tp_size", 1), getattr(linear, "tp_rank", 0)
         width = len(self.shard_sizes) * max_rank
         device = token_slots.device
-        self.rank_major = ops.lora_fused is not None  # each B stored transposed, as the fused op reads it
-        self.register_buffer("a", torch.zeros(max_loras, width, linear.in_features, dtype=dtype, device=device))
+        self.rank_major = ops.lora_fused is not None  # A and each B stored transposed, as the fused op reads them
+        shape = ((max_loras, linear.in_features, fused_width(width)) if self.rank_major
+                 else (max_loras, width, linear.in_features))
+        self.register_buffer("a", torch.zeros(shape, dtype=dtype, device=device))
         for shard, size in enumerate(self.shard_sizes):
             shape = (max_loras, max_rank, size) if self.rank_major else (max_loras, size, max_rank)
             self.register_buffer(f"b{shard}", torch.zeros(shape, dtype=dtype, device=device))
@@ -71,10 +79,11 @@ class LoRASlots(nn.Module):
             self.b_of(shard)[slot].zero_()
         for shard, (a, b) in pairs.items():
             rank, first = a.shape[0], shard * self.max_rank
-            self.a[slot, first : first + rank].copy_(a)
             if self.rank_major:
+                self.a[slot, :, first : first + rank].copy_(a.t())
                 self.b_of(shard)[slot, :rank].copy_(b.t())
             else:
+                self.a[slot, first : first + rank].copy_(a)
                 self.b_of(shard)[slot, :, :rank].copy_(b)
 
     def b_of(self, shard: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 _EXPERT_MODULE = re.compile(rf"(.+\.experts)\.(\d+)\.({'|'.join(PIECES)})")
 # one adapter on this rank: LoRA layer name -> checkpoint matrix index (routed experts: (expert, matrix name)) ->
-# (A, B), local shares in the model dtype
+# (A, B), local shares in the dtype of their slots
 LocalAdapter = dict[str, dict[int | tuple[int, str], tuple[torch.Tensor, torch.Tensor]]]
 
 
@@ -44,15 +44,26 @@ def _placed_names(model: nn.Module) -> dict[str, tuple[str, int]]:
     return {f".{t}.": merged.get(f".{t}.", (f".{t}.", 0)) for t in TARGET_MODULES}
 
 
+def slot_dtype(lora_dtype: str, model_dtype: torch.dtype, ops: OpTable) -> torch.dtype:
+    """The dtype of the adapters' slots (LoRAConfig.lora_dtype): as named, or for "auto" bfloat16 where the CPU's
+    fused op runs a float32 model's LoRA layers (it widens 16-bit weights in registers and sums in float32, and a
+    decode step's time there is the adapters' bytes), else the model dtype."""
+    if lora_dtype != "auto":
+        return getattr(torch, lora_dtype)
+    return torch.bfloat16 if ops.lora_fused is not None and model_dtype == torch.float32 else model_dtype
+
+
 class LoRAPool:
     """Attaches LoRA slots to the model's target layers; `load` reads and checks an adapter (ValueError naming it),
     `prepare_step` puts the step's adapters in slots and writes the per-row slot ids."""
 
     def __init__(self, model: nn.Module, config: LoRAConfig, max_tokens: int, dtype: torch.dtype,
                  device: torch.device, ops: OpTable) -> None:
+        """dtype: the model's, which the routed experts' slots keep (their grouped matmuls multiply them with the
+        activations as they are); the linear layers' slots take config.lora_dtype (slot_dtype)."""
         self.config = config
         self.model = model
-        self.dtype = dtype
+        self.dtype = slot_dtype(config.lora_dtype, dtype, ops)  # the linear layers' slots
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self._places = _placed_names(model)
         fused = {merged.strip(".") for merged, _ in self._places.values()}
@@ -60,7 +71,8 @@ class LoRAPool:
         self.num_experts = 0  # routed experts per MoE layer (0: none)
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in fused:
-                module.lora = LoRASlots(module, config.max_loras, config.max_lora_rank, self.token_slots, ops, dtype)
+                module.lora = LoRASlots(module, config.max_loras, config.max_lora_rank, self.token_slots, ops,
+                                        self.dtype)
                 self.layers[name] = module.lora
             elif isinstance(module, FusedMoE):
                 if module.kept is not None:
@@ -123,7 +135,8 @@ class LoRAPool:
             if shares is None:
                 continue  # another rank's expert
             a, b = shares
-            local.setdefault(name, {})[shard] = (a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
+            dtype = layer.a.dtype if isinstance(layer, LoRASlots) else layer.a13.dtype
+            local.setdefault(name, {})[shard] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
         self.paths[request.int_id] = request.path
         self.host[request.int_id] = local
         while len(self.host) > self.config.num_cpu_loras:

@@ -25,7 +25,8 @@ def spec_case(tiny_llama_dir, tmp_path_factory):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 300) for _ in range(6)] * 3 for _ in range(3)]  # repeats: the n-grams to draft
     llm = LLM(str(base), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=2,
-              max_lora_rank=8, speculative_method="ngram", num_speculative_tokens=3, enforce_eager=True)
+              lora_dtype="float32", max_lora_rank=8, speculative_method="ngram", num_speculative_tokens=3,
+              enforce_eager=True)
     yield llm, loras, refs, prompts
     llm.shutdown()
 

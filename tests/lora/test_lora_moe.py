@@ -86,7 +86,7 @@ def test_expert_adapters_alone_and_mixed_match_peft(moe_case) -> None:
     for i in range(len(loras)):  # each adapter's experts change the logits, not only its attention projections
         assert (_experts_off(refs[i], prompts[i]) - logits(refs[i], prompts[i])).abs().max().item() > 1e-2
     llm = LLM(str(moe_case[0]), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=4,
-              max_lora_rank=8, enforce_eager=True)
+              lora_dtype="float32", max_lora_rank=8, enforce_eager=True)
     try:
         _check(llm, moe_case)
     finally:
@@ -100,7 +100,7 @@ def test_expert_adapters_on_two_ranks(moe_case, tp: int, pp: int) -> None:
     columns of A of down), and the layer's one all-reduce sums the adapters' partial products with the base's.
     Pipeline parallel: each stage takes its layers' experts of every adapter."""
     llm = LLM(str(moe_case[0]), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=4,
-              max_lora_rank=8, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+              lora_dtype="float32", max_lora_rank=8, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
         _check(llm, moe_case)
     finally:
@@ -113,7 +113,7 @@ def test_compiled_decode_step_takes_the_expert_adapters_as_inputs(moe_case) -> N
     """One compiled bucket (the gathered experts' path) replays steps of different adapter mixes."""
     _, loras, prompts, expected, _ = moe_case
     llm = LLM(str(moe_case[0]), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_loras=3,
-              max_lora_rank=8, compile_buckets=(4,))
+              lora_dtype="float32", max_lora_rank=8, compile_buckets=(4,))
     try:
         graphs = llm.engine.runner.decode_graphs
         graphs.compile_ahead(4)
@@ -144,7 +144,7 @@ def test_mixtral_expert_adapter_matches_peft(tmp_path) -> None:
     with ref.disable_adapter():
         want_base = greedy(ref, prompts[1], NUM_NEW)
     llm = LLM(str(base), kv_cache_memory="16MiB", kv_cache_dtype="float32", enable_lora=True, max_lora_rank=8,
-              enforce_eager=True)
+              lora_dtype="float32", enforce_eager=True)
     try:
         assert _tokens(llm, prompts, [0, None], [lora]) == [want, want_base]
         assert (llm.engine.score(prompts[0], lora_request=lora) - logits(ref, prompts[0])).abs().max().item() < 1e-4

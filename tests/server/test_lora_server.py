@@ -25,7 +25,8 @@ def lora_server(tiny_model_dir, tmp_path_factory):
                                                  ("b", 8, ["k_proj", "o_proj", "gate_proj", "up_proj"], 2)]}
     answers = {name: greedy(peft_model(tiny_model_dir, folder), PROMPT, NUM_NEW)
              for name, folder in {**folders, MODEL_NAME: None}.items()}
-    server = start_tiny_server(tiny_model_dir, enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_dtype="float32")
+    server = start_tiny_server(tiny_model_dir, enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_dtype="float32",
+                               lora_dtype="float32")
     for name, folder in folders.items():
         response = server.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)},
                                     headers=AUTH)

@@ -112,8 +112,8 @@ OPS = (
        "-> (Tensor, Tensor)", lambda a: (new(a.query, *a.query.shape), new(a.key, *a.key.shape))),
     # argmax.cpp (argmax.py)
     Op("argmax_rows(Tensor logits) -> Tensor", lambda a: new(a.logits, a.logits.shape[0], dtype="int64")),
-    # lora.cpp (lora.py): each row's LoRA update added into y in place, the rows grouped by adapter; traced opaquely
-    # in the compiled decode steps
+    # lora.cpp (lora.py): each row's LoRA update added into y in place, the rows grouped by adapter (a: A^T [S, K, W],
+    # bt: B^T [S, R, N_m] per matrix); traced opaquely in the compiled decode steps
     Op("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor[] bt, Tensor slots) -> ()", lambda a: None),
     # python_arenas.cpp
     Op("cache_python_arenas() -> ()"),

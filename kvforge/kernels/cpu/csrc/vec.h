@@ -61,6 +61,33 @@ struct Lanes16 {
     for (int i = 0; i < 16; ++i) s += v[i];
     return s;
   }
+  // 16 bfloat16 (BF16) or float16 values widened to floats: bfloat16 moved to the top half of a 32-bit lane (exact,
+  // every build); float16 by vcvtph2ps (AVX-512F, or F16C on two halves; a build without either widens its own).
+  template <bool BF16>
+  static V load_half(const uint16_t* p) {
+    if constexpr (BF16) {
+      typedef uint16_t Bits __attribute__((vector_size(32)));
+      typedef uint32_t Wide __attribute__((vector_size(64)));
+      Bits bits;
+      std::memcpy(&bits, p, sizeof bits);
+      const Wide wide = __builtin_convertvector(bits, Wide) << 16;
+      V v;
+      std::memcpy(&v, &wide, sizeof v);
+      return v;
+    } else {
+#if defined(__AVX512F__)
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+      const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+      V v;
+      std::memcpy(&v, halves, sizeof v);
+      return v;
+#else
+      static_assert(BF16, "float16 needs AVX-512F or F16C");
+#endif
+    }
+  }
 };
 
 // ---- Scalar8 (every build) ------------------------------------------------------------------------------------
