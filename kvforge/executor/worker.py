@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from kvforge.config import CompilationConfig, EngineConfig
-from kvforge.distributed.parallel_state import ParallelState, get_parallel_state
+from kvforge.distributed.parallel_state import ParallelState, building_with, get_parallel_state
+from kvforge.executor.draft_runner import DraftRunner
 from kvforge.executor.kv_cache_memory import KVCacheSize, memory_limits, size_kv_cache
 from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunner
@@ -25,6 +26,7 @@ from kvforge.kernels.ops import OpTable, building_with_ops, op_table
 from kvforge.loader.model_loader import LoadedModel, load_model
 from kvforge.lora.pool import LoRAPool
 from kvforge.lora.request import LoRARequest
+from kvforge.spec_decode.draft import draft_model_config
 from kvforge.spec_decode.proposer import Proposer, create_proposer
 from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
@@ -76,6 +78,13 @@ class Worker:
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         max_position = self.loaded.model.config.max_position
         self.max_model_len = min(config.model.max_model_len or max_position, max_position)
+        # the draft model of speculative decoding (on the sampling rank), whose KV cache shares the target's block
+        # ids: a block's bytes are the target's and the draft's
+        self.draft: LoadedModel | None = None
+        self.draft_kv_cache_spec = None
+        if config.speculative.speculative_method == "draft" and self._samples():
+            self._load_draft(widening)
+            self.bytes_per_token += self.draft_kv_cache_spec.bytes_per_token(self.draft.dtype)
         # NOTE: before the KV cache is sized, so that its memory comes out of the cache's (the experts' slots of a MoE
         # model take gigabytes)
         self.lora_pool = self._lora_pool()
@@ -140,6 +149,40 @@ class Worker:
         cache = self.config.cache
         return cache.num_state_checkpoints if cache.enable_prefix_caching else 0
 
+    def _samples(self) -> bool:
+        """Whether this rank samples (and proposes the drafts)."""
+        state = get_parallel_state()
+        return state.rank == state.sampler_rank
+
+    def _load_draft(self, widening: bool) -> None:
+        """The draft model, loaded whole on this rank (one rank's world) with the target's op table and device."""
+        with building_with(ParallelState()), building_with_ops(self.ops):
+            self.draft = load_model(draft_model_config(self.config), self.device)
+        draft, target = self.draft.model, self.loaded.model
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the "
+                             f"target's ({target.config.vocab_size})")
+        spec = draft.kv_cache_spec
+        if len(spec.layer_groups()) > 1 or spec.recurrent_state is not None:
+            raise ValueError(f"the draft model {self.draft.name!r} has sliding-window or linear-attention layers: a "
+                             f"draft model must attend fully in every layer")
+        if self.kv_cache_spec.layer_groups()[0].kind != "full_attention":
+            raise ValueError("a draft model needs a target with full-attention layers (its blocks hold the draft's)")
+        self.draft_kv_cache_spec = spec.with_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.draft.dtype,
+                                                            widening, self.ops.platform)
+
+    def _draft_runner(self, num_blocks: int) -> DraftRunner | None:
+        """The draft model with its KV cache of num_blocks blocks (the target's count), if this rank drafts."""
+        if self.draft is None:
+            return None
+        block_size = self.config.cache.block_size
+        caches = self.draft_kv_cache_spec.allocate(num_blocks, block_size, self.draft.dtype, self.device)
+        draft_bytes = num_blocks * block_size * self.draft_kv_cache_spec.bytes_per_token(self.draft.dtype)
+        logger.info("draft model %s: KV cache of %d blocks beside the target's, %.1f MiB (of the KV cache's budget)",
+                    self.draft.name, num_blocks, draft_bytes / 2**20)
+        max_model_len = min(self.max_model_len, self.draft.model.config.max_position)
+        return DraftRunner(self.draft.model, caches, block_size, self.device, max_model_len, self.config.seed)
+
     def _max_draft_tokens(self) -> int:
         """The most drafts a request verifies in a step (0: no speculation)."""
         spec = self.config.speculative
@@ -152,14 +195,13 @@ class Worker:
                                   num_state_slots=size.max_num_seqs,
                                   max_draft_tokens=self._max_draft_tokens(),
                                   num_state_checkpoints=self._num_state_checkpoints(), seed=self.config.seed,
-                                  proposer=self._proposer())
+                                  proposer=self._proposer(), draft=self._draft_runner(size.num_blocks))
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
 
     def _proposer(self) -> Proposer | None:
         """The n-gram or suffix proposer, on the sampling rank (the one that knows the sampled tokens)."""
-        state = get_parallel_state()
-        return create_proposer(self.config.speculative) if state.rank == state.sampler_rank else None
+        return create_proposer(self.config.speculative) if self._samples() else None
 
     def _lora_pool(self) -> LoRAPool | None:
         """The adapters' slots, attached to the model's layers (with enable_lora); sized for the longest step: a
@@ -199,6 +241,7 @@ class Worker:
         self.runner = None
         self.lora_pool = None
         self.loaded = None
+        self.draft = None
 
     def _compilation(self) -> CompilationConfig | None:
         """How decode steps compile, or None (every step eager) when asked, under tensor or pipeline

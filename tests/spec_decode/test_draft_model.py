@@ -1,4 +1,4 @@
-"""A draft model with the target's tokenizer, run by kvforge in an engine of its own: greedy outputs are the
+"""A draft model with the target's tokenizer, run by kvforge's model runner: greedy outputs are the
 target's; the target as its own draft has every draft accepted; a draft of another vocabulary is refused."""
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ def test_a_different_draft_model_keeps_the_target_greedy_tokens(tiny_llama_dir, 
     assert stats.num_draft_tokens > 0
     cache = llm.engine.cache_stats()
     assert cache.num_free_blocks == cache.num_usable_blocks
-    draft_engine = llm.engine.scheduler.speculation.draft_model.engine
+    runner = llm.engine.runner
+    assert runner.draft is not None
     llm.shutdown()
-    assert draft_engine.runner is None  # the draft model and its cache went with the target's
+    assert runner.draft is None  # the draft model and its cache went with the target's
 
 
 def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_llama_dir, reference):
