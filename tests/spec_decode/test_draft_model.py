@@ -53,3 +53,43 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(tiny_llama_dir[0]), kv_cache_memory="16MiB", speculative_method="draft",
             speculative_model=str(tmp_path))
+
+
+def test_preempted_and_aborted_requests_give_back_the_blocks_the_draft_shares(tiny_llama_dir, tmp_path):
+    """The draft's keys and values live in the target's blocks: with a draft that agrees in part (the target with
+    noise), a cache too small for four requests preempts some, greedy tokens stay the target's, and after the
+    requests finish or are aborted every block is free again."""
+    import copy
+
+    import torch
+
+    from tests.tiny_models import save_tokenizer
+
+    folder, model = str(tiny_llama_dir[0]), tiny_llama_dir[1]
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 5, 9, 17] + list(range(40, 60))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids
+                for o in LLM(folder, kv_cache_memory="16MiB", enforce_eager=True).generate(prompts, params)]
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(0.15 * weight.std() * torch.randn(weight.shape, generator=generator))
+    save_tokenizer(tmp_path)
+    draft.save_pretrained(tmp_path)
+    # 40 KiB: 19 blocks of 4 tokens of the target's and the draft's keys and values (512 bytes a token)
+    llm = LLM(folder, kv_cache_memory="40KiB", enforce_eager=True, block_size=4, speculative_method="draft",
+              speculative_model=str(tmp_path), num_speculative_tokens=3, speculative_adaptive=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    stats, cache = llm.engine.stats(), llm.engine.cache_stats()
+    assert stats.num_preemptions > 0 and 0 < stats.spec_decode.acceptance_rate < 1
+    assert cache.num_free_blocks == cache.num_usable_blocks == 19
+    engine = llm.engine
+    for i, prompt in enumerate(prompts[:2]):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(4):
+        engine.step()
+    assert engine.stats().spec_decode.num_draft_tokens > stats.spec_decode.num_draft_tokens
+    engine.abort_request(["r0", "r1"])
+    cache = llm.engine.cache_stats()
+    assert cache.num_free_blocks == cache.num_usable_blocks
