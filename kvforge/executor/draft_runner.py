@@ -3,36 +3,51 @@ the next step's tokens of every request that asks for drafts, all requests at on
 it sampled them from on the device for the rejection sampler of the step that verifies them.
 
 Its paged KV cache has as many blocks as the target's and the same block size, and a request's draft KV lives in
-the blocks of the request's (first group's) block table: the blocks the scheduler allocates for the target hold
-the draft's keys and values too, and are freed with them (finished, aborted, preempted). The scheduler allocates
-up to num_speculative_tokens slots past a proposing request's step (lookahead) for the draft's own tokens.
+the blocks of the request's first (full-attention) group's block table: the blocks the scheduler allocates for the
+target hold the draft's keys and values too, and are freed with them (finished, aborted, preempted). The scheduler
+allocates up to num_speculative_tokens slots past a proposing request's step (lookahead) for the draft's own tokens.
+Every layer of the draft keeps its keys in those blocks, its sliding-window layers too (they read their window of
+them); a hybrid draft's linear-attention layers keep their states in slots of their own (DraftStates).
 
 A proposal for a request of n tokens, m drafts:
 
     position        start .. n-1           n        n+1     ..  n+m-2
-    draft input     the request's tokens   d0       d1          d(m-2)      (prefill, then one token per step)
+    draft input     the request's tokens   d0       d1          d(m-2)      (catch-up, then one token per step)
     draft output                   -> d0   -> d1    -> d2       -> d(m-1)
 
-    forwards: 1 (every request's new tokens, one flat batch) + m-1 (one token per request each)
+    forwards: 1 (every request's new tokens, one flat batch; more where they pass max_num_batched_tokens)
+              + m-1 (one token per request each: decode steps, compiled as the target's are)
 
 The draft's keys and values of the request's tokens stay valid while its tokens grow: start is the first position
 whose cache the draft has not filled with the token the request holds there (its earlier drafts that the target
-accepted count as filled). A request the runner meets anew (new, or back after a preemption) starts at 0: a
-prefix-cache hit of the target says nothing of the draft's cache.
+accepted count as filled, except in a hybrid draft, whose state holds no drafts). A request the runner meets anew
+(new, or back after a preemption) starts at 0: a prefix-cache hit of the target says nothing of the draft's cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from kvforge.config import CompilationConfig
+from kvforge.executor.decode_graphs import DecodeGraphs
+from kvforge.executor.draft_states import DraftStates
 from kvforge.layers.attention import AttentionMetadata
+from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import draw_uniforms
 from kvforge.sampling_params import SamplingParams
 from kvforge.spec_decode import draft
+
+
+def draft_paged_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """The draft's paged layers as one group, a cache tensor each: they all write a request's tokens to the same
+    blocks (a sliding window's layers read the window of them), so no two layers may share a tensor."""
+    return dataclasses.replace(spec, layer_windows=None)
 
 
 @dataclass(slots=True)
@@ -55,16 +70,39 @@ class DraftRequest:
     block_table: np.ndarray  # [num_blocks] int32
 
 
-class DraftRunner:
-    """The draft model and its KV cache (kv_caches: per layer, allocated with the target's block count)."""
+@dataclass(frozen=True, slots=True)
+class DraftLimits:
+    """How long a draft's request may grow (max_model_len), how many requests run at once (max_num_seqs: a hybrid
+    draft's state slots) and how many tokens one forward computes (max_num_batched_tokens: the catch-up's chunks)."""
 
-    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
-                 device: torch.device, max_model_len: int, seed: int = 0) -> None:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class DraftRunner:
+    """The draft model, its KV cache (spec: the draft's, stored as the target's; num_blocks: the target's block count),
+    a hybrid draft's states, and its compiled decode steps (compilation None: every step eager)."""
+
+    def __init__(self, model: nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, limits: DraftLimits, compilation: CompilationConfig | None = None,
+                 seed: int = 0) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_caches = draft_paged_spec(spec).allocate(num_blocks, block_size, dtype, device)
+        self.num_groups = len(spec.layer_groups())  # the groups the model's layers read their tables from
+        self.states = None
+        if spec.recurrent_state is not None:
+            self.states = DraftStates(spec.recurrent_state, limits.max_num_seqs, dtype, device)
+            self.kv_caches += self.states.layers
         self.block_size = block_size
         self.device = device
-        self.max_model_len = max_model_len
+        self.limits = limits
+        self.graphs = None
+        if compilation is not None:
+            max_blocks_per_seq = min(num_blocks, -(-limits.max_model_len // block_size))
+            padding_slot = None if self.states is None else self.states.padding_slot
+            self.graphs = DecodeGraphs(model, self.kv_caches, compilation.compile_buckets, compilation.compile_after,
+                                       max_blocks_per_seq, device, self.num_groups, padding_slot)
         self.generator = torch.Generator(device).manual_seed(seed)  # the unseeded requests' draws
         self.num_computed: dict[str, int] = {}  # request -> its tokens whose draft KV is in the cache
         self.proposals: dict[str, _Proposal] = {}
@@ -74,6 +112,13 @@ class DraftRunner:
         for request_id in request_ids:
             self.num_computed.pop(request_id, None)
             self.proposals.pop(request_id, None)
+        if self.states is not None:
+            self.states.forget(request_ids)
+
+    def close(self) -> None:
+        """Stop the compiles of the draft's decode steps (the engine is shutting down)."""
+        if self.graphs is not None:
+            self.graphs.close()
 
     def draft_probs(self, request_id: str, draft_token_ids: list[int]) -> torch.Tensor | None:
         """The distributions [len(draft_token_ids), vocab] the request's drafts (a prefix of its latest proposal) were
@@ -83,8 +128,10 @@ class DraftRunner:
         return None if proposal.probs is None else proposal.probs[: len(draft_token_ids)]
 
     def _start(self, request_id: str, token_ids: list[int]) -> int:
-        """The first position whose draft KV the request's next proposal computes."""
+        """The first position whose draft KV (and state) the request's next proposal computes."""
         computed = self.num_computed.get(request_id, 0)
+        if self.states is not None:  # the state is the one after the tokens so far: no drafts in it
+            return computed if computed < len(token_ids) else 0
         proposal = self.proposals.get(request_id)
         if proposal is not None:  # drafts 0..m-2 went through the draft at positions n..n+m-2
             kept = 0
@@ -98,12 +145,12 @@ class DraftRunner:
     def _num_drafts(self, request: DraftRequest, max_num_tokens: int) -> int:
         """Drafts whose keys and values fit the request's blocks and the model's length (d(m-2) at n+m-2)."""
         n = len(request.token_ids)
-        room = min(len(request.block_table) * self.block_size, self.max_model_len) - n + 1
+        room = min(len(request.block_table) * self.block_size, self.limits.max_model_len) - n + 1
         return max(min(max_num_tokens, room), 0)
 
     def propose(self, requests: list[DraftRequest], max_num_tokens: int) -> list[list[int]]:
-        """Up to max_num_tokens drafts per request (fewer where its blocks end), in one batched forward of the
-        requests' new tokens, then one per further draft position."""
+        """Up to max_num_tokens drafts per request (fewer where its blocks end), in one batched catch-up forward of
+        the requests' new tokens (chunked to max_num_batched_tokens), then one decode step per further position."""
         counts = [self._num_drafts(r, max_num_tokens) for r in requests]
         drafting = [i for i, m in enumerate(counts) if m > 0]
         result: list[list[int]] = [[] for _ in requests]
@@ -117,35 +164,33 @@ class DraftRunner:
         tables = np.zeros((len(reqs), width), dtype=np.int32)  # padded with the null block
         for i, r in enumerate(reqs):
             tables[i, : len(r.block_table)] = r.block_table
+        slots = None if self.states is None else self.states.slots([r.request_id for r in reqs])
         params = [draft.draft_params(r.sampling_params, len(r.token_ids), max_num_tokens) for r in reqs]
         generators = draft.draft_generators(params, self.device)
         sampled = any(p.temperature > 0.0 for p in params)
         max_drafts = int(num_drafts.max())
         drafted = torch.zeros((len(reqs), max_drafts), dtype=torch.long, device=self.device)
         probs = None
-        # first forward: every request's tokens from start to n-1
-        q_lens = num_tokens - starts
-        row_of_token = np.repeat(np.arange(len(reqs)), q_lens)
-        positions = np.arange(int(q_lens.sum())) - np.repeat(np.cumsum(q_lens) - q_lens - starts, q_lens)
-        input_ids = torch.from_numpy(np.concatenate([r.token_ids[s:] for r, s in zip(reqs, starts.tolist())]))
-        active = np.arange(len(reqs))
-        index = torch.from_numpy(active).to(self.device)
-        for j in range(max_drafts):
-            if j > 0:  # the previous drafts of the requests that draft further, one token each
-                active = active[num_drafts[active] > j]
+        with self._stepping():
+            logits = self._catch_up([r.token_ids for r in reqs], starts, tables, slots)
+            if slots is not None and max_drafts > 1:  # the drafts run through a copy of each state
+                slots = self.states.working_copies(slots)
+            active = np.arange(len(reqs))
+            for j in range(max_drafts):
+                if j > 0:  # the previous drafts of the requests that draft further, one token each
+                    active = active[num_drafts[active] > j]
+                    index = torch.from_numpy(active).to(self.device)
+                    logits = self._decode(drafted[index, j - 1], num_tokens[active] + j - 1, active, tables, slots)
                 index = torch.from_numpy(active).to(self.device)
-                input_ids, row_of_token = drafted[index, j - 1], active
-                positions = num_tokens[active] + j - 1
-            logits = self._forward(input_ids, positions, row_of_token, tables)
-            batch = draft.draft_sampling_batch([params[i] for i in active], [generators[i] for i in active],
-                                               self.generator)
-            uniform = draw_uniforms([1] * len(active), batch.generators, self.device, self.generator)
-            token_ids, step_probs = draft.sample_drafts(logits, batch, uniform)
-            drafted[index, j] = token_ids
-            if sampled:
-                if probs is None:
-                    probs = torch.zeros((len(reqs), max_drafts, logits.shape[-1]), device=self.device)
-                probs[index, j] = step_probs
+                batch = draft.draft_sampling_batch([params[i] for i in active], [generators[i] for i in active],
+                                                   self.generator)
+                uniform = draw_uniforms([1] * len(active), batch.generators, self.device, self.generator)
+                token_ids, step_probs = draft.sample_drafts(logits, batch, uniform)
+                drafted[index, j] = token_ids
+                if sampled:
+                    if probs is None:
+                        probs = torch.zeros((len(reqs), max_drafts, logits.shape[-1]), device=self.device)
+                    probs[index, j] = step_probs
         drafted_ids = drafted.tolist()  # the one host sync of a proposal
         for r, (i, request) in enumerate(zip(drafting, reqs)):
             m = int(num_drafts[r])
@@ -155,23 +200,71 @@ class DraftRunner:
             self.proposals[request.request_id] = _Proposal(int(num_tokens[r]), result[i], q)
         return result
 
-    def _forward(self, input_ids: torch.Tensor, positions: np.ndarray, row_of_token: np.ndarray,
-                 tables: np.ndarray) -> torch.Tensor:
-        """The draft's fp32 logits [sequences, vocab] at the last token of each sequence; input_ids [tokens] of the
+    def _stepping(self) -> AbstractContextManager[None]:
+        """Around a proposal: the draft's compiles running in the background pause meanwhile."""
+        return nullcontext() if self.graphs is None else self.graphs.stepping()
+
+    def _catch_up(self, token_ids: list[list[int]], starts: np.ndarray, tables: np.ndarray,
+                  slots: np.ndarray | None) -> torch.Tensor:
+        """The draft's fp32 logits [requests, vocab] after each request's tokens, its tokens from starts on computed
+        in one flat batch, in forwards of at most max_num_batched_tokens tokens (a request's may span several)."""
+        q_lens = np.array([len(t) for t in token_ids], dtype=np.int64) - starts
+        ends = np.cumsum(q_lens)  # each request's end in the flat batch
+        row_of_token = np.repeat(np.arange(len(token_ids)), q_lens)
+        positions = np.arange(int(ends[-1])) - np.repeat(ends - q_lens - starts, q_lens)
+        input_ids = torch.from_numpy(np.concatenate([t[s:] for t, s in zip(token_ids, starts.tolist())]))
+        logits = []
+        budget = self.limits.max_num_batched_tokens
+        for first in range(0, int(ends[-1]), budget):
+            last = min(first + budget, int(ends[-1]))
+            # NOTE: every sequence of a chunk but its last ends in it; that one may go on in the next chunk
+            num_ending = int(((ends > first) & (ends <= last)).sum())
+            hidden = self._forward(input_ids[first:last], positions[first:last], row_of_token[first:last], tables,
+                                   slots)
+            logits.append(self.model.compute_logits(hidden[:num_ending]).float())
+        return torch.cat(logits)
+
+    def _decode(self, input_ids: torch.Tensor, positions: np.ndarray, rows: np.ndarray, tables: np.ndarray,
+                slots: np.ndarray | None) -> torch.Tensor:
+        """One token of each of rows (input_ids [rows] on the device, at positions [rows]): fp32 logits [rows, vocab],
+        from the bucket's compiled step once it is ready."""
+        metadata = self._metadata(positions, rows, tables, slots)
+        positions_tensor = torch.from_numpy(positions.astype(np.int64)).to(self.device)
+        if self.graphs is not None and self.graphs.bucket_for(len(rows)) is not None:
+            logits = self.graphs.run(input_ids, positions_tensor, metadata)
+            if logits is not None:
+                return logits.float()
+        hidden = self.model(input_ids, positions_tensor, self.kv_caches, metadata, None)
+        return self.model.compute_logits(hidden).float()
+
+    def _forward(self, input_ids: torch.Tensor, positions: np.ndarray, row_of_token: np.ndarray, tables: np.ndarray,
+                 slots: np.ndarray | None) -> torch.Tensor:
+        """The draft's hidden states [sequences, hidden] at the last token of each sequence; input_ids [tokens] of the
         sequences of rows row_of_token (ascending, each sequence's tokens together) at positions [tokens]."""
+        metadata = self._metadata(positions, row_of_token, tables, slots)
+        hidden = self.model(input_ids.to(self.device), torch.from_numpy(positions.astype(np.int64)).to(self.device),
+                            self.kv_caches, metadata, None)
+        return hidden[metadata.query_start_loc[1:].long() - 1]
+
+    def _metadata(self, positions: np.ndarray, row_of_token: np.ndarray, tables: np.ndarray,
+                  slots: np.ndarray | None) -> AttentionMetadata:
+        """The attention metadata of tokens at positions of rows row_of_token: every layer group of the draft reads
+        and writes the rows' blocks (tables [rows, blocks]); a hybrid draft's states in slots [rows]."""
         rows, q_lens = np.unique(row_of_token, return_counts=True)
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=query_start_loc[1:])
-        slots = tables[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-        slots += positions % self.block_size
+        block_slots = tables[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+        block_slots += positions % self.block_size
         seq_lens = positions[query_start_loc[1:] - 1] + 1
         device = self.device
+        slot_mapping = torch.from_numpy(block_slots).to(device)
+        width = int(positions.max()) // self.block_size + 1  # the blocks the rows read
+        block_tables = torch.from_numpy(np.ascontiguousarray(tables[rows, :width])).to(device)
         metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            block_tables=torch.from_numpy(np.ascontiguousarray(tables[rows])).to(device),
-            decode_only=bool((q_lens == 1).all()))
-        hidden = self.model(input_ids.to(device), torch.from_numpy(positions.astype(np.int64)).to(device),
-                            self.kv_caches, metadata, None)
-        return self.model.compute_logits(hidden[torch.from_numpy(query_start_loc[1:] - 1).to(device)]).float()
+            slot_mapping=slot_mapping, query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device), block_tables=block_tables,
+            decode_only=bool((q_lens == 1).all()), other_groups=((slot_mapping, block_tables),) * (self.num_groups - 1))
+        if slots is not None:  # a sequence that starts past position 0 continues its state
+            metadata.state_slot_ids = torch.from_numpy(slots[rows].astype(np.int32)).to(device)
+            metadata.has_initial_state = torch.from_numpy(positions[query_start_loc[:-1]] > 0).to(device)
+        return metadata

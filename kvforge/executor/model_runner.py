@@ -210,6 +210,8 @@ class ModelRunner:
         """Stop the compiles running in the background, if any, and release the draft model and its cache."""
         if self.decode_graphs is not None:
             self.decode_graphs.close()
+        if self.draft is not None:
+            self.draft.close()
         self.draft = None
 
     def _update_requests(self, output: SchedulerOutput) -> None:
