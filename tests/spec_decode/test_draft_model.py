@@ -45,6 +45,23 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_llama_dir, re
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
 
 
+def test_a_long_prompt_catches_up_in_chunks_of_the_token_budget(tiny_llama_dir):
+    """A prompt of 40 tokens under max_num_batched_tokens=16: the draft's catch-up forward runs in chunks of at most
+    16 tokens, as the target's prefill does, and its keys and values are right (the target as its own draft has
+    every draft accepted)."""
+    folder = str(tiny_llama_dir[0])
+    prompt = [{"prompt_token_ids": list(range(5, 45))}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    options = dict(kv_cache_memory="16MiB", enforce_eager=True, max_num_batched_tokens=16)
+    expected = LLM(folder, **options).generate(prompt, params)[0].outputs[0].token_ids
+    llm = LLM(folder, speculative_method="draft", speculative_model=folder, num_speculative_tokens=3, **options)
+    forward_tokens = []
+    llm.engine.runner.draft.model.register_forward_pre_hook(lambda _, args: forward_tokens.append(args[0].shape[0]))
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == expected
+    assert llm.engine.stats().spec_decode.acceptance_rate == 1.0
+    assert max(forward_tokens) == 16 and sum(forward_tokens) >= 40
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     from tests.tiny_models import build_model, save_tokenizer
 
