@@ -62,6 +62,24 @@ def test_a_long_prompt_catches_up_in_chunks_of_the_token_budget(tiny_llama_dir):
     assert max(forward_tokens) == 16 and sum(forward_tokens) >= 40
 
 
+@pytest.mark.slow
+def test_the_drafts_decode_steps_run_compiled(tiny_llama_dir, reference):
+    """With compilation on, the draft's decode steps (one row per drafting request) replay its compiled graphs, and
+    the target as its own draft still has every draft accepted."""
+    folder = str(tiny_llama_dir[0])
+    llm = LLM(folder, kv_cache_memory="16MiB", speculative_method="draft", speculative_model=folder,
+              num_speculative_tokens=3, compile_buckets=(1, 2, 4, 8))
+    draft = llm.engine.runner.draft
+    draft.graphs.compile_ahead(2)
+    assert draft.graphs.compiled_buckets == (1, 2)
+    replays = []
+    run = draft.graphs.run
+    draft.graphs.run = lambda *args: replays.append(run(*args)) or replays[-1]
+    assert _greedy(llm) == reference
+    assert llm.engine.stats().spec_decode.acceptance_rate == 1.0
+    assert any(logits is not None for logits in replays)
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     from tests.tiny_models import build_model, save_tokenizer
 
