@@ -79,6 +79,20 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(target_and_draft, 
     assert cache.num_free_blocks == cache.num_usable_blocks
 
 
+def test_a_hybrid_drafts_preempted_requests_start_their_states_anew(target_and_draft, expected):
+    """In a cache of 4 blocks a request is preempted: its draft's state slots go back, and when it is recomputed its
+    draft state starts from its first token again (every draft of the target as its own draft still accepted)."""
+    target = target_and_draft[0]
+    if "qwen3_5" not in target:
+        pytest.skip("the hybrid model's case")
+    llm = LLM(target, speculative_method="draft", speculative_model=target, num_speculative_tokens=3,
+              speculative_adaptive=False, **{**OPTIONS, "kv_cache_memory": "40KiB"})
+    assert _generate(llm) == expected
+    stats, cache = llm.engine.stats(), llm.engine.cache_stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode.acceptance_rate == 1.0
+    assert cache.num_free_blocks == cache.num_usable_blocks == 4
+
+
 @pytest.mark.slow
 def test_drafts_of_windowed_and_hybrid_models_are_transformers_greedy(target_and_draft, expected):
     target, draft_folder, draft = target_and_draft
