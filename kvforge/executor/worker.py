@@ -175,11 +175,14 @@ class Worker:
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the "
                              f"target's ({target.config.vocab_size})")
-        if self.kv_cache_spec.layer_groups()[0].kind != "full_attention":  # NOTE: no model of the registry is so
+        # NOTE: group 0 of a paged cache is its full-attention layers, unless every layer slides (in windows of two
+        # sizes or more)
+        if self.kv_cache_spec.layer_groups()[0].kind != "full_attention":
             raise ValueError("a draft model needs a target with full-attention layers (their blocks hold the "
                              "draft's keys and values)")
-        self.draft_kv_cache_spec = draft.kv_cache_spec.with_kv_cache_dtype(self.config.cache.kv_cache_dtype,
-                                                                           self.draft.dtype, widening,
+        # NOTE: a latent-attention (MLA) draft keeps its cache unquantized whatever the target's
+        kv_cache_dtype = self.config.cache.kv_cache_dtype if draft.kv_cache_spec.quantizable else "auto"
+        self.draft_kv_cache_spec = draft.kv_cache_spec.with_kv_cache_dtype(kv_cache_dtype, self.draft.dtype, widening,
                                                                            self.ops.platform)
 
     def _draft_runner(self, size: KVCacheSize, compilation: CompilationConfig | None) -> DraftRunner | None:
