@@ -47,7 +47,7 @@ def main() -> None:
     rows = args.num_speculative_tokens + 1
     runner.decode_graphs.compile_ahead(rows)  # the target's steps: 1 row, or a row and its drafts
     runner.draft.graphs.compile_ahead(1)
-    prompt = llm.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
+    prompt = llm.engine.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
     graphs = runner.draft.graphs
     _decode_speed(llm, prompt, args.output_len, "warmup")
     ratios = []

@@ -73,7 +73,6 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(target_and_draft, 
     llm = LLM(target, speculative_method="draft", speculative_model=target, num_speculative_tokens=3,
               speculative_adaptive=False, **OPTIONS)
     assert _generate(llm) == expected
-    assert _generate(llm) == expected  # the draft's state slots of the first round's requests are free again
     stats, cache = llm.engine.stats().spec_decode, llm.engine.cache_stats()
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
     assert cache.num_free_blocks == cache.num_usable_blocks
