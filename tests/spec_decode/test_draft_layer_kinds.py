@@ -79,14 +79,16 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(target_and_draft, 
 
 
 def test_a_hybrid_drafts_preempted_requests_start_their_states_anew(target_and_draft, expected):
-    """In a cache of 4 blocks a request is preempted: its draft's state slots go back, and when it is recomputed its
-    draft state starts from its first token again (every draft of the target as its own draft still accepted)."""
+    """In a cache of 4 blocks requests are preempted: their draft's state slots go back (4 requests pass through the
+    2 slot pairs of max_num_seqs=2), and a recomputed request's draft state starts from its first token again (every
+    draft of the target as its own draft still accepted)."""
     target = target_and_draft[0]
     if "qwen3_5" not in target:
         pytest.skip("the hybrid model's case")
     llm = LLM(target, speculative_method="draft", speculative_model=target, num_speculative_tokens=3,
               speculative_adaptive=False, **{**OPTIONS, "kv_cache_memory": "40KiB"})
-    assert _generate(llm) == expected
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS * 2], PARAMS)  # 4 requests, 2 slot pairs
+    assert [o.outputs[0].token_ids for o in outputs] == expected * 2
     stats, cache = llm.engine.stats(), llm.engine.cache_stats()
     assert stats.num_preemptions > 0 and stats.spec_decode.acceptance_rate == 1.0
     assert cache.num_free_blocks == cache.num_usable_blocks == 4
