@@ -27,14 +27,12 @@ accepted count as filled, except in a hybrid draft, whose state holds no drafts)
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from kvforge.config import CompilationConfig
 from kvforge.executor.decode_graphs import DecodeGraphs
 from kvforge.executor.draft_states import DraftStates
 from kvforge.layers.attention import AttentionMetadata
@@ -82,11 +80,10 @@ class DraftLimits:
 
 class DraftRunner:
     """The draft model, its KV cache (spec: the draft's, stored as the target's; num_blocks: the target's block count),
-    a hybrid draft's states, and its compiled decode steps (compilation None: every step eager)."""
+    a hybrid draft's states, and its compiled decode steps (compile_decode_steps; without them every step eager)."""
 
     def __init__(self, model: nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, limits: DraftLimits, compilation: CompilationConfig | None = None,
-                 seed: int = 0) -> None:
+                 device: torch.device, limits: DraftLimits, seed: int = 0) -> None:
         self.model = model
         self.kv_caches = draft_paged_spec(spec).allocate(num_blocks, block_size, dtype, device)
         self.num_groups = len(spec.layer_groups())  # the groups the model's layers read their tables from
@@ -97,12 +94,8 @@ class DraftRunner:
         self.block_size = block_size
         self.device = device
         self.limits = limits
-        self.graphs = None
-        if compilation is not None:
-            max_blocks_per_seq = min(num_blocks, -(-limits.max_model_len // block_size))
-            padding_slot = None if self.states is None else self.states.padding_slot
-            self.graphs = DecodeGraphs(model, self.kv_caches, compilation.compile_buckets, compilation.compile_after,
-                                       max_blocks_per_seq, device, self.num_groups, padding_slot)
+        self.num_blocks = num_blocks
+        self.graphs: DecodeGraphs | None = None
         self.generator = torch.Generator(device).manual_seed(seed)  # the unseeded requests' draws
         self.num_computed: dict[str, int] = {}  # request -> its tokens whose draft KV is in the cache
         self.proposals: dict[str, _Proposal] = {}
@@ -114,6 +107,15 @@ class DraftRunner:
             self.proposals.pop(request_id, None)
         if self.states is not None:
             self.states.forget(request_ids)
+
+    def compile_decode_steps(self, target_graphs: DecodeGraphs) -> None:
+        """Compile the draft's decode steps as the target's are: in target_graphs' buckets, after as many eager steps,
+        on their compile thread (the runner's steps, which the proposals run in, lend it its turns)."""
+        max_blocks_per_seq = min(self.num_blocks, -(-self.limits.max_model_len // self.block_size))
+        padding_slot = None if self.states is None else self.states.padding_slot
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, target_graphs.buckets, target_graphs.compile_after,
+                                   max_blocks_per_seq, self.device, self.num_groups, padding_slot,
+                                   target_graphs.compiler)
 
     def close(self) -> None:
         """Stop the compiles of the draft's decode steps (the engine is shutting down)."""
@@ -171,26 +173,25 @@ class DraftRunner:
         max_drafts = int(num_drafts.max())
         drafted = torch.zeros((len(reqs), max_drafts), dtype=torch.long, device=self.device)
         probs = None
-        with self._stepping():
-            logits = self._catch_up([r.token_ids for r in reqs], starts, tables, slots)
-            if slots is not None and max_drafts > 1:  # the drafts run through a copy of each state
-                slots = self.states.working_copies(slots)
-            active = np.arange(len(reqs))
-            for j in range(max_drafts):
-                if j > 0:  # the previous drafts of the requests that draft further, one token each
-                    active = active[num_drafts[active] > j]
-                    index = torch.from_numpy(active).to(self.device)
-                    logits = self._decode(drafted[index, j - 1], num_tokens[active] + j - 1, active, tables, slots)
-                index = torch.from_numpy(active).to(self.device)
-                batch = draft.draft_sampling_batch([params[i] for i in active], [generators[i] for i in active],
-                                                   self.generator)
-                uniform = draw_uniforms([1] * len(active), batch.generators, self.device, self.generator)
-                token_ids, step_probs = draft.sample_drafts(logits, batch, uniform)
-                drafted[index, j] = token_ids
-                if sampled:
-                    if probs is None:
-                        probs = torch.zeros((len(reqs), max_drafts, logits.shape[-1]), device=self.device)
-                    probs[index, j] = step_probs
+        logits = self._catch_up([r.token_ids for r in reqs], starts, tables, slots)
+        if slots is not None and max_drafts > 1:  # the drafts run through a copy of each state
+            slots = self.states.working_copies(slots)
+        active = np.arange(len(reqs))
+        for j in range(max_drafts):
+            if j > 0:  # the previous drafts of the requests that draft further, one token each
+                active = active[num_drafts[active] > j]
+            index = torch.from_numpy(active).to(self.device)
+            if j > 0:
+                logits = self._decode(drafted[index, j - 1], num_tokens[active] + j - 1, active, tables, slots)
+            batch = draft.draft_sampling_batch([params[i] for i in active], [generators[i] for i in active],
+                                               self.generator)
+            uniform = draw_uniforms([1] * len(active), batch.generators, self.device, self.generator)
+            token_ids, step_probs = draft.sample_drafts(logits, batch, uniform)
+            drafted[index, j] = token_ids
+            if sampled:
+                if probs is None:
+                    probs = torch.zeros((len(reqs), max_drafts, logits.shape[-1]), device=self.device)
+                probs[index, j] = step_probs
         drafted_ids = drafted.tolist()  # the one host sync of a proposal
         for r, (i, request) in enumerate(zip(drafting, reqs)):
             m = int(num_drafts[r])
@@ -199,10 +200,6 @@ class DraftRunner:
             q = None if params[r].temperature == 0.0 else probs[r, :m]
             self.proposals[request.request_id] = _Proposal(int(num_tokens[r]), result[i], q)
         return result
-
-    def _stepping(self) -> AbstractContextManager[None]:
-        """Around a proposal: the draft's compiles running in the background pause meanwhile."""
-        return nullcontext() if self.graphs is None else self.graphs.stepping()
 
     def _catch_up(self, token_ids: list[list[int]], starts: np.ndarray, tables: np.ndarray,
                   slots: np.ndarray | None) -> torch.Tensor:

@@ -85,6 +85,8 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, compilation.compile_buckets,
                                               compilation.compile_after, max_blocks_per_seq, device,
                                               self.num_paged_groups, padding_slot)
+            if draft is not None:
+                draft.compile_decode_steps(self.decode_graphs)
 
     def _prepare(self, output: SchedulerOutput) -> _Batch:
         """The step's flat inputs from the input batch's rows (one host-to-device copy), and what sampling reads."""

@@ -185,7 +185,7 @@ class Worker:
         self.draft_kv_cache_spec = draft.kv_cache_spec.with_kv_cache_dtype(kv_cache_dtype, self.draft.dtype, widening,
                                                                            self.ops.platform)
 
-    def _draft_runner(self, size: KVCacheSize, compilation: CompilationConfig | None) -> DraftRunner | None:
+    def _draft_runner(self, size: KVCacheSize) -> DraftRunner | None:
         """The draft model with its KV cache of the target's block count, if this rank drafts."""
         if self.draft is None:
             return None
@@ -197,7 +197,7 @@ class Worker:
         limits = DraftLimits(min(self.max_model_len, self.draft.model.config.max_position), size.max_num_seqs,
                              self.config.scheduler.max_num_batched_tokens)
         return DraftRunner(self.draft.model, self.draft_kv_cache_spec, size.num_blocks, block_size, self.draft.dtype,
-                           self.device, limits, compilation, self.config.seed)
+                           self.device, limits, self.config.seed)
 
     def _max_draft_tokens(self) -> int:
         """The most drafts a request verifies in a step (0: no speculation)."""
@@ -211,7 +211,7 @@ class Worker:
                                   num_state_slots=size.max_num_seqs,
                                   max_draft_tokens=self._max_draft_tokens(),
                                   num_state_checkpoints=self._num_state_checkpoints(), seed=self.config.seed,
-                                  proposer=self._proposer(), draft=self._draft_runner(size, compilation))
+                                  proposer=self._proposer(), draft=self._draft_runner(size))
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
             if self.runner.draft is not None:  # the draft's decode steps: one row per drafting request
