@@ -39,14 +39,18 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("this engine runs its decode steps eagerly (--enforce-eager, tensor or pipeline "
                              "parallelism, or no C++ CPU kernels): there is nothing to compile")
         max_batch = args.max_batch or max_decode_rows(llm.engine.config)
-        for bucket in (b for b in graphs.buckets if b <= max_batch):
-            start = time.perf_counter()
-            graphs.compile_ahead(bucket)
-            if graphs.failed:
-                print(f"batch {bucket}: cannot be compiled (see the log); the engine runs this model eagerly")
-                return 1
-            print(f"batch {bucket}: {time.perf_counter() - start:.1f} s ({graphs.wrappers[bucket]} wrapper)",
-                  flush=True)
+        draft = llm.engine.runner.draft  # a draft model's decode steps compile too (one row per drafting request)
+        models = [("", graphs)] + ([] if draft is None or draft.graphs is None else [("draft model ", draft.graphs)])
+        for name, model_graphs in models:
+            for bucket in (b for b in model_graphs.buckets if b <= max_batch):
+                start = time.perf_counter()
+                model_graphs.compile_ahead(bucket)
+                if model_graphs.failed:
+                    print(f"{name}batch {bucket}: cannot be compiled (see the log); the engine runs this model "
+                          f"eagerly")
+                    return 1
+                print(f"{name}batch {bucket}: {time.perf_counter() - start:.1f} s "
+                      f"({model_graphs.wrappers[bucket]} wrapper)", flush=True)
         print(f"compiled into {cache_dir()}")
     finally:
         llm.shutdown()

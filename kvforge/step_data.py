@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from kvforge.layers.sampler import RawLogprobs
     from kvforge.lora.request import LoRARequest
     from kvforge.pooling_params import PoolingParams
@@ -48,7 +46,6 @@ class ScheduledRequest:
     banned_token_ids: list[int]  # stop tokens the sampler must not pick before min_tokens
     num_draft_tokens: int = 0  # the last num_draft_tokens of token_ids are drafts to verify
     propose_drafts: bool = False  # the runner proposes drafts to follow what the request samples this step
-    draft_probs: np.ndarray | None = None  # [num_draft_tokens, vocab]: what they were drawn from (None: one-hot)
     # a hybrid model's linear-attention state checkpoints (engine/state_checkpoints.py): the one the request's state
     # slot takes before the step (a prefix-cache hit), and the one that takes a copy of the slot after it
     load_state_from: int | None = None

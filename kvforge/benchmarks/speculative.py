@@ -67,6 +67,9 @@ def _engines(args: argparse.Namespace, methods: list[str], streams: int) -> dict
         graphs, max_rows = engine.runner.decode_graphs, engine.config.speculative.speculative_max_rows
         if graphs is not None:  # the row counts the warm-up did not reach (steps with drafts have <= max_rows)
             graphs.compile_ahead(max(streams, 0 if method == "off" else max_rows))
+        draft = engine.runner.draft
+        if draft is not None and draft.graphs is not None:  # the draft model's steps: a row per drafting stream
+            draft.graphs.compile_ahead(streams)
         engines[method] = engine
     return engines
 

@@ -26,7 +26,6 @@ from kvforge.loader.heap import release_freed_memory
 from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
-from kvforge.spec_decode.draft import DraftModelProposer
 from kvforge.spec_decode.policy import SpeculationPolicy, StepCosts
 from kvforge.step_data import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from kvforge.structured_output.compiler import GrammarCompiler
@@ -34,16 +33,17 @@ from kvforge.structured_output.compiler import GrammarCompiler
 logger = logging.getLogger(__name__)
 
 
-def _speculation(config: EngineConfig, vocab_size: int, buckets: tuple[int, ...]) -> Speculation | None:
+def _speculation(config: EngineConfig, buckets: tuple[int, ...]) -> Speculation | None:
     """buckets: the row counts the runner pads decode steps to (its compiled batch sizes). The runner proposes the
-    n-gram and suffix drafts (spec_decode/proposer.py); a draft model is asked from here."""
+    drafts (spec_decode/proposer.py; the draft model: executor/draft_runner.py)."""
     spec = config.speculative
     if spec.speculative_method is None:
         return None
     policy = SpeculationPolicy(spec.num_speculative_tokens, spec.speculative_max_rows, StepCosts(buckets),
                                spec.speculative_adaptive)
-    draft_model = DraftModelProposer(config, vocab_size) if spec.speculative_method == "draft" else None
-    return Speculation(policy, draft_model)
+    # NOTE: the draft model writes the keys and values of its own drafts past the request's step (lookahead)
+    lookahead = spec.num_speculative_tokens if spec.speculative_method == "draft" else 0
+    return Speculation(policy, lookahead)
 
 
 class LLMEngine:
@@ -72,7 +72,7 @@ class LLMEngine:
                                                    info.layer_groups, config.scheduler.max_num_batched_tokens,
                                                    config.cache.num_state_checkpoints)
             graphs = self.runner.decode_graphs
-            speculation = _speculation(config, self.vocab_size, () if graphs is None else graphs.buckets)
+            speculation = _speculation(config, () if graphs is None else graphs.buckets)
             max_loras = config.lora.max_loras if config.lora.enable_lora else None
             # NOTE: a hybrid model's state slots may run fewer requests than max_num_seqs (Worker.kv_cache_size)
             scheduling = dataclasses.replace(config.scheduler, max_num_seqs=self.executor.kv_cache_size.max_num_seqs)
@@ -143,14 +143,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the compiles in the background and release the model, its KV cache and compiled graphs, the grammar
-        threads, a draft model's engine and the other ranks' processes (if any). The engine cannot be used afterwards
+        threads, a draft model and the other ranks' processes (if any). The engine cannot be used afterwards
         (RuntimeError); a second call does nothing."""
         if self.is_shut_down:
             return
         self.is_shut_down = True
         self.grammars.shutdown()
-        if self.scheduler.speculation is not None:
-            self.scheduler.speculation.shutdown()
         self.executor.shutdown()
         self.groups.clear()
         self.in_flight.clear()

@@ -7,11 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvforge.config import SchedulerConfig
-from kvforge.engine.kv_cache_manager import KVCacheManager
+from kvforge.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.engine.speculation import NO_DRAFTS, Speculation
+from kvforge.engine.speculation import Speculation
 from kvforge.engine.stats import SchedulerStats, SpecDecodeStats
-from kvforge.spec_decode.proposer import Drafts
 from kvforge.step_data import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from kvforge.structured_output.bitmask import GrammarBitmask
 
@@ -107,8 +106,7 @@ class Scheduler:
             self.speculation.preempt(victim)
         return victim
 
-    def _emit(self, output: SchedulerOutput, request: Request, num_new: int, drafts: Drafts = NO_DRAFTS
-              ) -> None:
+    def _emit(self, output: SchedulerOutput, request: Request, num_new: int, drafts: Sequence[int] = ()) -> None:
         request_id, start = request.request_id, request.num_computed_tokens
         num_sent = self.num_sent_blocks.get(request_id)
         if num_sent is None:
@@ -116,18 +114,17 @@ class Scheduler:
                                                   request.num_prompt_tokens, request.sampling_params, request.lora))
         block_tables = self.kv.get_block_tables(request_id)  # NOTE: every group's table is equally long
         self.num_sent_blocks[request_id] = len(block_tables[0])
-        load_state_from, save_state_to = self.kv.state_copies(request, num_new, len(drafts.token_ids))
+        load_state_from, save_state_to = self.kv.state_copies(request, num_new, len(drafts))
         output.scheduled.append(ScheduledRequest(
             request_id=request_id,
-            token_ids=request.all_token_ids[start : start + num_new] + drafts.token_ids,
+            token_ids=request.all_token_ids[start : start + num_new] + list(drafts),
             num_computed_tokens=start,
             new_block_ids=[table[num_sent or 0 :] for table in block_tables],
             num_prompt_tokens=request.num_prompt_tokens,
             needs_sample=start + num_new == request.num_tokens,
             banned_token_ids=self._banned_tokens(request),
-            num_draft_tokens=len(drafts.token_ids),
+            num_draft_tokens=len(drafts),
             propose_drafts=self._proposes_after(request, start + num_new),
-            draft_probs=drafts.probs,
             load_state_from=load_state_from,
             save_state_to=save_state_to,
         ))
@@ -151,12 +148,12 @@ class Scheduler:
                 continue
             num_new = self._chunk(request, budget)
             drafts = self._drafts(request, budget)
-            if drafts.token_ids and self.kv.allocate_slots(request, num_new + len(drafts.token_ids)):
+            if drafts and self._allocate(request, num_new + len(drafts)):
                 self._emit(output, request, num_new, drafts)
-                budget -= num_new + len(drafts.token_ids)
+                budget -= num_new + len(drafts)
                 index += 1
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            while not self._allocate(request, num_new):
                 if self._preempt_newest(output, busy) is request:
                     return budget
             self._emit(output, request, num_new)
@@ -173,14 +170,23 @@ class Scheduler:
     def _proposes_after(self, request: Request, num_computed: int) -> bool:
         """Whether the runner proposes drafts after a step that computes the request up to num_computed tokens."""
         speculation = self.speculation
-        return (speculation is not None and speculation.draft_model is None and num_computed == request.num_tokens
-                and request.grammar is None and speculation.wants_drafts(request))
+        return (speculation is not None and num_computed == request.num_tokens and request.grammar is None
+                and speculation.wants_drafts(request))
 
-    def _drafts(self, request: Request, budget: int) -> Drafts:
+    def _drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens (as many as the step's plan allows) for a request that decodes."""
         if self.speculation is None or not self._decodes(request):
-            return NO_DRAFTS
+            return []
         return self.speculation.drafts(request, budget)
+
+    def _allocate(self, request: Request, num_new: int, hit: PrefixHit | None = None) -> bool:
+        """allocate_slots for num_new tokens, and first try with the lookahead of a draft model that writes its
+        drafts' keys and values past them (without it, the runner drafts as many tokens as the blocks hold)."""
+        lookahead = 0 if self.speculation is None else self.speculation.lookahead
+        if lookahead and request.num_computed_tokens + num_new >= request.num_tokens and (
+                self.kv.allocate_slots(request, num_new + lookahead, hit)):
+            return True
+        return self.kv.allocate_slots(request, num_new, hit)
 
     def _adapter_fits(self, request: Request) -> bool:
         """Whether the request's LoRA adapter (if any) runs already or a slot is left for it."""
@@ -199,7 +205,7 @@ class Scheduler:
             num_cached_tokens = hit.num_blocks * self.kv.block_size
             request.num_computed_tokens = num_cached_tokens
             num_new = self._chunk(request, budget)
-            if not self.kv.allocate_slots(request, num_new, hit):
+            if not self._allocate(request, num_new, hit):
                 request.num_computed_tokens = 0
                 break
             if request.num_preemptions == 0:

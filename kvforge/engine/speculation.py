@@ -3,8 +3,9 @@ how many of them the model accepted.
 
 The runner proposes each sampling request's drafts for its next step after sampling (n-gram, suffix: one call for
 the step's requests, on the tokens the runner holds) and returns them with the sampled tokens; `take` keeps them
-until the request is scheduled again. A draft model is still asked here, one request at a time (its
-drafts come with the distributions they were sampled from)."""
+until the request is scheduled again. A draft model drafts in the runner too (executor/draft_runner.py), keeping
+the distributions it sampled from there; its requests' steps allocate lookahead slots for its own drafts' keys and
+values."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ from collections.abc import Mapping, Sequence
 from kvforge.engine.request import Request
 from kvforge.engine.stats import SpecDecodeStats
 from kvforge.spec_decode.policy import SpeculationPolicy
-from kvforge.spec_decode.proposer import Drafts, RequestProposer
-
-NO_DRAFTS = Drafts([])  # (never changed)
 
 
 class Speculation:
@@ -23,11 +21,12 @@ class Speculation:
     within the step's token budget and the request's length limits (every draft accepted plus the model's own
     token never pass max_tokens or the model length), and counts drafts and accepted drafts per position.
 
-    draft_model: the draft model's proposer (None: the runner proposes the drafts)."""
+    lookahead: the slots past a proposing request's step that the runner's proposer writes (the draft model's
+    keys and values of its drafts; 0 without a model)."""
 
-    def __init__(self, policy: SpeculationPolicy, draft_model: RequestProposer | None = None) -> None:
+    def __init__(self, policy: SpeculationPolicy, lookahead: int = 0) -> None:
         self.policy = policy
-        self.draft_model = draft_model
+        self.lookahead = lookahead
         num_speculative_tokens = policy.num_speculative_tokens
         self.num_drafted_per_position = [0] * num_speculative_tokens
         self.num_accepted_per_position = [0] * num_speculative_tokens
@@ -55,7 +54,7 @@ class Speculation:
         else:
             self.proposed.pop(request_id, None)
 
-    def drafts(self, request: Request, budget: int) -> Drafts:
+    def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens to follow a request that decodes this step (its one new token takes 1 of budget)."""
         limit = min(self.planned.get(request.request_id, 0), budget - 1,
                     request.max_total_tokens - request.num_tokens - 1)
@@ -63,11 +62,8 @@ class Speculation:
         if max_tokens is not None:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
         if limit <= 0:
-            return NO_DRAFTS
-        if self.draft_model is not None:
-            return self.draft_model.propose(request.request_id, request.all_token_ids, limit,
-                                            request.sampling_params).truncated(limit)
-        return Drafts(self.proposed.get(request.request_id, [])[:limit])
+            return []
+        return self.proposed.get(request.request_id, [])[:limit]
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A request verified num_drafts drafts and accepted the first num_accepted."""
@@ -91,25 +87,15 @@ class Speculation:
         """The request is gone (the runner's proposer hears of it with the step's finished request ids)."""
         self.policy.forget(request.request_id)
         self.proposed.pop(request.request_id, None)
-        if self.draft_model is not None:
-            self.draft_model.finish(request.request_id, request.all_token_ids)
 
     def reset(self) -> None:
-        """Forget what finished requests taught the proposer: the draft model's at once, the runner's at the next
-        step (take_reset)."""
-        if self.draft_model is not None:
-            self.draft_model.reset()
-        else:
-            self.reset_pending = True
+        """Forget what finished requests taught the runner's proposer, at the next step (take_reset)."""
+        self.reset_pending = True
 
     def take_reset(self) -> bool:
         """Whether the runner's proposer is to reset before the step being scheduled (once per reset)."""
         pending, self.reset_pending = self.reset_pending, False
         return pending
-
-    def shutdown(self) -> None:
-        if self.draft_model is not None:
-            self.draft_model.shutdown()
 
     def stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_verified_requests, tuple(self.num_drafted_per_position),

@@ -113,10 +113,16 @@ class CompileThread:
         for the GIL beside it."""
         return {"compile_threads": 1} if threading.current_thread() is self._thread else {}
 
-    def results(self) -> list[tuple[Hashable, object]]:
-        """The jobs finished since the last call: (key, value or the exception it raised)."""
+    def results(self, owner: object | None = None) -> list[tuple[Hashable, object]]:
+        """The jobs finished since the last call: (key, value or the exception it raised). With owner (a thread that
+        several owners share), only those submitted under keys (owner, key), as (key, value)."""
         with self._lock:
-            done, self._results = self._results, []
+            if owner is None:
+                done, self._results = self._results, []
+                return done
+            mine = [isinstance(key, tuple) and key[0] is owner for key, _ in self._results]
+            done = [(key[1], value) for (key, value), is_mine in zip(self._results, mine) if is_mine]
+            self._results = [result for result, is_mine in zip(self._results, mine) if not is_mine]
         return done
 
     def wait(self) -> None:

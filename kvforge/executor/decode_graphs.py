@@ -162,11 +162,13 @@ class DecodeGraphs:
     every step of the runner (the compiles yield to it); `close()` stops the compiles.
 
     num_groups: the paged layer groups of the KV cache (a slot mapping and block tables each); padding_state_slot: a
-    hybrid model's state slot for padding rows (None without linear-attention layers)."""
+    hybrid model's state slot for padding rows (None without linear-attention layers); compiler: the compile thread of
+    another DecodeGraphs to share (a draft model's steps run inside its runner's, which lend the turns), None for a
+    thread of its own."""
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], buckets: tuple[int, ...],
                  compile_after: int, max_blocks_per_seq: int, device: torch.device, num_groups: int = 1,
-                 padding_state_slot: int | None = None) -> None:
+                 padding_state_slot: int | None = None, compiler: CompileThread | None = None) -> None:
         self.model = model
         self.compile_after = compile_after
         self._eager_steps = dict.fromkeys(buckets, 0)  # bucket -> decode steps it ran eagerly
@@ -178,7 +180,8 @@ class DecodeGraphs:
                         for b in buckets}
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> its ready graph
         self._submitted: set[int] = set()  # buckets given to the compile thread, not swapped in yet
-        self._compiler = CompileThread("kvforge-compile")
+        self._owns_compiler = compiler is None
+        self.compiler = CompileThread("kvforge-compile") if compiler is None else compiler
         self.wrappers: dict[int, str] = {}  # bucket -> the wrapper Inductor built for its graph: "C++" or "Python"
         self.failed = False  # a bucket could not be compiled: every step runs eagerly from then on
 
@@ -190,7 +193,7 @@ class DecodeGraphs:
     @property
     def num_compiling(self) -> int:
         """Buckets queued or compiling in the background (any thread may ask)."""
-        return self._compiler.num_pending
+        return self.compiler.num_pending
 
     def bucket_for(self, num_seqs: int) -> int | None:
         """The smallest bucket holding num_seqs sequences; None above the largest (or after a failed compile)."""
@@ -198,7 +201,7 @@ class DecodeGraphs:
 
     def stepping(self) -> AbstractContextManager[None]:
         """Wraps each step of the runner: a compile pauses while a step runs (see background_compile.py)."""
-        return self._compiler.step()
+        return self.compiler.step()
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
@@ -233,7 +236,7 @@ class DecodeGraphs:
             for bucket in missing:
                 self._submit(bucket)
             return
-        self._compiler.wait()
+        self.compiler.wait()
         self._swap_in()
         for bucket in missing:
             if self.failed or bucket in self._replays:
@@ -245,16 +248,17 @@ class DecodeGraphs:
             self._install(bucket, built)
 
     def close(self) -> None:
-        """Cancel the queued and running compiles (the engine is shutting down)."""
-        self._compiler.close()
+        """Cancel the queued and running compiles (the engine is shutting down; a shared thread: its owner's)."""
+        if self._owns_compiler:
+            self.compiler.close()
 
     def _submit(self, bucket: int) -> None:
         self._submitted.add(bucket)
-        self._compiler.submit(bucket, lambda: self._build(bucket))
+        self.compiler.submit((self, bucket), lambda: self._build(bucket))
 
     def _swap_in(self) -> None:
         """On the engine's thread, between steps: take the graphs compiled since the last step."""
-        for bucket, built in self._compiler.results():
+        for bucket, built in self.compiler.results(self):
             self._submitted.discard(bucket)
             self._install(bucket, built)
 
@@ -273,7 +277,7 @@ class DecodeGraphs:
     def _build(self, bucket: int) -> Callable[[], torch.Tensor]:
         """On the compile thread: compile the bucket's step; returns what replays it on the bucket's buffers."""
         start = time.perf_counter()
-        _trace_fx_once(self._compiler)
+        _trace_fx_once(self.compiler)
         inputs = self._inputs[bucket]
         backend = _WeakBackend(self, bucket)
         # NOTE: torch.compile keeps its graphs on the code object of the function it compiles: a copy of _step's code
@@ -313,7 +317,7 @@ class DecodeGraphs:
         for wrapper in wrappers:
             try:
                 with torch._inductor.config.patch({**inductor_options(self.device, wrapper == "C++"),
-                                                   **self._compiler.thread_options()}):
+                                                   **self.compiler.thread_options()}):
                     compiled = compile_fx(graph, example_inputs)
                 break
             except Exception as err:  # noqa: BLE001 -- the Python wrapper compiles whatever Inductor compiles

@@ -13,6 +13,7 @@ from kvforge.config import CompilationConfig
 from kvforge.distributed.communicator import recv_tensor, send_tensor
 from kvforge.distributed.parallel_state import get_parallel_state
 from kvforge.executor.decode_graphs import DecodeGraphs
+from kvforge.executor.draft_runner import DraftRequest, DraftRunner
 from kvforge.executor.input_batch import InputBatch, StepInputs
 from kvforge.executor.recurrent_states import RecurrentStates
 from kvforge.layers.attention import AttentionMetadata
@@ -33,7 +34,7 @@ class _Batch:
     sample_rows: list[int]  # row of the last token of each request that samples (of each token if drafting)
     sample_requests: list[ScheduledRequest]
     drafts: list[list[int]]  # per sampling request: the draft tokens it verifies (none outside speculation)
-    draft_probs: list[np.ndarray | None]  # per sampling request: its drafts' distributions (None: one-hot)
+    draft_probs: list[torch.Tensor | None]  # per sampling request: its drafts' distributions (None: one-hot)
     prompt_rows: dict[str, tuple[int, int, int]]  # request -> (first row, row count, first position)
 
 
@@ -43,14 +44,15 @@ class ModelRunner:
     Under pipeline parallelism a stage receives the previous stage's (hidden, residual) and sends its
     own on; under tensor parallelism every rank of the last stage computes the (gathered) logits and
     only the first one samples. execute() returns the sampled tokens on that rank, None elsewhere; with a
-    proposer, that rank then proposes every sampling request's drafts for its next step in one call."""
+    proposer (n-gram, suffix) or a draft model (executor/draft_runner.py), that rank then proposes the drafts of
+    every sampling request that asks for them, for its next step, in one call."""
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
         kv_cache_spec: KVCacheSpec | None = None, compilation: CompilationConfig | None = None,
         lora: LoRAPool | None = None,
         num_state_slots: int = 0, max_draft_tokens: int = 0, num_state_checkpoints: int = 0, seed: int = 0,
-        proposer: Proposer | None = None,
+        proposer: Proposer | None = None, draft: DraftRunner | None = None,
     ) -> None:
         self.model = model
         self.lora = lora  # the adapters' slots (their layers attached to the model), None without LoRA
@@ -70,6 +72,7 @@ class ModelRunner:
             self.kv_caches += self.recurrent_states.layers
         self.sampler = Sampler()
         self.proposer = proposer  # drafts up to max_draft_tokens per request after each step (None: not here)
+        self.draft = draft  # the draft model, which does the same (None: not here)
         self.max_draft_tokens = max_draft_tokens
         # the requests' rows between steps; seed: of the engine's generator
         self.requests = InputBatch(self.num_paged_groups, block_size, device, seed,
@@ -82,6 +85,8 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, compilation.compile_buckets,
                                               compilation.compile_after, max_blocks_per_seq, device,
                                               self.num_paged_groups, padding_slot)
+            if draft is not None:
+                draft.compile_decode_steps(self.decode_graphs)
 
     def _prepare(self, output: SchedulerOutput) -> _Batch:
         """The step's flat inputs from the input batch's rows (one host-to-device copy), and what sampling reads."""
@@ -99,7 +104,9 @@ class ModelRunner:
         if self.recurrent_states is not None:
             metadata.verification_rows = self._recurrent_states_before(scheduled, rows, step)
         sample_requests = [s for s in scheduled if s.needs_sample]
-        sample_rows, drafts, draft_probs = self._sample_rows(scheduled, sample_requests, num_drafts, step.starts)
+        sample_rows, drafts = self._sample_rows(scheduled, sample_requests, num_drafts, step.starts)
+        draft_probs = [None if self.draft is None or not d else self.draft.draft_probs(s.request_id, d)
+                       for s, d in zip(sample_requests, drafts)]
         prompt_rows = {}
         if self.requests.num_prompt_logprobs:
             asking = self.requests.int_params[rows, 2] >= 0
@@ -111,19 +118,19 @@ class ModelRunner:
 
     @staticmethod
     def _sample_rows(scheduled: list[ScheduledRequest], sample_requests: list[ScheduledRequest],
-                     num_drafts: np.ndarray, starts: np.ndarray) -> tuple[list[int], list[list[int]], list]:
+                     num_drafts: np.ndarray, starts: np.ndarray) -> tuple[list[int], list[list[int]]]:
         """The rows of the step's flat batch that sample (each sampling request's last token, and its drafts'
-        rows before it), the drafts each verifies and their distributions."""
+        rows before it), and the drafts each verifies."""
         if not num_drafts.any():
             ends = starts[1:] if len(sample_requests) == len(scheduled) else starts[1:][
                 [s.needs_sample for s in scheduled]]
-            return (ends - 1).tolist(), [[] for _ in sample_requests], [None] * len(sample_requests)
+            return (ends - 1).tolist(), [[] for _ in sample_requests]
         needs_sample = np.fromiter((s.needs_sample for s in scheduled), dtype=bool, count=len(scheduled))
         counts = num_drafts[needs_sample] + 1  # its last token and its drafts
         firsts = np.repeat(starts[1:][needs_sample] - counts, counts)
         sample_rows = (firsts + np.arange(len(firsts)) - np.repeat(np.cumsum(counts) - counts, counts)).tolist()
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in sample_requests]
-        return sample_rows, drafts, [s.draft_probs for s in sample_requests]
+        return sample_rows, drafts
 
     def _recurrent_states_before(self, scheduled: list[ScheduledRequest], rows: np.ndarray, step: StepInputs
                                  ) -> tuple | None:
@@ -202,9 +209,12 @@ class ModelRunner:
         return nullcontext() if self.decode_graphs is None else self.decode_graphs.stepping()
 
     def shutdown(self) -> None:
-        """Stop the compiles running in the background, if any."""
+        """Stop the compiles running in the background, if any, and release the draft model and its cache."""
         if self.decode_graphs is not None:
             self.decode_graphs.close()
+        if self.draft is not None:
+            self.draft.close()
+        self.draft = None
 
     def _update_requests(self, output: SchedulerOutput) -> None:
         """Apply the step's news to the request states (and forget the gone requests' pending draft states); the
@@ -215,6 +225,8 @@ class ModelRunner:
             if output.reset_proposer:
                 self.proposer.reset()
         self.requests.update(output)
+        if self.draft is not None:
+            self.draft.forget(output.finished_request_ids + output.preempted_request_ids)
         if self.recurrent_states is not None:
             self.recurrent_states.forget(output.finished_request_ids + output.preempted_request_ids)
 
@@ -287,12 +299,13 @@ class ModelRunner:
             result.sampled_token_ids[s.request_id] = token_ids[i]
             if logprobs is not None and sampling.num_logprobs[i] is not None:
                 result.logprobs[s.request_id] = logprobs[i]
-        if self.proposer is not None:
+        if self.proposer is not None or self.draft is not None:
             self._propose(requests, result)
 
     def _propose(self, requests: list[ScheduledRequest], result: ModelRunnerOutput) -> None:
         """After sampling: each sampling request's tokens take what it sampled in place of its drafts, and the
-        proposer drafts the next step's tokens of those the scheduler asks drafts for in one call."""
+        proposer (or the draft model) drafts the next step's tokens of those the scheduler asks drafts for, in one
+        call."""
         batch = []
         for s in requests:
             token_ids = self.requests.append_sampled(s.request_id, s.num_draft_tokens,
@@ -301,5 +314,16 @@ class ModelRunner:
                 batch.append((s.request_id, token_ids))
         if not batch:
             return
-        drafts = self.proposer.propose(batch, self.max_draft_tokens)
+        if self.draft is not None:
+            drafts = self.draft.propose([self._draft_request(request_id, token_ids) for request_id, token_ids in batch],
+                                        self.max_draft_tokens)
+        else:
+            drafts = self.proposer.propose(batch, self.max_draft_tokens)
         result.draft_token_ids = {request_id: d for (request_id, _), d in zip(batch, drafts, strict=True) if d}
+
+    def _draft_request(self, request_id: str, token_ids: list[int]) -> DraftRequest:
+        """What the draft model reads of a request: its tokens, sampling parameters and first group's blocks."""
+        requests = self.requests
+        row = requests.row_of[request_id]
+        block_table = requests.block_tables[0, row, : requests.num_blocks[0, row]]
+        return DraftRequest(request_id, token_ids, requests.sampling_params[row], block_table)

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from kvforge.config import CompilationConfig, EngineConfig
-from kvforge.distributed.parallel_state import ParallelState, get_parallel_state
+from kvforge.distributed.parallel_state import ParallelState, building_with, get_parallel_state
+from kvforge.executor.draft_runner import DraftLimits, DraftRunner, draft_paged_spec
+from kvforge.executor.draft_states import DraftStates
 from kvforge.executor.kv_cache_memory import KVCacheSize, memory_limits, size_kv_cache
 from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunner
@@ -25,6 +27,7 @@ from kvforge.kernels.ops import OpTable, building_with_ops, op_table
 from kvforge.loader.model_loader import LoadedModel, load_model
 from kvforge.lora.pool import LoRAPool
 from kvforge.lora.request import LoRARequest
+from kvforge.spec_decode.draft import draft_model_config
 from kvforge.spec_decode.proposer import Proposer, create_proposer
 from kvforge.step_data import ModelRunnerOutput, SchedulerOutput
 
@@ -76,6 +79,13 @@ class Worker:
         self.bytes_per_token = self.kv_cache_spec.bytes_per_token(self.loaded.dtype)
         max_position = self.loaded.model.config.max_position
         self.max_model_len = min(config.model.max_model_len or max_position, max_position)
+        # the draft model of speculative decoding (on the sampling rank), whose KV cache shares the target's block
+        # ids: a block's bytes are the target's and the draft's
+        self.draft: LoadedModel | None = None
+        self.draft_kv_cache_spec = None
+        if config.speculative.speculative_method == "draft" and self._samples():
+            self._load_draft(widening)
+            self.bytes_per_token += draft_paged_spec(self.draft_kv_cache_spec).bytes_per_token(self.draft.dtype)
         # NOTE: before the KV cache is sized, so that its memory comes out of the cache's (the experts' slots of a MoE
         # model take gigabytes)
         self.lora_pool = self._lora_pool()
@@ -106,18 +116,30 @@ class Worker:
         cache = self.config.cache
         max_num_seqs = self.config.scheduler.max_num_seqs
         limits = memory_limits(self.device, cache.gpu_memory_utilization)
-        states = self.kv_cache_spec.recurrent_state
-        if states is not None:  # NOTE: the state slots (a running request's and the padding slot, and their scratch)
+        per_request, fixed = self._state_bytes()
+        if per_request:  # NOTE: the state slots (a running request's and the padding slot, and their scratch)
             # and the checkpoints of the prefix cache come out of the same memory
-            slot_bytes = states.bytes_per_slot(self.loaded.dtype)
-            per_request = (1 + (self._max_draft_tokens() + 1 if self._max_draft_tokens() else 0)) * slot_bytes
-            fixed = per_request + self._num_state_checkpoints() * slot_bytes
             max_num_seqs = self._requests_whose_states_fit(max_num_seqs, per_request, fixed, limits)
             state_bytes = fixed + max_num_seqs * per_request
             limits = [(f"{what} less {state_bytes / 2**20:.1f} MiB of linear-attention states",
                        max(limit - state_bytes, 0)) for what, limit in limits]
         return size_kv_cache(cache.kv_cache_memory, max_num_seqs, self.max_model_len, cache.block_size,
                              self.bytes_per_token, limits)
+
+    def _state_bytes(self) -> tuple[int, int]:
+        """The linear-attention states of a hybrid target and a hybrid draft: (bytes per running request, bytes of
+        padding slots and prefix-cache checkpoints); (0, 0) without such layers."""
+        per_request = fixed = 0
+        states = self.kv_cache_spec.recurrent_state
+        if states is not None:
+            slot_bytes = states.bytes_per_slot(self.loaded.dtype)
+            per_request = (1 + (self._max_draft_tokens() + 1 if self._max_draft_tokens() else 0)) * slot_bytes
+            fixed = per_request + self._num_state_checkpoints() * slot_bytes
+        draft_states = None if self.draft is None else self.draft_kv_cache_spec.recurrent_state
+        if draft_states is not None:
+            per_request += DraftStates.bytes_per_request(draft_states, self.draft.dtype)
+            fixed += draft_states.bytes_per_slot(self.draft.dtype)
+        return per_request, fixed
 
     def _requests_whose_states_fit(self, max_num_seqs: int, per_request: int, fixed: int,
                                    limits: list[tuple[str, int]]) -> int:
@@ -140,6 +162,43 @@ class Worker:
         cache = self.config.cache
         return cache.num_state_checkpoints if cache.enable_prefix_caching else 0
 
+    def _samples(self) -> bool:
+        """Whether this rank samples (and proposes the drafts)."""
+        state = get_parallel_state()
+        return state.rank == state.sampler_rank
+
+    def _load_draft(self, widening: bool) -> None:
+        """The draft model, loaded whole on this rank (one rank's world) with the target's op table and device."""
+        with building_with(ParallelState()), building_with_ops(self.ops):
+            self.draft = load_model(draft_model_config(self.config), self.device)
+        draft, target = self.draft.model, self.loaded.model
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the "
+                             f"target's ({target.config.vocab_size})")
+        # NOTE: group 0 of a paged cache is its full-attention layers, unless every layer slides (in windows of two
+        # sizes or more)
+        if self.kv_cache_spec.layer_groups()[0].kind != "full_attention":
+            raise ValueError("a draft model needs a target with full-attention layers (their blocks hold the "
+                             "draft's keys and values)")
+        # NOTE: a latent-attention (MLA) draft keeps its cache unquantized whatever the target's
+        kv_cache_dtype = self.config.cache.kv_cache_dtype if draft.kv_cache_spec.quantizable else "auto"
+        self.draft_kv_cache_spec = draft.kv_cache_spec.with_kv_cache_dtype(kv_cache_dtype, self.draft.dtype, widening,
+                                                                           self.ops.platform)
+
+    def _draft_runner(self, size: KVCacheSize) -> DraftRunner | None:
+        """The draft model with its KV cache of the target's block count, if this rank drafts."""
+        if self.draft is None:
+            return None
+        block_size = self.config.cache.block_size
+        draft_bytes = size.num_blocks * block_size * draft_paged_spec(self.draft_kv_cache_spec).bytes_per_token(
+            self.draft.dtype)
+        logger.info("draft model %s: KV cache of %d blocks beside the target's, %.1f MiB (of the KV cache's budget)",
+                    self.draft.name, size.num_blocks, draft_bytes / 2**20)
+        limits = DraftLimits(min(self.max_model_len, self.draft.model.config.max_position), size.max_num_seqs,
+                             self.config.scheduler.max_num_batched_tokens)
+        return DraftRunner(self.draft.model, self.draft_kv_cache_spec, size.num_blocks, block_size, self.draft.dtype,
+                           self.device, limits, self.config.seed)
+
     def _max_draft_tokens(self) -> int:
         """The most drafts a request verifies in a step (0: no speculation)."""
         spec = self.config.speculative
@@ -152,14 +211,15 @@ class Worker:
                                   num_state_slots=size.max_num_seqs,
                                   max_draft_tokens=self._max_draft_tokens(),
                                   num_state_checkpoints=self._num_state_checkpoints(), seed=self.config.seed,
-                                  proposer=self._proposer())
+                                  proposer=self._proposer(), draft=self._draft_runner(size))
         if compilation is not None and compilation.compile_at_start:
             self.runner.decode_graphs.compile_ahead(max_decode_rows(self.config), wait=False)
+            if self.runner.draft is not None:  # the draft's decode steps: one row per drafting request
+                self.runner.draft.graphs.compile_ahead(size.max_num_seqs, wait=False)
 
     def _proposer(self) -> Proposer | None:
         """The n-gram or suffix proposer, on the sampling rank (the one that knows the sampled tokens)."""
-        state = get_parallel_state()
-        return create_proposer(self.config.speculative) if state.rank == state.sampler_rank else None
+        return create_proposer(self.config.speculative) if self._samples() else None
 
     def _lora_pool(self) -> LoRAPool | None:
         """The adapters' slots, attached to the model's layers (with enable_lora); sized for the longest step: a
@@ -199,6 +259,7 @@ class Worker:
         self.runner = None
         self.lora_pool = None
         self.loaded = None
+        self.draft = None
 
     def _compilation(self) -> CompilationConfig | None:
         """How decode steps compile, or None (every step eager) when asked, under tensor or pipeline

@@ -155,19 +155,25 @@ class GatedDeltaNet(nn.Module):
     def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: tuple[torch.Tensor, ...],
                 metadata: AttentionMetadata) -> torch.Tensor:
         """A step with drafts: one position of every sequence at a time (one-token conv and delta steps), the
-        states after position j kept in scratch[j] (executor/recurrent_states.py commits the accepted one)."""
+        states after position j kept in scratch[j] (executor/recurrent_states.py commits the accepted one).
+
+        NOTE: a prefill chunk in the same step runs a position at a time too: past its first token it continues its
+        own state, and past the scratch (the drafting sequences' last position) its states are not kept."""
         conv_state, delta_state, conv_scratch, delta_scratch = state
         cfg = self.cfg
         out = mixed.new_empty((mixed.shape[0], cfg.num_value_heads, cfg.value_head_dim))
         for position, (rows, seqs) in enumerate(metadata.verification_rows):
             slots, initial = metadata.state_slot_ids[seqs], metadata.has_initial_state[seqs]
+            if position > 0:
+                initial = torch.ones_like(initial)
             one_each = torch.arange(rows.shape[0] + 1, device=rows.device, dtype=torch.int32)
             conv = self.ops.causal_conv1d(mixed[rows], self._conv_weight(), None, conv_state, one_each, slots, initial,
                                           True)
             q, k, v = self._heads(conv)
             out[rows] = self.ops.gated_delta_decode(q, k, v, g[rows], beta[rows], delta_state, slots, initial)
-            conv_scratch[position, slots.long()] = conv_state[slots.long()]
-            delta_scratch[position, slots.long()] = delta_state[slots.long()]
+            if position < conv_scratch.shape[0]:
+                conv_scratch[position, slots.long()] = conv_state[slots.long()]
+                delta_scratch[position, slots.long()] = delta_state[slots.long()]
         return out
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, state: tuple[torch.Tensor, ...],

@@ -1,53 +1,31 @@
-"""A smaller model with the same tokenizer drafts the tokens, run by an engine of its own (its own paged KV
-cache and prefix cache)."""
+"""A smaller model with the same tokenizer drafts the tokens (run by the model runner, executor/draft_runner.py):
+which model it is, and how it samples a request's drafts and the distributions they come from."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Sequence
 
 import torch
 
-from kvforge.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SpeculativeConfig
-from kvforge.layers.sampler import Sampler, SamplingBatch
+from kvforge.config import EngineConfig, ModelConfig
+from kvforge.layers.sampler import Sampler, SamplingBatch, invert_cdf
 from kvforge.sampling_params import SamplingParams
-from kvforge.spec_decode.proposer import Drafts
-
-DRAFT_KV_CACHE_MEMORY = 256 * 2**20
 
 
-def draft_engine_config(target: EngineConfig) -> EngineConfig:
-    """The draft's engine: the target's device and compilation, one rank, no speculation of its own; its model
-    is --speculative-model, or by default the target's model file kept GGUF-quantized."""
+def draft_model_config(target: EngineConfig) -> ModelConfig:
+    """The draft's model: --speculative-model, or by default the target's model file kept GGUF-quantized; in the
+    target's dtype and length limit."""
     spec = target.speculative
     if spec.speculative_model is not None:
-        model = ModelConfig(model=spec.speculative_model)
+        model = ModelConfig(model=spec.speculative_model, dtype=target.model.dtype)
     else:
         model = ModelConfig(model=target.model.model, quantization="gguf")
-    return EngineConfig(
-        model=dataclasses.replace(model, max_model_len=target.model.max_model_len),
-        cache=CacheConfig(block_size=target.cache.block_size, kv_cache_memory=DRAFT_KV_CACHE_MEMORY),
-        parallel=ParallelConfig(), device=target.device, compilation=target.compilation,
-        speculative=SpeculativeConfig(), seed=target.seed)
-
-
-class _RecordingSampler(Sampler):
-    """The draft engine's sampler, keeping the normalized distribution of every sampled (non-greedy) row."""
-
-    def __init__(self) -> None:
-        self.probs: list[torch.Tensor] = []  # each [rows, vocab]
-
-    def distributions(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        greedy_ids, probs = Sampler.distributions(logits, batch)
-        if probs is not None:
-            self.probs.append(probs / probs.sum(-1, keepdim=True))
-        return greedy_ids, probs
+    return dataclasses.replace(model, max_model_len=target.model.max_model_len)
 
 
 def draft_params(params: SamplingParams | None, num_tokens: int, max_num_tokens: int) -> SamplingParams:
     """How the draft samples for a request: greedy for greedy requests, else with the request's temperature,
-    top-k, top-p and min-p, and for a seeded request a seed of its own per position (so its drafts repeat,
+    top-k, top-p and min-p, and for a seeded request a seed of its own per proposal (so its drafts repeat,
     drawn independently of the target's own draws).
 
     NOTE: penalties are left out (the draft sees the request's output as its prompt); any draft distribution
@@ -59,48 +37,41 @@ def draft_params(params: SamplingParams | None, num_tokens: int, max_num_tokens:
                           min_p=params.min_p, seed=seed, max_tokens=max_num_tokens, ignore_eos=True)
 
 
-class DraftModelProposer:
-    """Generates up to max_num_tokens draft tokens after the request's tokens, sampled as draft_params says:
-    greedy requests get the draft's argmax (one-hot for the rejection sampler), sampling requests tokens drawn
-    from the draft's distribution, which comes with them. The draft engine's prefix cache keeps each
-    request's earlier full blocks, so a proposal recomputes only the tokens after the last cached block."""
+def draft_generators(params: list[SamplingParams], device: torch.device) -> list[torch.Generator | None]:
+    """A generator per request whose draft_params carry a seed (None: the draws come from the runner's)."""
+    return [None if p.seed is None else torch.Generator(device).manual_seed(p.seed) for p in params]
 
-    def __init__(self, target: EngineConfig, target_vocab_size: int) -> None:
-        from kvforge.engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine(draft_engine_config(target))
-        if self.engine.vocab_size != target_vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({self.engine.vocab_size} tokens) is not the "
-                             f"target's ({target_vocab_size})")
-        self.sampler = self.engine.runner.sampler = _RecordingSampler()
-        self._ids = itertools.count()
+def draft_sampling_batch(params: list[SamplingParams], generators: list[torch.Generator | None],
+                         default: torch.Generator) -> SamplingBatch:
+    """One row per request, sampling as its draft_params say (no penalties, bans nor logprobs)."""
+    num_rows = len(params)
+    empty: list[list[int]] = [[] for _ in range(num_rows)]
+    return SamplingBatch(
+        temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
+        top_ps=[p.top_p for p in params], min_ps=[p.min_p for p in params],
+        presence_penalties=[0.0] * num_rows, frequency_penalties=[0.0] * num_rows,
+        repetition_penalties=[1.0] * num_rows, prompt_token_ids=empty, output_token_ids=empty,
+        banned_token_ids=empty, generators=generators, num_logprobs=[None] * num_rows, generator=default)
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int,
-                sampling_params: SamplingParams | None = None) -> Drafts:
-        engine = self.engine
-        if len(token_ids) + max_num_tokens > engine.max_model_len:
-            return Drafts([])
-        params = draft_params(sampling_params, len(token_ids), max_num_tokens)
-        draft_id = engine.add_request(f"draft-{next(self._ids)}", {"prompt_token_ids": list(token_ids)}, params)
-        self.sampler.probs.clear()
-        outputs = []
-        while engine.has_unfinished_requests():
-            outputs = engine.step() or outputs
-        finished = [o for o in outputs if o.request_id == draft_id]
-        drafted = list(finished[0].outputs[0].token_ids) if finished else []
-        if not drafted or params.temperature == 0.0:
-            return Drafts(drafted)
-        # NOTE: the draft engine runs one request at a time: one sampled row per step, one step per draft
-        probs = torch.cat(self.sampler.probs)[: len(drafted)]
-        return Drafts(drafted, probs.float().cpu().numpy())
 
-    def finish(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Nothing to forget: each proposal is a request of its own in the draft engine."""
+def draft_distributions(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [rows, vocab] -> the greedy ids [rows] and, unless every row is greedy, the normalized distributions
+    [rows, vocab] the sampled rows draw from (after every transform of the row): what the rejection sampler
+    takes as q."""
+    greedy_ids, probs = Sampler.distributions(logits, batch)
+    if probs is None:
+        return greedy_ids, None
+    return greedy_ids, probs / probs.sum(-1, keepdim=True)
 
-    def reset(self) -> None:
-        """Drop the draft engine's cached prompt blocks."""
-        self.engine.reset_caches()
 
-    def shutdown(self) -> None:
-        """Release the draft engine: its model, KV cache and compiled graphs."""
-        self.engine.shutdown()
+def sample_drafts(logits: torch.Tensor, batch: SamplingBatch, uniform: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft per row: greedy rows take the argmax, the others a token drawn from their distribution at
+    uniform [rows]. Returns the tokens [rows] and the distributions [rows, vocab] (None: every row greedy; the
+    greedy rows' are not read: their drafts count as one-hot)."""
+    greedy_ids, probs = draft_distributions(logits, batch)
+    if probs is None:
+        return greedy_ids, None
+    temperatures = torch.tensor(batch.temperatures, dtype=torch.float32, device=logits.device)
+    return torch.where(temperatures == 0.0, greedy_ids, invert_cdf(probs, uniform)), probs

@@ -1,31 +1,14 @@
-"""What the proposers of draft tokens offer: the runner's (n-gram, suffix), which draft for every request of a step in
-one call from the tokens the runner holds, and the draft model's, which the scheduler asks one request at a time."""
+"""What the runner's proposers of draft tokens without a model (n-gram, suffix) offer: drafts for every request of a
+step in one call, from the tokens the runner holds (the draft model drafts in the runner too:
+executor/draft_runner.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
-
-import numpy as np
 
 if TYPE_CHECKING:
     from kvforge.config import SpeculativeConfig
-    from kvforge.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class Drafts:
-    """Draft token ids and, from proposers that sample them, the distribution each was drawn from
-    (probs [len(token_ids), vocab] float32, rows summing to 1; None: each draft counts as one-hot)."""
-
-    token_ids: list[int]
-    probs: np.ndarray | None = None
-
-    def truncated(self, num_tokens: int) -> Drafts:
-        if len(self.token_ids) <= num_tokens:
-            return self
-        return Drafts(self.token_ids[:num_tokens], None if self.probs is None else self.probs[:num_tokens])
 
 
 class Proposer(Protocol):
@@ -44,23 +27,9 @@ class Proposer(Protocol):
     def reset(self) -> None: ...
 
 
-class RequestProposer(Protocol):
-    """The draft model's proposer, asked by the scheduler for one request's drafts at a time (with the
-    distributions they were sampled from); shutdown releases its engine."""
-
-    def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int,
-                sampling_params: SamplingParams | None = None) -> Drafts: ...
-
-    def finish(self, request_id: str, token_ids: Sequence[int]) -> None: ...
-
-    def reset(self) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-
 def create_proposer(spec: SpeculativeConfig) -> Proposer | None:
     """The runner's proposer of the configured method (None: speculation off, or drafts from a draft model, which
-    the scheduler asks: spec_decode/draft.py)."""
+    the runner runs: executor/draft_runner.py)."""
     from kvforge.spec_decode.ngram import NgramProposer
     from kvforge.spec_decode.suffix import SuffixProposer
 

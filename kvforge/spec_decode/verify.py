@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
 from kvforge.layers.sampler import RawLogprobs, SamplingBatch, compute_logprobs
@@ -34,23 +33,24 @@ def expand_rows(batch: SamplingBatch, drafts: list[list[int]], min_tokens: list[
     return SamplingBatch(**fields)
 
 
-def stack_draft_probs(drafts: list[list[int]], probs: list[np.ndarray | None], vocab_size: int,
+def stack_draft_probs(drafts: list[list[int]], probs: list[torch.Tensor | None], vocab_size: int,
                       device: torch.device) -> torch.Tensor | None:
-    """Every draft's distribution [sum(len(d)), vocab] (one-hot rows for proposers without one), or None
-    when no request has any: the rejection sampler then counts every draft as one-hot."""
+    """Every draft's distribution [sum(len(d)), vocab] float32 on the device (one-hot rows for greedy drafts and
+    proposers without one), or None when no request has any: the rejection sampler then counts every draft as
+    one-hot. The draft model's distributions are on the device already."""
     if all(p is None for p in probs):
         return None
     rows = []
     for tokens, request_probs in zip(drafts, probs):
         if request_probs is None:
-            request_probs = np.zeros((len(tokens), vocab_size), dtype=np.float32)
-            request_probs[np.arange(len(tokens)), tokens] = 1.0
-        rows.append(request_probs)
-    return torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
+            index = torch.tensor(tokens, device=device)[:, None]
+            request_probs = torch.zeros((len(tokens), vocab_size), device=device).scatter_(1, index, 1.0)
+        rows.append(torch.as_tensor(request_probs, dtype=torch.float32, device=device))
+    return torch.cat(rows)
 
 
 def verify_drafts(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
-                  draft_probs: list[np.ndarray | None], min_tokens: list[int]
+                  draft_probs: list[torch.Tensor | None], min_tokens: list[int]
                   ) -> tuple[list[list[int]], list[list[RawLogprobs]] | None]:
     """logits [sum(len(d) + 1), vocab] of each request's rows; batch: one row per request; draft_probs: per
     request, its drafts' distributions [len(d), vocab] or None (one-hot). Returns each request's tokens to

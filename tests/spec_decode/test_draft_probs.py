@@ -5,14 +5,15 @@ its own draft has every sampled draft accepted (which only holds when q reaches 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from kvforge.layers.sampler import Sampler
 from kvforge.spec_decode import draft
-from kvforge.spec_decode.draft import _RecordingSampler, draft_params
+from kvforge.spec_decode.draft import draft_distributions, draft_params
 from kvforge.spec_decode.verify import verify_drafts
 from tests.spec_decode.test_rejection_sampler import (
     NUM_TRIALS,
@@ -26,16 +27,16 @@ from tests.spec_decode.test_rejection_sampler import (
 TEMPERATURE, TOP_K = 0.6, 3
 
 
-def _draft_step(sampler: Sampler, draft: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-    """One draft token per sequence after prev, sampled as the draft engine samples for the request."""
+def _draft_step(reported_q: Callable, draft: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """One draft token per sequence after prev, sampled as the draft model samples for the request; with the q
+    that reported_q(logits, distribution sampled from) makes of it."""
     params = draft_params(SamplingParams(temperature=TEMPERATURE, top_k=TOP_K), 1, 1)
-    sampler.probs.clear()
-    _, probs = sampler.distributions(draft[prev], _batch(len(prev), params.temperature, params.top_k))
+    _, probs = draft_distributions(draft[prev], _batch(len(prev), params.temperature, params.top_k))
     tokens = torch.multinomial(probs, 1)[:, 0]
-    return tokens, sampler.probs[0].numpy()
+    return tokens, reported_q(draft[prev], probs).numpy()
 
 
-def _speculate_two_tokens(draft_sampler: Sampler, k: int = 2) -> torch.Tensor:
+def _speculate_two_tokens(reported_q: Callable, k: int = 2) -> torch.Tensor:
     """NUM_TRIALS sequences from token 0, k sampled drafts per step (through the runner's verify_drafts)
     until each has two new tokens. Half of them pass q, half pass none: a draft counted as one-hot is
     accepted with p(d) and otherwise replaced from p without d, which gives p whatever chose d."""
@@ -46,7 +47,7 @@ def _speculate_two_tokens(draft_sampler: Sampler, k: int = 2) -> torch.Tensor:
         prev = torch.tensor([s[-1] for s in pending])
         tokens, probs = [], []
         for _ in range(k):
-            prev, q = _draft_step(draft_sampler, draft_logits, prev)
+            prev, q = _draft_step(reported_q, draft_logits, prev)
             tokens.append(prev)
             probs.append(q)
         drafts = torch.stack(tokens, 1).tolist()  # [pending, k]
@@ -60,22 +61,18 @@ def _speculate_two_tokens(draft_sampler: Sampler, k: int = 2) -> torch.Tensor:
     return torch.tensor([s[1:3] for s in sequences])
 
 
-class _UntransformedQ(_RecordingSampler):
+def _untransformed_q(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """A wrong draft: samples after the transforms but reports the draft model's plain softmax as q."""
-
-    def distributions(self, logits, batch):
-        greedy_ids, probs = Sampler.distributions(logits, batch)
-        self.probs.append(torch.softmax(logits, dim=-1))
-        return greedy_ids, probs
+    return torch.softmax(logits, dim=-1)
 
 
 def test_sampled_drafts_keep_the_target_distribution():
-    pairs = _speculate_two_tokens(_RecordingSampler())
+    pairs = _speculate_two_tokens(lambda logits, probs: probs)
     assert _chi_square_p_value(pairs, _joint(_target_probs(_tables()[0], TEMPERATURE, TOP_K))) > 1e-3
 
 
 def test_a_draft_that_reports_another_q_fails_the_test():
-    pairs = _speculate_two_tokens(_UntransformedQ())
+    pairs = _speculate_two_tokens(_untransformed_q)
     assert _chi_square_p_value(pairs, _joint(_target_probs(_tables()[0], TEMPERATURE, TOP_K))) < 1e-6
 
 
