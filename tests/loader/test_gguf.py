@@ -332,13 +332,15 @@ def test_unknown_architecture_gives_value_error(tmp_path):
 
 def test_kept_blocks_run_as_the_dequantized_model(tiny):
     """By default every block type of the plan stays in its blocks (4- or 8-bit codes, groups of 32 or 16 columns;
-    a merged layer takes its shards' widest codes and narrowest groups), and each layer multiplies as the dequantized
-    model's: to float32 rounding where activations stay float, within the int8 rounding of activations (per 32
-    columns, as llama.cpp does) on the C++ kernels. (The tiny models' random weights amplify any rounding from layer
-    to layer, so the claim is made per layer; tests/quantization/test_gguf_kept.py compares whole models.)"""
+    a merged layer whose shards differ in type runs a kernel per run of same-type shards, each in its own codes),
+    and each layer multiplies as the dequantized model's: to float32 rounding where activations stay float, within
+    the int8 rounding of activations (per 32 columns, as llama.cpp does) on the C++ kernels. (The tiny models'
+    random weights amplify any rounding from layer to layer, so the claim is made per layer;
+    tests/quantization/test_gguf_kept.py compares whole models.)"""
     from kvforge import LLM
     from kvforge.quantization.gguf_blocks import BLOCK_LAYOUTS
     from kvforge.quantization.gguf_quants import GGUFMethod
+    from kvforge.quantization.shard_runs import ShardRunsKernel
 
     arch, path, _, _ = tiny
     options = dict(device="cpu", kv_cache_memory="16MiB", enforce_eager=True)
@@ -353,7 +355,14 @@ def test_kept_blocks_run_as_the_dequantized_model(tiny):
             assert module.kernel.name == "float", kinds
             continue
         assert isinstance(module.format, GGUFMethod), kinds
-        assert module.kernel.bits == max(layout.bits for layout in layouts), kinds
+        runs = [[layouts[0]]]  # the shards in runs of the same codes and groups, in order
+        for layout in layouts[1:]:
+            if (layout.bits, layout.group_size) == (runs[-1][0].bits, runs[-1][0].group_size):
+                runs[-1].append(layout)
+            else:
+                runs.append([layout])
+        kernels = module.kernel.runs if isinstance(module.kernel, ShardRunsKernel) else [module.kernel]
+        assert [kernel.bits for kernel in kernels] == [run[0].bits for run in runs], kinds
         assert module.format.group_size == min(layout.group_size for layout in layouts), kinds
         x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
         out, expected = module(x), float_module(x)
