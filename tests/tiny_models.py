@@ -191,3 +191,19 @@ def assert_logits_match(llm, model, prompts: list[list[int]]) -> None:
         with torch.no_grad():
             theirs = model(torch.tensor([prompt])).logits[0].float()
         assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def assert_matches_on_the_triton_kernels(folder: Path, model, prompts: list[list[int]],
+                                         greedy: list[list[int]]) -> None:
+    """An engine on the Triton kernels (interpreted on the CPU), prompts split into chunks of 16: every attention op
+    on Triton, logits within 1e-4 of the transformers model's (assert_logits_match), and the first 4 of its greedy
+    tokens (`greedy`, one list a prompt)."""
+    from kvforge import LLM, SamplingParams
+
+    llm = LLM(str(folder), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, enforce_eager=True,
+              attention_backend="triton", max_num_batched_tokens=16)  # fmt: skip
+    assert {m.ops.backend for m in llm.engine.local_model.modules() if hasattr(m, "ops")} == {"triton"}
+    assert_logits_match(llm, model, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [t[:4] for t in greedy]

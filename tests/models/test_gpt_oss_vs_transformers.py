@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from tests.tiny_models import assert_logits_match, save_model, save_mxfp4_experts
+from tests.tiny_models import assert_logits_match, assert_matches_on_the_triton_kernels, save_model, save_mxfp4_experts
 
 NUM_NEW = 10
 PROMPT_LENS = [3, 9, 30, 17, 41, 12, 26, 8, 35, 20, 5, 33, 14, 22, 40, 11]  # 16 requests, most past the window
@@ -158,10 +158,4 @@ def test_mxfp4_experts_on_the_triton_kernels(tiny, tmp_path):
     folder, model, prompts = tiny
     reference = save_mxfp4_experts(tmp_path, folder, model)
     chosen = [prompts[2], prompts[1]]
-    llm = LLM(str(tmp_path), kv_cache_memory="4MiB", kv_cache_dtype="float32", block_size=4, enforce_eager=True,
-              attention_backend="triton", max_num_batched_tokens=16)  # fmt: skip
-    assert {m.ops.backend for m in llm.engine.local_model.modules() if hasattr(m, "ops")} == {"triton"}
-    assert_logits_match(llm, reference, chosen)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in chosen], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [t[:4] for t in _greedy(reference, chosen)]
+    assert_matches_on_the_triton_kernels(tmp_path, reference, chosen, _greedy(reference, chosen))
