@@ -30,13 +30,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__AVX512F__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define KVFORGE_AMX 1
-#endif
-
+#include "amx.h"
 #include "fast_exp.h"
 #include "ops.h"
 
@@ -119,14 +113,6 @@ WIDE_VECTORS void round_rows(uint16_t* rows, const float* x, int64_t ldx, int64_
 }
 
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // eight tiles of 16 rows of 64 bytes (C: 16 floats; A and B: 32 bfloat16)
 AMX_FUNCTION void configure_tiles() {
   TileConfig config;
@@ -169,22 +155,13 @@ AMX_FUNCTION void block_product(const uint16_t* a, int64_t lda, const uint16_t* 
 
 AMX_FUNCTION void release_tiles() { _tile_release(); }
 
-// Linux gives a process the AMX tile data state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); granted once, it
-// holds for every thread of the process.
-bool amx_permitted() {
-  if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
-  constexpr long kArchReqXcompPerm = 0x1023;
-  constexpr long kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 #endif
 
 }  // namespace
 
 bool bf16_gemm_supported() {
 #ifdef KVFORGE_AMX
-  static const bool supported = amx_permitted();  // NOTE: a fact of the CPU and the kernel, asked once
-  return supported;
+  return __builtin_cpu_supports("amx-bf16") && amx_tile_data_permitted();
 #else
   return false;
 #endif

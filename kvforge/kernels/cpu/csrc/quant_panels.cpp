@@ -61,52 +61,22 @@
 // of 32 columns (GGUF's Q4_0 bytes) instead of 0.625, 0.875 a 6-bit one in groups of 16 instead of 1.
 // NOTE: groups of half a block are a template parameter (HALF_BLOCKS), not a branch in the loop: groups of whole
 // blocks compile to the same instructions as before there were halves (GCC 12, their disassembly compared).
-#include "ops.h"
-#include "quant_gemv.h"
+#include "quant_panels.h"
 
 #include <cstring>
 #include <type_traits>
 #include <vector>
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define KVFORGE_PANELS_VNNI 1
-#endif
 
 namespace kvforge_cpu {
 
 #ifdef KVFORGE_PANELS_VNNI
 namespace {
 
-constexpr int64_t kPanel = 16;  // weight rows per panel: one int32 lane each of a 512-bit vector
-
 using F = Avx512;
-
-template <int BITS>
-constexpr int64_t vectors_per_block() { return 32 * BITS / 8 / 4; }  // of 64 bytes
-
-// Vectors a group's run holds per block it covers: a whole block's, or half of them (groups of 16 columns).
-template <int BITS, bool HALF_BLOCKS>
-constexpr int64_t vectors_per_chunk() { return vectors_per_block<BITS>() / (HALF_BLOCKS ? 2 : 1); }
-
-// Panels interleaved in a tile.
-template <int BITS>
-constexpr int tile_panels() { return BITS == 8 ? 2 : 4; }
 
 // Up to these rows of x, a step multiplies a whole tile, and prefetches nothing.
 template <int BITS>
 constexpr int64_t whole_tile_rows() { return BITS == 4 ? 3 : BITS == 6 ? 2 : 1; }
-
-struct PanelArgs {
-  const int8_t* xq;  // [M, K]
-  const float* dx;   // [M, K / 32]
-  const float* xsum; // [M, G]
-  float* out;        // [M, N]
-  int64_t M, N, K, G;
-  int64_t panel_bytes;
-  float factor;
-};
-
-inline F::V load_halves(const uint8_t* p) { return F::load_half<false>(reinterpret_cast<const uint16_t*>(p)); }
 
 inline F::I broadcast4(const int8_t* q) {
   int32_t word;
@@ -123,7 +93,7 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
   const int64_t K = a.K, G = a.G, blocks = K / kBlock, chunks = HALF_BLOCKS ? 1 : blocks / G;
   constexpr int64_t header = SYM ? 32 : 64;  // a panel's bytes of a group's scales (and offsets)
   const int64_t group_bytes = W * (header + chunks * V * 64);
-  const F::V minus_zero = F::set1(BITS == 8 ? -128.f : BITS == 6 ? -32.f : -8.f);  // SYM: -zero * scales
+  const F::V negated_zero = F::set1(minus_zero<BITS>());  // SYM: -zero * scales
   const int8_t* const xq = a.xq + m0 * K;
   const float* const dx = a.dx + m0 * blocks;
   const float* const xsum = a.xsum + m0 * G;
@@ -138,7 +108,7 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
       if (PREFETCH) prefetch<kToL2>(ahead + group + 64 * (first + p));
       scale[p] = load_halves(tile + group + 32 * (first + p));
       const F::V offset =
-          SYM ? F::mul(scale[p], minus_zero) : load_halves(tile + group + 32 * (W + first + p));
+          SYM ? F::mul(scale[p], negated_zero) : load_halves(tile + group + 32 * (W + first + p));
       for (int m = 0; m < MT; ++m)
         acc[m][p] = F::fma(offset, F::set1(xsum[m * G + g]), acc[m][p]);
     }
@@ -334,13 +304,24 @@ at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int6
   const int64_t M = x.size(0);
   auto out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * (K / kBlock)), xsum(M * G);
-  quantize_rows(x.data_ptr<float>(), xq.data(), dx.data(), xsum.data(), M, K, G);
+  const bool amx = M >= kAmxMinRows && panels_amx_ready();
+  const int64_t rows = amx ? (M + 15) / 16 * 16 : M;  // the AMX path reads x in tiles of 16 rows: zeros pad them
+  std::vector<int8_t> xq(rows * K);
+  std::vector<float> dx(rows * (K / kBlock)), xsum(rows * G);
+  const float* const x_data = x.data_ptr<float>();
+  const int64_t blocks = K / kBlock;
+  at::parallel_for(0, M, 16, [&](int64_t first, int64_t last) {  // (each row's rounding its own)
+    quantize_rows(x_data + first * K, xq.data() + first * K, dx.data() + first * blocks, xsum.data() + first * G,
+                  last - first, K, G);
+  });
   const PanelArgs args{xq.data(), dx.data(), xsum.data(), out.data_ptr<float>(), M, out_features, K, G, panel_bytes,
                        static_cast<float>(factor)};
   const uint8_t* const codes = weight.data_ptr<uint8_t>();
   const int64_t part_stride = weight.stride(0);
+  if (amx) {
+    panel_gemm_amx(args, codes, parts, per_part, part_stride, static_cast<int>(bits), half_blocks, sym);
+    return out;
+  }
   const auto run = [&](auto bits_c, auto half_c, auto sym_c) {
     panel_gemm<decltype(bits_c)::value, decltype(half_c)::value, decltype(sym_c)::value>(args, codes, parts, per_part,
                                                                                          part_stride);

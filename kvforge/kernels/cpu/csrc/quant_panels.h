@@ -1,0 +1,62 @@
+// Shared by the panel kernel's two paths (quant_panels.cpp: AVX-512 VNNI, any number of rows of x;
+// quant_panels_amx.cpp: AMX-INT8, prompt-size steps): the layout's sizes and the arguments of a multiplication. The
+// layout is pictured in quant_panels.cpp and kvforge/kernels/cpu/quant_panels.py.
+#pragma once
+
+#include "quant_gemv.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVFORGE_PANELS_VNNI 1
+#endif
+
+namespace kvforge_cpu {
+
+#ifdef KVFORGE_PANELS_VNNI
+
+constexpr int64_t kPanel = 16;  // weight rows per panel: one int32 lane each of a 512-bit vector
+
+template <int BITS>
+constexpr int64_t vectors_per_block() { return 32 * BITS / 8 / 4; }  // of 64 bytes
+
+// Vectors a group's run holds per block it covers: a whole block's, or half of them (groups of 16 columns).
+template <int BITS, bool HALF_BLOCKS>
+constexpr int64_t vectors_per_chunk() { return vectors_per_block<BITS>() / (HALF_BLOCKS ? 2 : 1); }
+
+// Panels interleaved in a tile.
+template <int BITS>
+constexpr int tile_panels() { return BITS == 8 ? 2 : 4; }
+
+// The zero point of a symmetric weight's codes, negated (its offsets are -zero * scales).
+template <int BITS>
+constexpr float minus_zero() { return BITS == 8 ? -128.f : BITS == 6 ? -32.f : -8.f; }
+
+struct PanelArgs {
+  const int8_t* xq;  // [M, K]
+  const float* dx;   // [M, K / 32]
+  const float* xsum; // [M, G]
+  float* out;        // [M, N]
+  int64_t M, N, K, G;
+  int64_t panel_bytes;
+  float factor;
+};
+
+inline Avx512::V load_halves(const uint8_t* p) {
+  return Avx512::load_half<false>(reinterpret_cast<const uint16_t*>(p));
+}
+
+// Rows of x from which a step takes the AMX path (where the CPU and Linux allow it); below, the VNNI loops.
+// NOTE: measured per row of x against the VNNI loops at 15 rows (a 2048 x 2048 weight, 2 threads, the Xeon VM under
+// load): at 16 rows 0.74-0.93x, at 32 rows 0.96-1.23x, at 64 rows 1.08-1.40x, at 512 rows 1.18-1.57x.
+constexpr int64_t kAmxMinRows = 32;
+
+// Whether this CPU multiplies int8 tiles and this process may use them.
+bool panels_amx_ready();
+
+// The AMX path of quant_gemm_panels: the same sums and float work as the VNNI loops, so the same bits. x's rows
+// (xq, dx and xsum) are padded with zeros to a multiple of 16 (the outputs of the padding are not written).
+void panel_gemm_amx(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride,
+                    int bits, bool half_blocks, bool sym);
+
+#endif
+
+}  // namespace kvforge_cpu

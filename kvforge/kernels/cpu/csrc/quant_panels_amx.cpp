@@ -1,0 +1,261 @@
+// The panel kernel at prompt sizes on CPUs with AMX-INT8 (quant_gemm_panels takes this path from kAmxMinRows rows
+// of x): the same int8 rounding of x, the same exact int32 sums and then the same float operations, in the same order
+// for each output, as the VNNI loops of quant_panels.cpp. A row of x therefore gets the same bits from either path,
+// and a request's tokens do not depend on how many other rows share its step.
+//
+// Four panels (64 weight rows) at a time, their codes are first unpacked from the layout (quant_panels.cpp) to one
+// byte a code, as the B tiles of _tile_dpbsud read them: per chunk of columns (a 32-column block, or half of one for
+// groups of 16), chunk_cols / 4 rows of 64 bytes, row j holding columns 4 j .. 4 j + 3 of each of the 16 weight rows:
+//
+//   codes   uint8 [panel, chunks, chunk_cols / 4, 16 rows, 4 columns]    (K * 16 bytes a panel)
+//   scales  float [panel, G, 16], offsets float [panel, G, 16]           (times 2^e, as in the layout; SYM: -zero * scale)
+//
+// then, for each tile of 16 rows of x (A: 16 rows of int8, one chunk's columns, read in place from x's rounding), one
+// _tile_dpbsud a panel and chunk makes the 16 x 16 int32 sums (C) that 16 row-steps of the VNNI loop make with 8
+// vpdpbusd each (one A tile serves the four panels), and the float work is the VNNI loop's, one vector a row of x and
+// panel:
+//
+//   acc[m] = fma(offsets[g], xsum[m, g], acc[m])                         once per group, before its chunks
+//   acc[m] = fma(float(C[m]), scales[g] * dx[m, b], acc[m])              once per chunk
+//   out[m] = acc[m] * factor
+//
+// Rows of x are taken in passes of kRowsPerPass (their int8 codes stay in L2), each pass over every panel of the
+// thread's part; a panel's codes are unpacked once per pass.
+// NOTE: the accumulators live in memory (16 rows x 4 panels of vectors): the C tiles reach the vector registers only
+// through memory anyway. Measured (a throwaway C++ loop, 128 rows of x, K = 2048, min of 3000 runs, one core of the
+// Xeon VM under load): 4 panels sharing the A tile 313-336 GMAC/s, one panel with its 16 accumulators in registers
+// 182-278; the VNNI loops ~110-150 at 15 rows.
+#include "amx.h"
+#include "quant_panels.h"
+
+#include <vector>
+
+namespace kvforge_cpu {
+
+#ifdef KVFORGE_PANELS_VNNI  // (amx.h: every AVX-512 build has the AMX code)
+namespace {
+
+#define AMX_INT8_FUNCTION __attribute__((target("amx-tile,amx-int8")))
+
+using F = Avx512;
+
+constexpr int64_t kRowTile = 16;      // rows of x in an A (and C) tile
+constexpr int64_t kRowsPerPass = 128; // rows of x that every panel of a part meets before the next rows
+
+// Tiles 0-3: C, int32 sums (16 rows of x, 16 weight rows), one a panel; 4: A, 16 rows of x's codes, a chunk's
+// columns; 5-7: B, a chunk's weight codes, chunk_cols / 4 rows of 64 bytes (panel p's in tile 5 + p % 3).
+AMX_INT8_FUNCTION void configure_tiles(int64_t chunk_cols) {
+  TileConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = t < 4 ? kRowTile : static_cast<uint8_t>(chunk_cols / 4);
+  }
+  config.colsb[4] = static_cast<uint16_t>(chunk_cols);
+  config.rows[4] = kRowTile;
+  // NOTE: the barrier keeps the stores above: the intrinsic tells the compiler it reads only the first 8 bytes
+  __asm__ __volatile__("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+AMX_INT8_FUNCTION void release_tiles() { _tile_release(); }
+
+// Panel `first` of the tile of W panels at `tile`: its codes one byte each (the picture above) and its groups' scales
+// and offsets as floats, the VNNI loop's unpacking and offsets.
+template <int BITS, bool HALF_BLOCKS, bool SYM>
+void unpack_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t K, int64_t G, uint8_t* codes, float* scales,
+                  float* offsets) {
+  constexpr int64_t V = vectors_per_chunk<BITS, HALF_BLOCKS>();
+  constexpr int64_t header = SYM ? 32 : 64;
+  constexpr int64_t chunk_bytes = (HALF_BLOCKS ? 16 : 32) * 16;  // unpacked: chunk_cols / 4 rows of 64 bytes
+  const int64_t chunks = HALF_BLOCKS ? 1 : K / kBlock / G;  // chunks a group's run holds
+  const int64_t group_bytes = W * (header + chunks * V * 64);
+  const F::I low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* const group = tile + g * group_bytes;
+    const F::V scale = load_halves(group + 32 * first);
+    F::store(scales + 16 * g, scale);
+    F::store(offsets + 16 * g, SYM ? F::mul(scale, F::set1(minus_zero<BITS>())) : load_halves(group + 32 * (W + first)));
+    for (int64_t i = 0; i < chunks; ++i) {
+      uint8_t* const out = codes + (g * chunks + i) * chunk_bytes;
+      const auto vector = [&](int64_t j) { return F::load_bytes(group + header * W + 64 * ((i * V + j) * W + first)); };
+      const auto store = [&](int64_t row, F::I v) { _mm512_storeu_si512(out + 64 * row, v); };
+      if constexpr (BITS == 8) {
+        for (int64_t j = 0; j < V; ++j) store(j, vector(j));
+      } else if constexpr (BITS == 4) {
+        for (int64_t j = 0; j < V; ++j) {
+          const F::I words = vector(j);
+          store(2 * j, _mm512_and_si512(words, low_nibbles));
+          store(2 * j + 1, _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles));
+        }
+      } else {
+        const F::I top_bits = _mm512_set1_epi8(0x30);
+        for (int64_t h = 0; h < V / 3; ++h) {
+          const F::I top = vector(3 * h + 2);
+          for (int s = 0; s < 2; ++s) {
+            const F::I words = vector(3 * h + s);
+            const F::I top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
+            const F::I top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
+            store(4 * h + 2 * s,
+                  _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits, 0xF8));
+            store(4 * h + 2 * s + 1, _mm512_ternarylogic_epi32(
+                                         _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles), top_high,
+                                         top_bits, 0xF8));
+          }
+        }
+      }
+    }
+  }
+}
+
+// One chunk of 16 rows of x (`x`, rows K apart) against NP panels' unpacked codes (panel p's at codes + p * stride):
+// sums[p] [16 rows of x, 16 int32] = C of panel p. (The tile intrinsics take their tile numbers as literals.)
+template <int NP>
+AMX_INT8_FUNCTION inline void chunk_sums(const int8_t* x, int64_t K, const uint8_t* codes, int64_t stride,
+                                         int32_t (*sums)[kRowTile * 16]) {
+  _tile_loadd(4, x, K);
+  _tile_loadd(5, codes, 64);
+  _tile_zero(0);
+  _tile_dpbsud(0, 4, 5);
+  if constexpr (NP > 1) {
+    _tile_loadd(6, codes + stride, 64);
+    _tile_zero(1);
+    _tile_dpbsud(1, 4, 6);
+  }
+  if constexpr (NP > 2) {
+    _tile_loadd(7, codes + 2 * stride, 64);
+    _tile_zero(2);
+    _tile_dpbsud(2, 4, 7);
+  }
+  if constexpr (NP > 3) {
+    _tile_loadd(5, codes + 3 * stride, 64);
+    _tile_zero(3);
+    _tile_dpbsud(3, 4, 5);
+  }
+  _tile_stored(0, sums[0], 64);
+  if constexpr (NP > 1) _tile_stored(1, sums[1], 64);
+  if constexpr (NP > 2) _tile_stored(2, sums[2], 64);
+  if constexpr (NP > 3) _tile_stored(3, sums[3], 64);
+}
+
+// Rows m0 .. m0 + 15 of x (padded) against NP unpacked panels (panel p: codes + p * K * 16, scales and offsets +
+// p * G * 16), whose outputs are columns n .. n + 16 NP - 1, the last panel's `valid` of them.
+template <bool HALF_BLOCKS, int NP>
+AMX_INT8_FUNCTION void row_tile(const PanelArgs& a, int64_t m0, const uint8_t* codes, const float* scales,
+                                const float* offsets, int64_t n, int64_t valid) {
+  const int64_t K = a.K, G = a.G, blocks = K / kBlock, chunks = HALF_BLOCKS ? 1 : blocks / G;
+  const int64_t chunk_bytes = (HALF_BLOCKS ? 16 : 32) * 16;
+  const int8_t* const xq = a.xq + m0 * K;
+  const float* const dx = a.dx + m0 * blocks;
+  const float* const xsum = a.xsum + m0 * G;
+  alignas(64) int32_t sums[NP][kRowTile * 16];
+  alignas(64) float acc[kRowTile][NP * 16] = {};
+  int64_t c = 0;  // chunks so far
+  for (int64_t g = 0; g < G; ++g) {
+    F::V scale[NP], offset[NP];
+    for (int p = 0; p < NP; ++p) {
+      scale[p] = F::load(scales + (p * G + g) * 16);
+      offset[p] = F::load(offsets + (p * G + g) * 16);
+    }
+    for (int64_t i = 0; i < chunks; ++i, ++c) {
+      const int64_t b = HALF_BLOCKS ? g / 2 : g * chunks + i;
+      const int64_t column = 32 * b + (HALF_BLOCKS ? 16 * (g % 2) : 0);
+      chunk_sums<NP>(xq + column, K, codes + c * chunk_bytes, K * 16, sums);
+      for (int m = 0; m < kRowTile; ++m) {
+        const F::V d = F::set1(dx[m * blocks + b]);
+        for (int p = 0; p < NP; ++p) {
+          F::V sum = F::load(acc[m] + 16 * p);
+          if (i == 0) sum = F::fma(offset[p], F::set1(xsum[m * G + g]), sum);  // the group's, before its chunks
+          sum = F::fma(F::to_float(F::load_bytes(sums[p] + 16 * m)), F::mul(scale[p], d), sum);
+          F::store(acc[m] + 16 * p, sum);
+        }
+      }
+    }
+  }
+  const F::V factor = F::set1(a.factor);
+  const __mmask16 last = valid >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  for (int m = 0; m < kRowTile && m0 + m < a.M; ++m)
+    for (int p = 0; p < NP; ++p)
+      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n + 16 * p, p == NP - 1 ? last : static_cast<__mmask16>(0xFFFF),
+                            F::mul(F::load(acc[m] + 16 * p), factor));
+}
+
+template <bool HALF_BLOCKS>
+void row_tile(int np, const PanelArgs& a, int64_t m0, const uint8_t* codes, const float* scales, const float* offsets,
+              int64_t n, int64_t valid) {
+  switch (np) {
+    case 4: return row_tile<HALF_BLOCKS, 4>(a, m0, codes, scales, offsets, n, valid);
+    case 3: return row_tile<HALF_BLOCKS, 3>(a, m0, codes, scales, offsets, n, valid);
+    case 2: return row_tile<HALF_BLOCKS, 2>(a, m0, codes, scales, offsets, n, valid);
+    default: return row_tile<HALF_BLOCKS, 1>(a, m0, codes, scales, offsets, n, valid);
+  }
+}
+
+// One part of `count` panels at `part` (its first is panel p0), in tiles of tile_panels<BITS>() panels (the last
+// 1 ..): its panels four at a time (or the 1-3 left, or the last before the padding) against every tile of x's rows.
+template <int BITS, bool HALF_BLOCKS, bool SYM>
+void part_gemm(const PanelArgs& a, const uint8_t* part, int64_t p0, int64_t count) {
+  constexpr int64_t T = tile_panels<BITS>(), kPanels = 4;
+  const int64_t K = a.K, G = a.G;
+  std::vector<uint8_t> codes(static_cast<size_t>(kPanels * K * 16));
+  std::vector<float> scales(kPanels * G * 16), offsets(kPanels * G * 16);
+  const int64_t tiled = count;  // the part's panels, padding included, as its tiles are laid out
+  count = std::min(count, (a.N + kPanel - 1) / kPanel - p0);  // without the padding panels
+  configure_tiles(HALF_BLOCKS ? 16 : 32);
+  const int64_t rows = (a.M + kRowTile - 1) / kRowTile * kRowTile;
+  for (int64_t pass = 0; pass < rows; pass += kRowsPerPass) {
+    for (int64_t s = 0; s < count; s += kPanels) {
+      const int np = static_cast<int>(std::min(kPanels, count - s));
+      for (int p = 0; p < np; ++p) {
+        const int64_t tile_start = (s + p) / T * T;  // the panel's tile, of W panels
+        unpack_panel<BITS, HALF_BLOCKS, SYM>(part + tile_start * a.panel_bytes, std::min(T, tiled - tile_start),
+                                             s + p - tile_start, K, G, codes.data() + p * K * 16,
+                                             scales.data() + p * G * 16, offsets.data() + p * G * 16);
+      }
+      const int64_t n = (p0 + s) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n - kPanel * (np - 1));
+      for (int64_t m0 = pass; m0 < std::min(rows, pass + kRowsPerPass); m0 += kRowTile)
+        row_tile<HALF_BLOCKS>(np, a, m0, codes.data(), scales.data(), offsets.data(), n, valid);
+    }
+  }
+  release_tiles();
+}
+
+template <int BITS, bool HALF_BLOCKS, bool SYM>
+void panel_gemm(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride) {
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      if (t * per_part * kPanel >= a.N) continue;  // padding alone
+      part_gemm<BITS, HALF_BLOCKS, SYM>(a, weight + t * part_stride, t * per_part, per_part);
+    }
+  });
+}
+
+}  // namespace
+
+bool panels_amx_ready() {
+  return __builtin_cpu_supports("amx-int8") && amx_tile_data_permitted();
+}
+
+void panel_gemm_amx(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride,
+                    int bits, bool half_blocks, bool sym) {
+  const auto run = [&](auto bits_c, auto half_c, auto sym_c) {
+    panel_gemm<decltype(bits_c)::value, decltype(half_c)::value, decltype(sym_c)::value>(a, weight, parts, per_part,
+                                                                                         part_stride);
+  };
+  const auto with_sym = [&](auto bits_c, auto half_c) {
+    if (sym) run(bits_c, half_c, std::true_type{});
+    else run(bits_c, half_c, std::false_type{});
+  };
+  const auto with_half = [&](auto bits_c) {
+    if (half_blocks) with_sym(bits_c, std::true_type{});
+    else with_sym(bits_c, std::false_type{});
+  };
+  if (bits == 8) with_half(std::integral_constant<int, 8>{});
+  else if (bits == 6) with_half(std::integral_constant<int, 6>{});
+  else with_half(std::integral_constant<int, 4>{});
+}
+
+#endif
+
+}  // namespace kvforge_cpu
