@@ -38,7 +38,7 @@ Half factors cut a 4-bit weight's bytes from 0.75 to 0.625 per weight (as GGUF's
 Q4_0 and Q4_1 blocks, whose scales and minimums are halves; float32 ones (RTN, GPTQ's integer zero points times a
 scale, the K-quants' half times a sub-block scale) round by at most 2^-11 of their value.
 
-From 32 rows of x (prompts, batches of streams), on CPUs with AMX-INT8, the same op takes csrc/quant_panels_amx.cpp:
+From 64 rows of x (prompts, batches of streams), on CPUs with AMX-INT8, the same op takes csrc/quant_panels_amx.cpp:
 four panels' codes unpacked to a byte each and multiplied by 16 rows of x per tile instruction, then the same float
 work in the same order, so every row's output is the same bits on either path (a request's tokens do not depend on
 what else shares its step).

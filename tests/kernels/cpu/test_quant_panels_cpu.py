@@ -1,4 +1,4 @@
-"""The panel kernel (csrc/quant_panels.cpp: AVX-512 VNNI; from 32 rows of x, csrc/quant_panels_amx.cpp where the CPU has
+"""The panel kernel (csrc/quant_panels.cpp: AVX-512 VNNI; from 64 rows of x, csrc/quant_panels_amx.cpp where the CPU has
 AMX-INT8): against x rounded to int8 the same way in torch times the
 dequantized weight, up to its half scales (a wrong lane, column or scale shows), its row gather equal to the weight,
 within the rounding of x of the float product, and exact on GGUF's blocks; in groups of whole 32-column blocks and
@@ -124,7 +124,7 @@ def test_layouts_without_whole_blocks_are_refused() -> None:
 @pytest.mark.parametrize("zeros", ["sym", "float"])
 def test_a_row_gets_the_same_bits_in_any_step(bits: int, num_rows: int, in_features: int, group_size: int,
                                               zeros: str) -> None:  # fmt: skip
-    """Each row of x alone (the VNNI loops) and the 150 rows together (from 32 rows the AMX path where the CPU has it:
+    """Each row of x alone (the VNNI loops) and the 150 rows together (from 64 rows the AMX path where the CPU has it:
     two passes of 128 rows, a last tile of 6 rows, panels four at a time and the 1-3 left) give the same bits, so a
     request's tokens do not depend on what else shares its step."""
     weight = _signed(_weight(num_rows, in_features, bits, group_size, zeros, seed=num_rows + bits), seed=bits)
@@ -139,7 +139,7 @@ def test_a_row_gets_the_same_bits_in_any_step(bits: int, num_rows: int, in_featu
 @pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("parts", [1, 2, 3, 5])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+@pytest.mark.parametrize("num_tokens", [1, 5, 70])
 @pytest.mark.parametrize("group_size", [32, 16])
 def test_any_number_of_parts_on_any_number_of_threads(bits: int, parts: int, threads: int, num_tokens: int,
                                                       group_size: int) -> None:  # fmt: skip

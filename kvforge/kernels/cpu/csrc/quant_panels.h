@@ -45,9 +45,10 @@ inline Avx512::V load_halves(const uint8_t* p) {
 }
 
 // Rows of x from which a step takes the AMX path (where the CPU and Linux allow it); below, the VNNI loops.
-// NOTE: measured per row of x against the VNNI loops at 15 rows (a 2048 x 2048 weight, 2 threads, the Xeon VM under
-// load): at 16 rows 0.74-0.93x, at 32 rows 0.96-1.23x, at 64 rows 1.08-1.40x, at 512 rows 1.18-1.57x.
-constexpr int64_t kAmxMinRows = 32;
+// NOTE: measured per row of x against the VNNI loops at 31 rows (one thread, 2048 x 2048, 8192 x 2048 and 2048 x 8192
+// weights of 4-, 6- and 8-bit codes, min of 10, the Xeon VM under load): at 32 rows 0.83-1.33x, at 64 rows
+// 1.07-1.61x, at 512 rows 1.10-1.66x.
+constexpr int64_t kAmxMinRows = 64;
 
 // Whether this CPU multiplies int8 tiles and this process may use them.
 bool panels_amx_ready();

@@ -7,10 +7,11 @@
 // byte a code, as the B tiles of _tile_dpbsud read them: per chunk of columns (a 32-column block, or half of one for
 // groups of 16), chunk_cols / 4 rows of 64 bytes, row j holding columns 4 j .. 4 j + 3 of each of the 16 weight rows:
 //
-//   codes   uint8 [panel, chunks, chunk_cols / 4, 16 rows, 4 columns]    (K * 16 bytes a panel)
+//   codes   uint8 [chunks, panel, chunk_cols / 4, 16 rows, 4 columns]    (K * 16 bytes a panel)
 //   scales  float [panel, G, 16], offsets float [panel, G, 16]           (times 2^e, as in the layout; SYM: -zero * scale)
 //
-// then, for each tile of 16 rows of x (A: 16 rows of int8, one chunk's columns, read in place from x's rounding), one
+// then, for each tile of 16 rows of x (A: 16 rows of int8, one chunk's columns; x's rounding laid out as these tiles
+// once a step, [M / 16, chunks, 16 rows, chunk_cols], each tile's 16 rows one run of memory), one
 // _tile_dpbsud a panel and chunk makes the 16 x 16 int32 sums (C) that 16 row-steps of the VNNI loop make with 8
 // vpdpbusd each (one A tile serves the four panels), and the float work is the VNNI loop's, one vector a row of x and
 // panel:
@@ -41,6 +42,7 @@ using F = Avx512;
 
 constexpr int64_t kRowTile = 16;      // rows of x in an A (and C) tile
 constexpr int64_t kRowsPerPass = 128; // rows of x that every panel of a part meets before the next rows
+constexpr int64_t kPanelsAtOnce = 4;  // panels whose B tiles meet each A tile
 
 // Tiles 0-3: C, int32 sums (16 rows of x, 16 weight rows), one a panel; 4: A, 16 rows of x's codes, a chunk's
 // columns; 5-7: B, a chunk's weight codes, chunk_cols / 4 rows of 64 bytes (panel p's in tile 5 + p % 3).
@@ -61,8 +63,8 @@ AMX_INT8_FUNCTION void configure_tiles(int64_t chunk_cols) {
 
 AMX_INT8_FUNCTION void release_tiles() { _tile_release(); }
 
-// Panel `first` of the tile of W panels at `tile`: its codes one byte each (the picture above) and its groups' scales
-// and offsets as floats, the VNNI loop's unpacking and offsets.
+// Panel `first` of the tile of W panels at `tile`: its codes one byte each (chunk c at codes + c * kPanelsAtOnce *
+// chunk_bytes: the picture above) and its groups' scales and offsets as floats, the VNNI loop's unpacking and offsets.
 template <int BITS, bool HALF_BLOCKS, bool SYM>
 void unpack_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t K, int64_t G, uint8_t* codes, float* scales,
                   float* offsets) {
@@ -78,7 +80,7 @@ void unpack_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t K, int6
     F::store(scales + 16 * g, scale);
     F::store(offsets + 16 * g, SYM ? F::mul(scale, F::set1(minus_zero<BITS>())) : load_halves(group + 32 * (W + first)));
     for (int64_t i = 0; i < chunks; ++i) {
-      uint8_t* const out = codes + (g * chunks + i) * chunk_bytes;
+      uint8_t* const out = codes + (g * chunks + i) * kPanelsAtOnce * chunk_bytes;
       const auto vector = [&](int64_t j) { return F::load_bytes(group + header * W + 64 * ((i * V + j) * W + first)); };
       const auto store = [&](int64_t row, F::I v) { _mm512_storeu_si512(out + 64 * row, v); };
       if constexpr (BITS == 8) {
@@ -109,12 +111,13 @@ void unpack_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t K, int6
   }
 }
 
-// One chunk of 16 rows of x (`x`, rows K apart) against NP panels' unpacked codes (panel p's at codes + p * stride):
-// sums[p] [16 rows of x, 16 int32] = C of panel p. (The tile intrinsics take their tile numbers as literals.)
+// One chunk of 16 rows of x (`x`, an A tile's rows one after another) against NP panels' unpacked codes (panel p's
+// at codes + p * stride): sums[p] [16 rows of x, 16 int32] = C of panel p. (The tile intrinsics take their tile
+// numbers as literals.)
 template <int NP>
-AMX_INT8_FUNCTION inline void chunk_sums(const int8_t* x, int64_t K, const uint8_t* codes, int64_t stride,
+AMX_INT8_FUNCTION inline void chunk_sums(const int8_t* x, int64_t chunk_cols, const uint8_t* codes, int64_t stride,
                                          int32_t (*sums)[kRowTile * 16]) {
-  _tile_loadd(4, x, K);
+  _tile_loadd(4, x, chunk_cols);
   _tile_loadd(5, codes, 64);
   _tile_zero(0);
   _tile_dpbsud(0, 4, 5);
@@ -139,14 +142,14 @@ AMX_INT8_FUNCTION inline void chunk_sums(const int8_t* x, int64_t K, const uint8
   if constexpr (NP > 3) _tile_stored(3, sums[3], 64);
 }
 
-// Rows m0 .. m0 + 15 of x (padded) against NP unpacked panels (panel p: codes + p * K * 16, scales and offsets +
-// p * G * 16), whose outputs are columns n .. n + 16 NP - 1, the last panel's `valid` of them.
+// Rows m0 .. m0 + 15 of x (padded; `x_tiles` their A tiles) against NP unpacked panels (panel p's codes at codes +
+// p * chunk_bytes, scales and offsets + p * G * 16), whose outputs are columns n .. n + 16 NP - 1, the last panel's
+// `valid` of them.
 template <bool HALF_BLOCKS, int NP>
-AMX_INT8_FUNCTION void row_tile(const PanelArgs& a, int64_t m0, const uint8_t* codes, const float* scales,
-                                const float* offsets, int64_t n, int64_t valid) {
+AMX_INT8_FUNCTION void row_tile(const PanelArgs& a, int64_t m0, const int8_t* x_tiles, const uint8_t* codes,
+                                const float* scales, const float* offsets, int64_t n, int64_t valid) {
   const int64_t K = a.K, G = a.G, blocks = K / kBlock, chunks = HALF_BLOCKS ? 1 : blocks / G;
-  const int64_t chunk_bytes = (HALF_BLOCKS ? 16 : 32) * 16;
-  const int8_t* const xq = a.xq + m0 * K;
+  constexpr int64_t chunk_cols = HALF_BLOCKS ? 16 : 32, chunk_bytes = chunk_cols * 16;
   const float* const dx = a.dx + m0 * blocks;
   const float* const xsum = a.xsum + m0 * G;
   alignas(64) int32_t sums[NP][kRowTile * 16];
@@ -160,13 +163,15 @@ AMX_INT8_FUNCTION void row_tile(const PanelArgs& a, int64_t m0, const uint8_t* c
     }
     for (int64_t i = 0; i < chunks; ++i, ++c) {
       const int64_t b = HALF_BLOCKS ? g / 2 : g * chunks + i;
-      const int64_t column = 32 * b + (HALF_BLOCKS ? 16 * (g % 2) : 0);
-      chunk_sums<NP>(xq + column, K, codes + c * chunk_bytes, K * 16, sums);
+      chunk_sums<NP>(x_tiles + c * kRowTile * chunk_cols, chunk_cols, codes + c * kPanelsAtOnce * chunk_bytes,
+                     chunk_bytes, sums);
+      const bool group_starts = i == 0;
+#pragma GCC unroll 16
       for (int m = 0; m < kRowTile; ++m) {
-        const F::V d = F::set1(dx[m * blocks + b]);
+        const F::V d = F::set1(dx[m * blocks + b]), group_sum = F::set1(xsum[m * G + g]);
         for (int p = 0; p < NP; ++p) {
           F::V sum = F::load(acc[m] + 16 * p);
-          if (i == 0) sum = F::fma(offset[p], F::set1(xsum[m * G + g]), sum);  // the group's, before its chunks
+          if (group_starts) sum = F::fma(offset[p], group_sum, sum);  // the group's, before its chunks
           sum = F::fma(F::to_float(F::load_bytes(sums[p] + 16 * m)), F::mul(scale[p], d), sum);
           F::store(acc[m] + 16 * p, sum);
         }
@@ -182,21 +187,21 @@ AMX_INT8_FUNCTION void row_tile(const PanelArgs& a, int64_t m0, const uint8_t* c
 }
 
 template <bool HALF_BLOCKS>
-void row_tile(int np, const PanelArgs& a, int64_t m0, const uint8_t* codes, const float* scales, const float* offsets,
-              int64_t n, int64_t valid) {
+void row_tile(int np, const PanelArgs& a, int64_t m0, const int8_t* x_tiles, const uint8_t* codes,
+              const float* scales, const float* offsets, int64_t n, int64_t valid) {
   switch (np) {
-    case 4: return row_tile<HALF_BLOCKS, 4>(a, m0, codes, scales, offsets, n, valid);
-    case 3: return row_tile<HALF_BLOCKS, 3>(a, m0, codes, scales, offsets, n, valid);
-    case 2: return row_tile<HALF_BLOCKS, 2>(a, m0, codes, scales, offsets, n, valid);
-    default: return row_tile<HALF_BLOCKS, 1>(a, m0, codes, scales, offsets, n, valid);
+    case 4: return row_tile<HALF_BLOCKS, 4>(a, m0, x_tiles, codes, scales, offsets, n, valid);
+    case 3: return row_tile<HALF_BLOCKS, 3>(a, m0, x_tiles, codes, scales, offsets, n, valid);
+    case 2: return row_tile<HALF_BLOCKS, 2>(a, m0, x_tiles, codes, scales, offsets, n, valid);
+    default: return row_tile<HALF_BLOCKS, 1>(a, m0, x_tiles, codes, scales, offsets, n, valid);
   }
 }
 
 // One part of `count` panels at `part` (its first is panel p0), in tiles of tile_panels<BITS>() panels (the last
 // 1 ..): its panels four at a time (or the 1-3 left, or the last before the padding) against every tile of x's rows.
 template <int BITS, bool HALF_BLOCKS, bool SYM>
-void part_gemm(const PanelArgs& a, const uint8_t* part, int64_t p0, int64_t count) {
-  constexpr int64_t T = tile_panels<BITS>(), kPanels = 4;
+void part_gemm(const PanelArgs& a, const int8_t* x_tiles, const uint8_t* part, int64_t p0, int64_t count) {
+  constexpr int64_t T = tile_panels<BITS>(), kPanels = kPanelsAtOnce, chunk_bytes = (HALF_BLOCKS ? 16 : 32) * 16;
   const int64_t K = a.K, G = a.G;
   std::vector<uint8_t> codes(static_cast<size_t>(kPanels * K * 16));
   std::vector<float> scales(kPanels * G * 16), offsets(kPanels * G * 16);
@@ -210,23 +215,39 @@ void part_gemm(const PanelArgs& a, const uint8_t* part, int64_t p0, int64_t coun
       for (int p = 0; p < np; ++p) {
         const int64_t tile_start = (s + p) / T * T;  // the panel's tile, of W panels
         unpack_panel<BITS, HALF_BLOCKS, SYM>(part + tile_start * a.panel_bytes, std::min(T, tiled - tile_start),
-                                             s + p - tile_start, K, G, codes.data() + p * K * 16,
+                                             s + p - tile_start, K, G, codes.data() + p * chunk_bytes,
                                              scales.data() + p * G * 16, offsets.data() + p * G * 16);
       }
       const int64_t n = (p0 + s) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n - kPanel * (np - 1));
       for (int64_t m0 = pass; m0 < std::min(rows, pass + kRowsPerPass); m0 += kRowTile)
-        row_tile<HALF_BLOCKS>(np, a, m0, codes.data(), scales.data(), offsets.data(), n, valid);
+        row_tile<HALF_BLOCKS>(np, a, m0, x_tiles + m0 * K, codes.data(), scales.data(), offsets.data(), n, valid);
     }
   }
   release_tiles();
 }
 
+// x's int8 rows [rows (a multiple of 16), K] as A tiles: [rows / 16, K / chunk_cols, 16 rows, chunk_cols]
+std::vector<int8_t> x_as_tiles(const int8_t* xq, int64_t rows, int64_t K, int64_t chunk_cols) {
+  std::vector<int8_t> tiles(rows * K);
+  const int64_t chunks = K / chunk_cols;
+  at::parallel_for(0, rows / kRowTile, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t r = 0; r < kRowTile; ++r)
+          std::memcpy(tiles.data() + ((t * chunks + c) * kRowTile + r) * chunk_cols,
+                      xq + (t * kRowTile + r) * K + c * chunk_cols, chunk_cols);
+  });
+  return tiles;
+}
+
 template <int BITS, bool HALF_BLOCKS, bool SYM>
 void panel_gemm(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride) {
+  const std::vector<int8_t> x_tiles =
+      x_as_tiles(a.xq, (a.M + kRowTile - 1) / kRowTile * kRowTile, a.K, HALF_BLOCKS ? 16 : 32);
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       if (t * per_part * kPanel >= a.N) continue;  // padding alone
-      part_gemm<BITS, HALF_BLOCKS, SYM>(a, weight + t * part_stride, t * per_part, per_part);
+      part_gemm<BITS, HALF_BLOCKS, SYM>(a, x_tiles.data(), weight + t * part_stride, t * per_part, per_part);
     }
   });
 }
