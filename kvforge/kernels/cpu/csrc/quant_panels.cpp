@@ -322,21 +322,10 @@ at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int6
     panel_gemm_amx(args, codes, parts, per_part, part_stride, static_cast<int>(bits), half_blocks, sym);
     return out;
   }
-  const auto run = [&](auto bits_c, auto half_c, auto sym_c) {
+  with_layout(static_cast<int>(bits), half_blocks, sym, [&](auto bits_c, auto half_c, auto sym_c) {
     panel_gemm<decltype(bits_c)::value, decltype(half_c)::value, decltype(sym_c)::value>(args, codes, parts, per_part,
                                                                                          part_stride);
-  };
-  const auto with_sym = [&](auto bits_c, auto half_c) {
-    if (sym) run(bits_c, half_c, std::true_type{});
-    else run(bits_c, half_c, std::false_type{});
-  };
-  const auto with_half = [&](auto bits_c) {
-    if (half_blocks) with_sym(bits_c, std::true_type{});
-    else with_sym(bits_c, std::false_type{});
-  };
-  if (bits == 8) with_half(std::integral_constant<int, 8>{});
-  else if (bits == 6) with_half(std::integral_constant<int, 6>{});
-  else with_half(std::integral_constant<int, 4>{});
+  });
   return out;
 #else
   TORCH_CHECK(false, "the panel kernels need a build with AVX-512 VNNI");

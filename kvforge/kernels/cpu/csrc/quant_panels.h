@@ -5,6 +5,8 @@
 
 #include "quant_gemv.h"
 
+#include <type_traits>
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVFORGE_PANELS_VNNI 1
 #endif
@@ -42,6 +44,22 @@ struct PanelArgs {
 
 inline Avx512::V load_halves(const uint8_t* p) {
   return Avx512::load_half<false>(reinterpret_cast<const uint16_t*>(p));
+}
+
+// run(bits, half_blocks, sym) with each as a compile-time constant (std::integral_constant, std::bool_constant)
+template <class Run>
+void with_layout(int bits, bool half_blocks, bool sym, Run&& run) {
+  const auto with_sym = [&](auto bits_c, auto half_c) {
+    if (sym) run(bits_c, half_c, std::true_type{});
+    else run(bits_c, half_c, std::false_type{});
+  };
+  const auto with_half = [&](auto bits_c) {
+    if (half_blocks) with_sym(bits_c, std::true_type{});
+    else with_sym(bits_c, std::false_type{});
+  };
+  if (bits == 8) with_half(std::integral_constant<int, 8>{});
+  else if (bits == 6) with_half(std::integral_constant<int, 6>{});
+  else with_half(std::integral_constant<int, 4>{});
 }
 
 // Rows of x from which a step takes the AMX path (where the CPU and Linux allow it); below, the VNNI loops.

@@ -260,21 +260,10 @@ bool panels_amx_ready() {
 
 void panel_gemm_amx(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride,
                     int bits, bool half_blocks, bool sym) {
-  const auto run = [&](auto bits_c, auto half_c, auto sym_c) {
+  with_layout(bits, half_blocks, sym, [&](auto bits_c, auto half_c, auto sym_c) {
     panel_gemm<decltype(bits_c)::value, decltype(half_c)::value, decltype(sym_c)::value>(a, weight, parts, per_part,
                                                                                          part_stride);
-  };
-  const auto with_sym = [&](auto bits_c, auto half_c) {
-    if (sym) run(bits_c, half_c, std::true_type{});
-    else run(bits_c, half_c, std::false_type{});
-  };
-  const auto with_half = [&](auto bits_c) {
-    if (half_blocks) with_sym(bits_c, std::true_type{});
-    else with_sym(bits_c, std::false_type{});
-  };
-  if (bits == 8) with_half(std::integral_constant<int, 8>{});
-  else if (bits == 6) with_half(std::integral_constant<int, 6>{});
-  else with_half(std::integral_constant<int, 4>{});
+  });
 }
 
 #endif
