@@ -161,7 +161,7 @@ def run_trees(args: argparse.Namespace, forwarded: list[str]) -> dict:
                 out = Path(scratch) / f"{index}_{round_index}.json"
                 env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
                 subprocess.run([sys.executable, str(Path(__file__).resolve()), *forwarded, "--json", str(out)],
-                               cwd=tree, env=env, check=True)
+                               cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
                 runs[label].append(json.loads(out.read_text()))
                 medians = runs[label][-1]["median_us"]
                 print(f"round {round_index + 1} {label}: host {medians['host']:.0f} us, step {medians['step']:.0f} us",
