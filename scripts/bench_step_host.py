@@ -109,6 +109,8 @@ def run_one(args: argparse.Namespace) -> dict:
     from kvforge import LLM, SamplingParams
 
     torch.manual_seed(0)
+    if args.threads is not None:  # (one thread is robust on a busy machine: no worker waits for a descheduled one)
+        torch.set_num_threads(args.threads)
     kwargs = {} if args.model is None else {"model": args.model}
     llm = LLM(**kwargs, enforce_eager=True, kv_cache_memory=args.kv_cache_memory)
     engine = llm.engine
@@ -146,8 +148,8 @@ def run_one(args: argparse.Namespace) -> dict:
     digest = hashlib.sha256(json.dumps([tokens[f"s{i}"] for i in range(args.streams)]).encode()).hexdigest()
     result = {part: statistics.median(s[part] for s in samples) / 1e3 for part in PARTS}
     return {"median_us": result, "mean_host_us": statistics.fmean(s["host"] for s in samples) / 1e3,
-            "steps": len(samples), "streams": args.streams, "tokens_sha256": digest[:16],
-            "tree": str(Path(sys.modules["kvforge"].__file__).parent.parent)}
+            "steps": len(samples), "streams": args.streams, "threads": torch.get_num_threads(),
+            "tokens_sha256": digest[:16], "tree": str(Path(sys.modules["kvforge"].__file__).parent.parent)}
 
 
 def run_trees(args: argparse.Namespace, forwarded: list[str]) -> dict:
@@ -185,13 +187,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16, help="decode steps run before the timed ones")
     parser.add_argument("--steps", type=int, default=240, help="decode steps timed")
     parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--trees", nargs="+", metavar="TREE",
                         help="source trees to alternate, one run each per round (ratios against the first)")
     parser.add_argument("--rounds", type=int, default=3, help="with --trees: runs of each tree")
     parser.add_argument("--json", default=None, help="write the result here too")
     args = parser.parse_args()
     if args.trees:
-        forwarded = [arg for name in ("model", "streams", "input_len", "warmup", "steps", "kv_cache_memory")
+        forwarded = [arg for name in ("model", "streams", "input_len", "warmup", "steps", "kv_cache_memory", "threads")
                      if (value := getattr(args, name)) is not None
                      for arg in (f"--{name.replace('_', '-')}", str(value))]
         result = run_trees(args, forwarded)
