@@ -281,7 +281,9 @@ class ModelRunner:
                     result.prompt_logprobs = prompt_logprobs
             if not batch.sample_rows:
                 return
-            logits = self.model.compute_logits(hidden[batch.sample_rows])  # collective under tensor parallel
+            if len(batch.sample_rows) < hidden.shape[0]:  # (else the rows are every row, in order: no gather)
+                hidden = hidden[batch.sample_rows]
+            logits = self.model.compute_logits(hidden)  # collective under tensor parallel
         if not samples or not batch.sample_rows:
             return
         self._sample(logits, batch, result, output.grammar_bitmask)
