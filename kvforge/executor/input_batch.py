@@ -69,8 +69,7 @@ class StepInputs:
 
 @dataclass(slots=True)
 class _Settings:
-    """The sampling settings of a list of rows, one entry per row (a SamplingBatch's; shared by the steps that sample
-    the same rows while no row changes: read only)."""
+    """The sampling settings of a list of rows, one entry each; shared by the steps that sample them: read only."""
 
     rows: list[int]
     temperatures: list[float]
@@ -195,8 +194,8 @@ class InputBatch:
 
     def _advance(self, scheduled: list[ScheduledRequest]) -> None:
         """Each request's tokens replace whatever followed its first position; its tables gain their new blocks."""
-        # NOTE: per request Python lists and builtins (max, all, map), not numpy reductions: for a batch's few dozen
-        # requests, each numpy call costs more than the whole list's walk, right after a model step
+        # NOTE: lists and builtins, not numpy reductions: right after a model step a numpy call costs more than a walk
+        # over a few dozen requests
         row_list = [self.row_of[s.request_id] for s in scheduled]
         start_list = [s.num_computed_tokens for s in scheduled]
         lengths = [len(s.token_ids) for s in scheduled]
@@ -321,12 +320,8 @@ class InputBatch:
         else:
             prompt_token_ids = output_token_ids = [[] for _ in row_list]
         return SamplingBatch(
-            temperatures=settings.temperatures,
-            top_ks=settings.top_ks,
-            top_ps=settings.top_ps,
-            min_ps=settings.min_ps,
-            presence_penalties=settings.presence_penalties,
-            frequency_penalties=settings.frequency_penalties,
+            temperatures=settings.temperatures, top_ks=settings.top_ks, top_ps=settings.top_ps, min_ps=settings.min_ps,
+            presence_penalties=settings.presence_penalties, frequency_penalties=settings.frequency_penalties,
             repetition_penalties=settings.repetition_penalties,
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
@@ -392,8 +387,7 @@ class InputBatch:
             host["state_slot_ids"][:] = self.state_slots[rows]
             np.greater(computed, 0, out=host["has_initial_state"])
         sent = self.staging.send()
-        group_tables = [(sent[f"slot_mapping{group}"], sent[f"block_tables{group}"])
-                        for group in range(self.num_groups)]
+        group_tables = [(sent[f"slot_mapping{g}"], sent[f"block_tables{g}"]) for g in range(self.num_groups)]
         return StepInputs(sent["input_ids"], sent["positions"], group_tables, sent["query_start_loc"],
                           sent["seq_lens"], sent.get("state_slot_ids"), sent.get("has_initial_state"), decode_only,
                           q_lens, starts, computed)
