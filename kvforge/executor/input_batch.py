@@ -33,6 +33,7 @@ never from torch's global one.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,23 @@ class StepInputs:
     computed: np.ndarray  # [N] host: num_computed_tokens per request
 
 
+@dataclass(slots=True)
+class _Settings:
+    """The sampling settings of a list of rows, one entry each; shared by the steps that sample them: read only."""
+
+    rows: list[int]
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    min_ps: list[float]
+    presence_penalties: list[float]
+    frequency_penalties: list[float]
+    repetition_penalties: list[float]
+    num_logprobs: list[int | None]
+    logit_biases: list[dict[int, float] | None] | None  # None: no row has one
+    penalized: bool  # some row has a penalty (the sampler reads the prompt and output tokens)
+
+
 class InputBatch:
     """The runner's requests by row; `update(output)` applies a step's changes before it runs, `inputs(rows,
     num_draft_tokens)` lays out its flat inputs. num_groups: the paged layer groups of the KV cache; has_states: a
@@ -97,6 +115,7 @@ class InputBatch:
         self.int_params = np.zeros((max_num_reqs, len(INT_PARAMS)), dtype=np.int64)
         self.num_prompt_logprobs = 0  # rows asking for prompt logprobs (none: a step skips looking for them)
         self._advanced: tuple[list[ScheduledRequest], np.ndarray] | None = None  # the latest step's (requests, rows)
+        self._settings_at: _Settings | None = None  # the latest sampling settings gathered (None: a row changed since)
 
     @property
     def num_reqs(self) -> int:
@@ -131,7 +150,7 @@ class InputBatch:
         holes = sorted(row for row in (self.row_of.pop(r, None) for r in request_ids) if row is not None)
         if not holes:
             return
-        self._advanced = None
+        self._advanced = self._settings_at = None
         self.num_prompt_logprobs -= int((self.int_params[holes, 2] >= 0).sum())
         num_left = self.num_reqs - len(holes)
         gone = set(holes)
@@ -154,6 +173,7 @@ class InputBatch:
     def _add(self, request_id: str, token_ids: list[int], num_prompt: int, params: SamplingParams,
              lora: LoRARequest | None) -> None:
         row = self.num_reqs
+        self._settings_at = None
         self._reserve(row + 1, len(token_ids), 0)
         self.request_ids.append(request_id)
         self.sampling_params.append(params)
@@ -174,21 +194,26 @@ class InputBatch:
 
     def _advance(self, scheduled: list[ScheduledRequest]) -> None:
         """Each request's tokens replace whatever followed its first position; its tables gain their new blocks."""
-        num_seqs = len(scheduled)
-        rows = np.fromiter((self.row_of[s.request_id] for s in scheduled), dtype=np.int64, count=num_seqs)
+        # NOTE: lists and builtins, not numpy reductions: right after a model step a numpy call costs more than a walk
+        # over a few dozen requests
+        row_list = [self.row_of[s.request_id] for s in scheduled]
+        start_list = [s.num_computed_tokens for s in scheduled]
+        lengths = [len(s.token_ids) for s in scheduled]
+        rows = np.array(row_list, dtype=np.int64)
         self._advanced = scheduled, rows
-        starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
-        ends = starts + np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=num_seqs)
-        assert (starts <= self.num_tokens[rows]).all(), "a step starts past the tokens the runner holds"
-        self._reserve(self.num_reqs, int(ends.max()), 0)
-        if (ends - starts == 1).all():  # decodes: one token each, written at once
+        assert all(map(operator.le, start_list, self.num_tokens[rows].tolist())), (
+            "a step starts past the tokens the runner holds")
+        starts = np.array(start_list, dtype=np.int64)
+        ends = starts + lengths
+        self._reserve(self.num_reqs, max(map(operator.add, start_list, lengths)), 0)
+        if lengths.count(1) == len(lengths):  # decodes: one token each, written at once
             self.token_ids[rows, starts] = [s.token_ids[0] for s in scheduled]
         else:
-            for row, start, s in zip(rows.tolist(), starts.tolist(), scheduled):
+            for row, start, s in zip(row_list, start_list, scheduled):
                 self.token_ids[row, start : start + len(s.token_ids)] = s.token_ids
         self.num_computed[rows], self.num_tokens[rows] = starts, ends
         self.list_valid[rows] = np.minimum(self.list_valid[rows], starts)
-        for row, s in zip(rows.tolist(), scheduled):
+        for row, s in zip(row_list, scheduled):
             if any(s.new_block_ids):  # most decode steps gain no block
                 self._add_blocks(row, s.new_block_ids)
 
@@ -267,58 +292,69 @@ class InputBatch:
         tokens = self._token_list(row)
         return tokens[self.num_prompt[row] : len(tokens) - num_draft_tokens]
 
+    def _settings(self, row_list: list[int]) -> _Settings:
+        """The sampling settings at these rows, gathered from the arrays; kept for the next step's rows if they are
+        the same (NOTE: most steps sample the same requests as the step before, and the gather costs more than the
+        rest of the sampling batch)."""
+        if self._settings_at is not None and self._settings_at.rows == row_list:
+            return self._settings_at
+        rows = np.array(row_list, dtype=np.int64)
+        (temperatures, top_ps, min_ps, presence, frequency, repetition) = self.float_params[rows].T.tolist()
+        top_ks, num_logprobs, _, _ = self.int_params[rows].T.tolist()
+        logit_biases = [self.sampling_params[row].logit_bias for row in row_list]
+        self._settings_at = _Settings(
+            row_list, temperatures, top_ks, top_ps, min_ps, presence, frequency, repetition,
+            [None if k < 0 else k for k in num_logprobs], logit_biases if any(logit_biases) else None,
+            any(presence) or any(frequency) or repetition.count(1.0) != len(repetition))
+        return self._settings_at
+
     def sampling_batch(self, requests: list[ScheduledRequest], allowed_token_bitmask: torch.Tensor | None
                        ) -> SamplingBatch:
         """The sampling settings of the requests that sample this step, one row each, gathered from the arrays. The
         prompt and output tokens are listed only where something reads them (penalties, drafts to verify)."""
-        rows = self.rows_of(requests)
-        (temperatures, top_ps, min_ps, presence, frequency, repetition) = self.float_params[rows].T.tolist()
-        top_ks, num_logprobs, _, _ = self.int_params[rows].T.tolist()
-        row_list = rows.tolist()
-        if any(presence) or any(frequency) or any(p != 1.0 for p in repetition) or any(
-                s.num_draft_tokens for s in requests):
+        row_list = self.rows_of(requests).tolist()
+        settings = self._settings(row_list)
+        if settings.penalized or any([s.num_draft_tokens for s in requests]):
             prompt_token_ids = [self.prompt_token_ids(row) for row in row_list]
             output_token_ids = [self.output_token_ids(row, s.num_draft_tokens) for row, s in zip(row_list, requests)]
         else:
             prompt_token_ids = output_token_ids = [[] for _ in row_list]
-        logit_biases = [self.sampling_params[row].logit_bias for row in row_list]
         return SamplingBatch(
-            temperatures=temperatures,
-            top_ks=top_ks,
-            top_ps=top_ps,
-            min_ps=min_ps,
-            presence_penalties=presence,
-            frequency_penalties=frequency,
-            repetition_penalties=repetition,
+            temperatures=settings.temperatures, top_ks=settings.top_ks, top_ps=settings.top_ps, min_ps=settings.min_ps,
+            presence_penalties=settings.presence_penalties, frequency_penalties=settings.frequency_penalties,
+            repetition_penalties=settings.repetition_penalties,
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             banned_token_ids=[s.banned_token_ids for s in requests],
             generators=[self.generators.get(s.request_id) for s in requests] if self.generators
             else [None] * len(requests),
-            num_logprobs=[None if k < 0 else k for k in num_logprobs] if any(k >= 0 for k in num_logprobs)
-            else [None] * len(requests),
+            num_logprobs=settings.num_logprobs,
             allowed_token_bitmask=allowed_token_bitmask,
-            logit_biases=logit_biases if any(logit_biases) else None,
+            logit_biases=settings.logit_biases,
             generator=self.engine_generator,
         )
 
     # ---- a step's flat inputs ------------------------------------------------------------------------------------
 
-    def inputs(self, rows: np.ndarray, num_draft_tokens: np.ndarray) -> StepInputs:
+    def inputs(self, rows: np.ndarray, num_draft_tokens: np.ndarray | None = None) -> StepInputs:
         """The flat inputs of a step that schedules the requests at rows (in the step's order), each with its
-        num_draft_tokens: laid out in the staging buffer and sent to the device in one copy."""
+        num_draft_tokens (None: none has drafts): laid out in the staging buffer and sent to the device in one copy."""
         computed = self.num_computed[rows]
         q_lens = self.num_tokens[rows] - computed
-        num_seqs, num_tokens = len(rows), int(q_lens.sum())
-        decode_only = bool((q_lens == 1 + num_draft_tokens).all())
+        q_len_list = q_lens.tolist()
+        num_seqs, num_tokens = len(q_len_list), sum(q_len_list)
+        if num_draft_tokens is None:
+            decode_only = q_len_list.count(1) == num_seqs
+        else:
+            decode_only = bool((q_lens == 1 + num_draft_tokens).all())
         per_token = decode_only and num_tokens > num_seqs  # decodes with drafts: a sequence per token row
         num_rows = num_tokens if per_token else num_seqs
-        widths = self.num_blocks[:, rows].max(axis=1, initial=0)
+        widths = [max(self.num_blocks[group, rows].tolist(), default=0) for group in range(self.num_groups)]
         parts = {"input_ids": (np.int64, (num_tokens,)), "positions": (np.int64, (num_tokens,)),
-                 "slot_mapping": (np.int64, (self.num_groups, num_tokens)),
                  "query_start_loc": (np.int32, (num_rows + 1,)), "seq_lens": (np.int32, (num_rows,))}
         for group in range(self.num_groups):
-            parts[f"block_tables{group}"] = (np.int32, (num_rows, int(widths[group])))
+            parts[f"slot_mapping{group}"] = (np.int64, (num_tokens,))
+            parts[f"block_tables{group}"] = (np.int32, (num_rows, widths[group]))
         if self.has_states:
             parts |= {"state_slot_ids": (np.int32, (num_seqs,)), "has_initial_state": (np.bool_, (num_seqs,))}
         host = self.staging.layout(parts)
@@ -336,7 +372,7 @@ class InputBatch:
         table_rows = row_of_token if per_token else rows
         for group in range(self.num_groups):
             tables = self.block_tables[group]
-            slots = host["slot_mapping"][group]  # int64: block ids * block_size may pass 2**31
+            slots = host[f"slot_mapping{group}"]  # int64: block ids * block_size may pass 2**31
             slots[:] = np.take(tables, row_of_token * tables.shape[1] + positions // self.block_size)
             slots *= self.block_size
             slots += positions % self.block_size
@@ -351,7 +387,7 @@ class InputBatch:
             host["state_slot_ids"][:] = self.state_slots[rows]
             np.greater(computed, 0, out=host["has_initial_state"])
         sent = self.staging.send()
-        group_tables = [(sent["slot_mapping"][group], sent[f"block_tables{group}"]) for group in range(self.num_groups)]
+        group_tables = [(sent[f"slot_mapping{g}"], sent[f"block_tables{g}"]) for g in range(self.num_groups)]
         return StepInputs(sent["input_ids"], sent["positions"], group_tables, sent["query_start_loc"],
                           sent["seq_lens"], sent.get("state_slot_ids"), sent.get("has_initial_state"), decode_only,
                           q_lens, starts, computed)

@@ -92,7 +92,8 @@ class ModelRunner:
         """The step's flat inputs from the input batch's rows (one host-to-device copy), and what sampling reads."""
         scheduled = output.scheduled
         rows = self.requests.rows_of(scheduled)
-        num_drafts = np.fromiter((s.num_draft_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+        draft_counts = [s.num_draft_tokens for s in scheduled]
+        num_drafts = np.array(draft_counts, dtype=np.int64) if any(draft_counts) else None
         step = self.requests.inputs(rows, num_drafts)
         if self.lora is not None:  # each row's adapter slot, in the buffer every LoRA layer reads
             self.lora.prepare_step([self.requests.loras[row] for row in rows.tolist()], step.q_lens)
@@ -103,10 +104,12 @@ class ModelRunner:
                                      has_initial_state=step.has_initial_state)
         if self.recurrent_states is not None:
             metadata.verification_rows = self._recurrent_states_before(scheduled, rows, step)
-        sample_requests = [s for s in scheduled if s.needs_sample]
+        # (every request, the list itself, in most steps: the input batch knows its rows then)
+        sample_requests = scheduled if all([s.needs_sample for s in scheduled]) else [
+            s for s in scheduled if s.needs_sample]
         sample_rows, drafts = self._sample_rows(scheduled, sample_requests, num_drafts, step.starts)
-        draft_probs = [None if self.draft is None or not d else self.draft.draft_probs(s.request_id, d)
-                       for s, d in zip(sample_requests, drafts)]
+        draft_probs = [None] * len(drafts) if self.draft is None else [
+            self.draft.draft_probs(s.request_id, d) if d else None for s, d in zip(sample_requests, drafts)]
         prompt_rows = {}
         if self.requests.num_prompt_logprobs:
             asking = self.requests.int_params[rows, 2] >= 0
@@ -118,10 +121,10 @@ class ModelRunner:
 
     @staticmethod
     def _sample_rows(scheduled: list[ScheduledRequest], sample_requests: list[ScheduledRequest],
-                     num_drafts: np.ndarray, starts: np.ndarray) -> tuple[list[int], list[list[int]]]:
+                     num_drafts: np.ndarray | None, starts: np.ndarray) -> tuple[list[int], list[list[int]]]:
         """The rows of the step's flat batch that sample (each sampling request's last token, and its drafts'
-        rows before it), and the drafts each verifies."""
-        if not num_drafts.any():
+        rows before it), and the drafts each verifies (num_drafts None: no request has any)."""
+        if num_drafts is None:
             ends = starts[1:] if len(sample_requests) == len(scheduled) else starts[1:][
                 [s.needs_sample for s in scheduled]]
             return (ends - 1).tolist(), [[] for _ in sample_requests]
@@ -278,7 +281,9 @@ class ModelRunner:
                     result.prompt_logprobs = prompt_logprobs
             if not batch.sample_rows:
                 return
-            logits = self.model.compute_logits(hidden[batch.sample_rows])  # collective under tensor parallel
+            if len(batch.sample_rows) < hidden.shape[0]:  # (else the rows are every row, in order: no gather)
+                hidden = hidden[batch.sample_rows]
+            logits = self.model.compute_logits(hidden)  # collective under tensor parallel
         if not samples or not batch.sample_rows:
             return
         self._sample(logits, batch, result, output.grammar_bitmask)

@@ -11,6 +11,9 @@ On the CPU the device views are the host buffer itself: nothing is copied. On a 
 copy is asynchronous; before a later step writes into the host buffer again it waits for that copy (an event), so a
 step never overwrites bytes still on their way. Both buffers grow (doubling) when a step needs more; a step's views
 stay valid until the next step's `layout`.
+
+A step whose parts are those of the step before (most decode steps: the same requests, one token each) gets the same
+views back, numpy and torch alike: no array or tensor is made per step then.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ class StagingBuffer:
     def __init__(self, device: torch.device, num_bytes: int = 1 << 16) -> None:
         self.device = device
         self._copied: torch.cuda.Event | None = None  # the latest host-to-device copy (GPU only)
+        self._layout: dict[str, tuple[type, tuple[int, ...]]] | None = None  # the latest layout's parts as asked
         self._views: dict[str, np.ndarray] = {}
         self._parts: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}  # name -> (start, bytes, ...)
+        self._sent: dict[str, torch.Tensor] | None = None  # the device views of the latest layout, once made
         self._used = 0
         self._grow(num_bytes)
 
@@ -43,28 +48,34 @@ class StagingBuffer:
 
     def layout(self, parts: dict[str, tuple[type, tuple[int, ...]]]) -> dict[str, np.ndarray]:
         """The step's parts (name -> (numpy dtype, shape)) as writable numpy views of the host buffer, in order."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer
+        if parts == self._layout:
+            return self._views
         self._parts, offset = {}, 0
         for name, (dtype, shape) in parts.items():
             size = np.dtype(dtype).itemsize * math.prod(shape)
             self._parts[name] = (offset, size, _TORCH_DTYPES[dtype], shape)
             offset += -(-size // _ALIGN) * _ALIGN
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the host buffer
         if offset > self._host_array.size:
             self._grow(max(offset, 2 * self._host_array.size))
         host = self._host_array
         self._views = {name: host[start : start + size].view(parts[name][0]).reshape(shape)
                        for name, (start, size, _, shape) in self._parts.items()}
         self._used = offset
+        self._layout, self._sent = parts, None
         return self._views
 
     def send(self) -> dict[str, torch.Tensor]:
         """The parts of the latest layout on the device (one copy of the used bytes; none on the CPU)."""
-        if self._device is None:  # the CPU: tensors over the host views themselves
-            return {name: torch.from_numpy(view) for name, view in self._views.items()}
         device = self._device
-        device[: self._used].copy_(self._host[: self._used], non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        return {name: device[start : start + size].view(dtype).view(shape)
-                for name, (start, size, dtype, shape) in self._parts.items()}
+        if self._sent is None and device is None:  # the CPU: tensors over the host views themselves
+            self._sent = {name: torch.from_numpy(view) for name, view in self._views.items()}
+        elif self._sent is None:
+            self._sent = {name: device[start : start + size].view(dtype).view(shape)
+                          for name, (start, size, dtype, shape) in self._parts.items()}
+        if device is not None:
+            device[: self._used].copy_(self._host[: self._used], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return self._sent

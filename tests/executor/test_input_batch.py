@@ -128,5 +128,14 @@ def test_sampling_arrays_follow_their_requests_through_condensing():
     # the seeded request keeps its generator across its preemption; the others draw from the engine's
     assert sampling.generators == [None, None, generator_b, None]
     assert batch.min_tokens("d") == 4
+    e, d, b, c = steps[3].scheduled
+    assert batch.sampling_batch([e, d, c], None).presence_penalties == [0.0, 0.0, 0.5]
+    row_c = batch.row_of["c"]
+    batch.forget(["c"])
+    # b takes c's row: the same rows sample next, with b's settings, not c's
+    assert batch.row_of["b"] == row_c
+    sampling = batch.sampling_batch([e, d, b], None)
+    assert sampling.temperatures == [1.0, 1.0, 0.5] and sampling.top_ks == [-1, -1, 3]
+    assert sampling.presence_penalties == [0.0, 0.0, 0.0] and sampling.num_logprobs == [None, None, None]
     batch.forget(["b"])
     assert "b" not in batch.generators and "b" not in batch.row_of
