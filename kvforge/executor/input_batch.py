@@ -69,18 +69,10 @@ class StepInputs:
 
 @dataclass(slots=True)
 class _Settings:
-    """The sampling settings of a list of rows, one entry each; shared by the steps that sample them: read only."""
+    """The sampling settings of a list of rows; shared by the steps that sample them: read only."""
 
     rows: list[int]
-    temperatures: list[float]
-    top_ks: list[int]
-    top_ps: list[float]
-    min_ps: list[float]
-    presence_penalties: list[float]
-    frequency_penalties: list[float]
-    repetition_penalties: list[float]
-    num_logprobs: list[int | None]
-    logit_biases: list[dict[int, float] | None] | None  # None: no row has one
+    fields: dict[str, list | None]  # SamplingBatch's per-row settings by keyword, one entry a row
     penalized: bool  # some row has a penalty (the sampler reads the prompt and output tokens)
 
 
@@ -302,10 +294,12 @@ class InputBatch:
         (temperatures, top_ps, min_ps, presence, frequency, repetition) = self.float_params[rows].T.tolist()
         top_ks, num_logprobs, _, _ = self.int_params[rows].T.tolist()
         logit_biases = [self.sampling_params[row].logit_bias for row in row_list]
+        fields = {"temperatures": temperatures, "top_ks": top_ks, "top_ps": top_ps, "min_ps": min_ps,
+                  "presence_penalties": presence, "frequency_penalties": frequency, "repetition_penalties": repetition,
+                  "num_logprobs": [None if k < 0 else k for k in num_logprobs],
+                  "logit_biases": logit_biases if any(logit_biases) else None}  # None: no row has one
         self._settings_at = _Settings(
-            row_list, temperatures, top_ks, top_ps, min_ps, presence, frequency, repetition,
-            [None if k < 0 else k for k in num_logprobs], logit_biases if any(logit_biases) else None,
-            any(presence) or any(frequency) or repetition.count(1.0) != len(repetition))
+            row_list, fields, any(presence) or any(frequency) or repetition.count(1.0) != len(repetition))
         return self._settings_at
 
     def sampling_batch(self, requests: list[ScheduledRequest], allowed_token_bitmask: torch.Tensor | None
@@ -320,17 +314,13 @@ class InputBatch:
         else:
             prompt_token_ids = output_token_ids = [[] for _ in row_list]
         return SamplingBatch(
-            temperatures=settings.temperatures, top_ks=settings.top_ks, top_ps=settings.top_ps, min_ps=settings.min_ps,
-            presence_penalties=settings.presence_penalties, frequency_penalties=settings.frequency_penalties,
-            repetition_penalties=settings.repetition_penalties,
+            **settings.fields,
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             banned_token_ids=[s.banned_token_ids for s in requests],
             generators=[self.generators.get(s.request_id) for s in requests] if self.generators
             else [None] * len(requests),
-            num_logprobs=settings.num_logprobs,
             allowed_token_bitmask=allowed_token_bitmask,
-            logit_biases=settings.logit_biases,
             generator=self.engine_generator,
         )
 
