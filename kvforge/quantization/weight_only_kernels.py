@@ -129,7 +129,7 @@ class PanelArena:
     def for_model(cls, weight_bytes: int, huge_pages: bool) -> PanelArena:
         """An arena for a model whose weights take about weight_bytes (as memory_fit counts them), in as many parts as
         torch has threads. NOTE: the layout's half scale and offset per group take more bytes than a K-quant's (Q4_K:
-        5 bits a weight against the file's 4.5; Q6_K: 8 against 6.56), and an MoE layer's gate and up experts share
+        5 bits a weight against the file's 4.5; Q5_K: 7 against 5.5), and an MoE layer's gate and up experts share
         the wider one's codes: each region reserves a fourth more, and 64 MiB for the panels' padding rows."""
         parts = torch.get_num_threads()
         return cls(parts, weight_bytes * 5 // 4 // parts + (64 << 20), huge_pages)

@@ -142,6 +142,8 @@ def random_blocks(rng: np.random.Generator, qtype: Q, shape: tuple[int, int]) ->
     for offset in SCALE_OFFSETS[qtype]:
         scales = rng.uniform(0.001, 0.01, blocks.shape[:2]).astype(np.float16)
         blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if qtype == Q.Q6_K:  # as llama.cpp writes them: a block's largest sub-block scale (here the first) is -128
+        blocks[:, :, 192] = 0x80
     return blocks.reshape(shape[0], -1)
 
 

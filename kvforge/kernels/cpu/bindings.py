@@ -74,8 +74,8 @@ OPS = (
        lambda a: new(a.x, a.x.shape[0], a.out_features, dtype="float32"), c_shim=True),
     Op("quant_panels_available() -> bool"),
     Op("panel_factors(Tensor[] scales, Tensor[] zeros, int bits) -> (bool, float)"),
-    Op("pack_panels(Tensor[] codes, Tensor[] scales, Tensor[] zeros, int bits, bool symmetric, float multiplier, "
-       "Tensor(a!) out) -> ()"),
+    Op("pack_panels(Tensor[] codes, Tensor[] scales, Tensor[] zeros, Tensor[] super_scales, int bits, bool symmetric, "
+       "float multiplier, Tensor(a!) out) -> ()"),
     # gguf_decode.cpp (quantization/gguf_blocks.py, at load time)
     Op("gguf_decode(Tensor blocks, int type) -> (Tensor, Tensor, Tensor)"),
     # dense_gemv.cpp (dense_gemv.py); onednn_linear also takes weights packed by oneDNN, which dispatch to MkldnnCPU

@@ -21,6 +21,10 @@ kernel reads them:
                       its vectors j = V/2 * h .. V/2 * h + V/2 - 1 as above (columns 32b+16h .. 32b+16h+15)
         symmetric weights (every zero point SYMMETRIC_ZERO[bits]: 8, 32 or 128) keep no offsets (the last dimension
         32 + ...): scales half [W, 16] | the vectors as above; the kernel takes offsets = -zero * scales
+        or super-blocks (6-bit symmetric codes in groups of 16 whose scales are int8 sc times one float32 d per 256
+        columns, as GGUF's Q6_K stores them: G = K / 256, the last dimension SUPER_HEADER + 48 * 64):
+        sc int8 [W, 16 sub-blocks, 16] | d float32 [W, 16] | per block b of the 8, [6, W, 64 bytes] as above
+                      W[n, k] = (code[n, k] - 32) * sc[n, k // 16] * d[n, k // 256] (factor 1)
                    the parts may lie apart in memory (the first stride, a multiple of 64 bytes)
     factor   2^-e  one power of two per weight, that puts its largest scale or offset in [2^14, 2^15): no half is
                    subnormal or overflows
@@ -28,8 +32,11 @@ kernel reads them:
 
     W[n, k] = (code[n, k] * scales[n, g] + offsets[n, g]) * factor,   g = k // group_size
 
-x is rounded to int8 per 32 columns in every layout; with groups of 16 the kernel keeps a block's int32 sums per half
-block, each times its own scale, and the sum of x over a group (times its offset) is the half block's q times dx.
+x is rounded to int8 per 32 columns in every layout but super-blocks; with groups of 16 the kernel keeps a block's
+int32 sums per half block, each times its own scale, and the sum of x over a group (times its offset) is the half
+block's q times dx. In super-blocks x is rounded per 256 columns (as llama.cpp's K-quant dot products round it), and
+the kernel adds each sub-block's sum of (code - 32) * q times its sc in int32 over the super-block: one float
+multiply-add per super-block where half scales take sixteen, and 0.83 bytes a weight where they take 0.88.
 
 One row of x reads each tile as one run of memory. Thread t multiplies part t, so the loader puts part t of every
 weight, one after another in the order the model calls them, into one region of memory (pack_panels writes it
@@ -41,7 +48,7 @@ scale, the K-quants' half times a sub-block scale) round by at most 2^-11 of the
 From 64 rows of x (prompts, batches of streams), on CPUs with AMX-INT8, the same op takes csrc/quant_panels_amx.cpp:
 four panels' codes unpacked to a byte each and multiplied by 16 rows of x per tile instruction, then the same float
 work in the same order, so every row's output is the same bits on either path (a request's tokens do not depend on
-what else shares its step).
+what else shares its step); super-blocks' codes are unpacked times their sc, as two int8 tiles.
 
 References beside it: panel_linear_ref (x rounded the same way, times the dequantized weight), pack_panels_ref (the
 layout in torch ops).
@@ -61,6 +68,8 @@ PANEL_ROWS = 16
 BLOCK = 32  # columns per scale of x, and the group-size unit
 HALF_BLOCK = 16  # the one group size below a block (GGUF's Q6_K, Q3_K, Q2_K)
 SYMMETRIC_ZERO = {4: 8, 6: 32, 8: 128}  # the zero point of a weight whose layout keeps no offsets
+SUPER_BLOCK = 256  # columns of a super-block: 16 groups of 16 whose scales are int8 times one float32
+SUPER_HEADER = 16 * PANEL_ROWS + 4 * PANEL_ROWS  # a panel's bytes of a super-block's int8 and float32 scales
 
 
 @functools.cache
@@ -96,14 +105,45 @@ def _exponent(largest: float) -> int:
     return 0 if largest == 0 else 14 - math.floor(math.log2(largest))
 
 
-def panel_part_bytes(num_rows: int, in_features: int, groups: int, bits: int, symmetric: bool, parts: int
-                     ) -> tuple[tuple[int, int, int, int], int]:  # fmt: skip
+def panel_part_bytes(num_rows: int, in_features: int, groups: int, bits: int, symmetric: bool, parts: int,
+                     super_blocks: bool = False) -> tuple[tuple[int, int, int, int], int]:
     """(the layout's shape [T, S, G, group bytes], the bytes of a part, padded to 64) of a weight [num_rows,
-    in_features] in `groups` groups."""
+    in_features] in `groups` groups (super_blocks: in groups of 16 columns kept as super-blocks, G of the layout
+    in_features / 256)."""
     per_part = -(-num_rows // (PANEL_ROWS * parts))
+    if super_blocks:
+        groups = in_features // SUPER_BLOCK
     vectors = bits * in_features // groups // BLOCK  # 64-byte vectors a panel's group: `bits` a 32-column block
-    group_bytes = (32 if symmetric else 64) + 64 * vectors
+    group_bytes = (SUPER_HEADER if super_blocks else 32 if symmetric else 64) + 64 * vectors
     return (parts, per_part, groups, group_bytes), -(-per_part * groups * group_bytes // 64) * 64
+
+
+def _super_scales(scales: torch.Tensor) -> torch.Tensor | None:
+    """d [N, K / 256] float32 with scales [N, K / 16] = d * sc exactly for int8 sc in every super-block of 16 groups,
+    or None where some super-block has none. GGUF's Q6_K makes its largest scale s's sc -128 (d = -s / 128, a
+    half); a quantizer that gives it 127 is found too."""
+    blocks = scales.float().reshape(scales.shape[0], -1, SUPER_BLOCK // HALF_BLOCK)
+    largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # signed
+    found = torch.zeros_like(largest)
+    for d in (largest / -128, largest / 127):
+        sc = torch.where(d != 0, blocks / torch.where(d != 0, d, 1), 0)
+        exact = ((sc == sc.round()) & (sc >= -128) & (sc <= 127) & (sc * d == blocks)).all(dim=-1, keepdim=True)
+        found = torch.where((found == 0) & exact, d, found)
+        if bool(((found != 0) | (largest == 0)).all()):
+            return found[..., 0]
+    return None
+
+
+def _super_blocks(scales: list[torch.Tensor], zeros: list[torch.Tensor], bits: int, in_features: int
+                  ) -> list[torch.Tensor] | None:  # fmt: skip
+    """Each shard's super scales where a 6-bit symmetric weight in groups of 16 columns keeps its scales as int8
+    times a float32 a super-block (_super_scales), else None."""
+    if bits != 6 or in_features % SUPER_BLOCK or any(s.shape[1] * HALF_BLOCK != in_features for s in scales):
+        return None
+    if not all(bool((z == SYMMETRIC_ZERO[bits]).all()) for z in zeros):
+        return None
+    found = [_super_scales(s) for s in scales]
+    return None if any(d is None for d in found) else found
 
 
 Rows = torch.Tensor | Sequence[torch.Tensor]  # a tensor, or its row shards in order (a merged layer's q, k, v)
@@ -121,14 +161,18 @@ def pack_panels(codes: Rows, scales: Rows, zeros: Rows, bits: int, parts: int | 
     num_rows, in_features = sum(shard.shape[0] for shard in codes), codes[0].shape[1]
     groups = max(shard.shape[1] for shard in scales)
     parts = _checked_parts(bits, in_features, groups, parts)
-    symmetric, largest = torch.ops.kvforge_cpu.panel_factors([s.float() for s in scales], [z.float() for z in zeros],
-                                                             bits)
-    exponent = _exponent(largest)
-    shape, part_bytes = panel_part_bytes(num_rows, in_features, groups, bits, symmetric, parts)
+    scales, zeros = [s.float() for s in scales], [z.float() for z in zeros]
+    supers = _super_blocks(scales, zeros, bits, in_features)
+    if supers is None:
+        symmetric, largest = torch.ops.kvforge_cpu.panel_factors(scales, zeros, bits)
+        exponent = _exponent(largest)
+    else:
+        symmetric, exponent = True, 0  # float32 super scales: no multiplier
+    shape, part_bytes = panel_part_bytes(num_rows, in_features, groups, bits, symmetric, parts, supers is not None)
     out = torch.empty(parts, part_bytes, dtype=torch.uint8) if place is None else place(parts, part_bytes)
-    torch.ops.kvforge_cpu.pack_panels([c.to(torch.uint8) for c in codes], [s.float() for s in scales],
-                                      [z.float() for z in zeros], bits, symmetric, 2.0**exponent, out)
-    group_bytes = shape[3]
+    torch.ops.kvforge_cpu.pack_panels([c.to(torch.uint8) for c in codes], scales, zeros, supers or [], bits,
+                                      symmetric, 2.0**exponent, out)
+    groups, group_bytes = shape[2:]
     return out.as_strided(shape, (out.stride(0), groups * group_bytes, group_bytes, 1)), 2.0**-exponent
 
 
@@ -139,10 +183,11 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     groups = scales.shape[1]
     parts = _checked_parts(bits, in_features, groups, parts)
     symmetric = bool((zeros == SYMMETRIC_ZERO[bits]).all())  # then no offsets are stored
+    supers = _super_blocks([scales.float()], [zeros.float()], bits, in_features)
     largest = scales.abs().max().item()
     if not symmetric:
         largest = max(largest, (-zeros.float() * scales.float()).abs().max().item())
-    exponent = _exponent(largest)
+    exponent = 0 if supers else _exponent(largest)
     per_part = -(-num_rows // (PANEL_ROWS * parts))  # ceil(ceil(N / 16) / T)
     panels = parts * per_part
     pad = panels * PANEL_ROWS - num_rows
@@ -161,34 +206,40 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
         top = (halves >> 4).flatten(4, 5)  # [P, r, b, h, i = 2v + low/high, c]
         top = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
         vectors = torch.cat([nibbles, top[..., None, :]], dim=4).flatten(2, 4).reshape(panels, PANEL_ROWS, -1, 6, 4)
+    layout_groups = in_features // SUPER_BLOCK if supers else groups
     # [T, S, G, B * V, 64]: per part, panel and group, the group's vectors (each 4 bytes of the panel's 16 rows); in
     # groups of 16 columns [T, S, G, V / 2, 64], the vectors of a block split between its two groups
-    grid = vectors.permute(0, 2, 3, 1, 4).reshape(parts, per_part, groups, -1, 4 * PANEL_ROWS)
+    grid = vectors.permute(0, 2, 3, 1, 4).reshape(parts, per_part, layout_groups, -1, 4 * PANEL_ROWS)
 
-    def side_by_side(factors: torch.Tensor) -> torch.Tensor:  # [P * 16, G] -> half [T, S, G, 16]
-        halves = (factors * 2.0**exponent).to(torch.float16)
-        return halves.reshape(parts, per_part, PANEL_ROWS, groups).transpose(2, 3)
+    def side_by_side(factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [P * 16, G, ...] -> [T, S, G, bytes]
+        grouped = factors.reshape(parts, per_part, PANEL_ROWS, layout_groups, -1).permute(0, 1, 3, 4, 2)
+        return grouped.to(dtype).contiguous().view(torch.uint8).flatten(3)  # each panel's rows side by side
 
-    scales, offsets = side_by_side(scales), side_by_side(offsets)
+    if supers:  # int8 [16 sub-blocks, 16 rows], then float32 [16 rows]
+        d = torch.nn.functional.pad(supers[0], (0, 0, 0, pad))
+        sc = torch.where(d[:, :, None] != 0, scales.reshape(d.shape[0], d.shape[1], -1) / d[:, :, None], 0)
+        stored = [side_by_side(sc.round(), torch.int8), side_by_side(d, torch.float32)]
+    else:
+        stored = [side_by_side(factors * 2.0**exponent, torch.float16)
+                  for factors in ([scales] if symmetric else [scales, offsets])]
 
     def tiles(first: int, count: int, width: int) -> torch.Tensor:  # `count` tiles of `width` panels -> [T, bytes]
         def cut(t: torch.Tensor) -> torch.Tensor:  # [T, S, G, ...] -> [T, tiles, G, width, ...]
             part = t[:, first:first + count * width]
             return part.reshape(parts, count, width, *t.shape[2:]).transpose(2, 3)
 
-        stored = [cut(scales)] if symmetric else [cut(scales), cut(offsets)]
-        factors = torch.cat(stored, dim=3).contiguous().view(torch.uint8)  # [T, q, G, w or 2w, 32]
+        header = [cut(factors).flatten(3) for factors in stored]  # [T, q, G, w * bytes] each
         vectors = cut(grid).transpose(3, 4)  # [T, q, G, B * V, w, 64]
-        return torch.cat([factors.flatten(3), vectors.flatten(3)], dim=3).reshape(parts, -1)
+        return torch.cat([*header, vectors.flatten(3)], dim=3).reshape(parts, -1)
 
     width = tile_panels(bits)
     whole = per_part // width * width
     weight = torch.cat([tiles(0, per_part // width, width), tiles(whole, 1, per_part - whole)], dim=1)
-    group_bytes = weight.shape[1] // (per_part * groups)
+    group_bytes = weight.shape[1] // (per_part * layout_groups)
     # NOTE: a symmetric layout's part can end mid cache line; the kernel wants the parts 64 bytes apart
     weight = torch.nn.functional.pad(weight, (0, -weight.shape[1] % 64))
-    shape = (parts, per_part, groups, group_bytes)
-    return weight.as_strided(shape, (weight.shape[1], groups * group_bytes, group_bytes, 1)), 2.0**-exponent
+    shape = (parts, per_part, layout_groups, group_bytes)
+    return weight.as_strided(shape, (weight.shape[1], layout_groups * group_bytes, group_bytes, 1)), 2.0**-exponent
 
 
 def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor) -> torch.Tensor:
@@ -206,9 +257,18 @@ def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
     def halves(at: torch.Tensor) -> torch.Tensor:  # the half at each byte `at` [len, G] of the rows' parts
         return flat[parts[:, None, None], at[..., None] + torch.arange(2)].view(torch.float16)[..., 0].float()
 
-    header = 32 if group_bytes % 64 == 32 else 64  # a panel's bytes of scales (and offsets, unless symmetric)
-    scales = halves(starts + 32 * places + 2 * lanes)
-    offsets = halves(starts + 32 * (widths + places) + 2 * lanes) if header == 64 else -SYMMETRIC_ZERO[bits] * scales
+    if _is_super(weight, bits):  # int8 [16 sub-blocks, 16 rows] a panel, then float32 [16 rows]
+        header = SUPER_HEADER
+        subs = torch.arange(SUPER_BLOCK // HALF_BLOCK)
+        sc = flat[parts[:, None, None], (starts + 256 * places)[..., None] + 16 * subs + lanes[..., None]]
+        d = flat[parts[:, None, None], (starts + 256 * widths + 64 * places + 4 * lanes)[..., None] + torch.arange(4)]
+        scales = (sc.view(torch.int8).float() * d.view(torch.float32)).flatten(1)  # [len, G * 16]
+        offsets = -SYMMETRIC_ZERO[bits] * scales
+    else:
+        header = 32 if group_bytes % 64 == 32 else 64  # a panel's bytes of scales (and offsets, unless symmetric)
+        scales = halves(starts + 32 * places + 2 * lanes)
+        offsets = (halves(starts + 32 * (widths + places) + 2 * lanes) if header == 64
+                   else -SYMMETRIC_ZERO[bits] * scales)
     vectors = torch.arange((group_bytes - header) // 64)[:, None]  # [B * V, 1] ([V / 2, 1] in groups of 16 columns)
     widths, places, lanes = widths[..., None, None], places[..., None, None], lanes[..., None, None]  # [len, 1, 1, 1]
     at = starts[..., None, None] + header * widths + 64 * (vectors * widths + places) + 4 * lanes + torch.arange(4)
@@ -221,9 +281,15 @@ def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
         top = torch.stack([(triples[..., 2, :] >> (2 * i)) & 3 for i in range(4)], dim=-2)  # [len, G, h, i, c]
         grid = nibbles | (top.reshape(nibbles.shape) << 4)
     row_codes = grid.reshape(ids.shape[0], -1).float()
-    group_size = row_codes.shape[1] // groups
+    group_size = row_codes.shape[1] // scales.shape[1]
     return (row_codes * scales.repeat_interleave(group_size, dim=1)
             + offsets.repeat_interleave(group_size, dim=1)) * factor
+
+
+def _is_super(weight: torch.Tensor, bits: int) -> bool:
+    """The layout holds super-blocks: its groups are 256 columns of 6-bit codes after SUPER_HEADER bytes a panel (no
+    other layout's group has that size)."""
+    return bits == 6 and weight.shape[3] == SUPER_HEADER + 64 * bits * SUPER_BLOCK // BLOCK
 
 
 def panel_linear(x: torch.Tensor, weight: torch.Tensor, factor: float, bits: int, out_features: int) -> torch.Tensor:
@@ -231,10 +297,10 @@ def panel_linear(x: torch.Tensor, weight: torch.Tensor, factor: float, bits: int
     return torch.ops.kvforge_cpu.quant_gemm_panels(x.float(), weight, bits, out_features, factor).to(x.dtype)
 
 
-def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels with int8 activations (this one, the AVX2 GEMV) see it: per 32 columns, dx = max |x| / 127
-    and q = round(x / dx), then dx * q."""
-    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+def int8_rows(x: torch.Tensor, columns: int = BLOCK) -> torch.Tensor:
+    """x as the kernels with int8 activations (this one, the AVX2 GEMV) see it: per 32 columns (of a super-block's
+    layout, 256), dx = max |x| / 127 and q = round(x / dx), then dx * q."""
+    blocks = x.float().reshape(x.shape[0], -1, columns)
     dx = blocks.abs().amax(dim=-1, keepdim=True) / 127
     q = torch.where(dx > 0, torch.round(blocks / torch.where(dx > 0, dx, 1)), 0)
     assert q.abs().max() <= 127
@@ -243,6 +309,7 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 def panel_linear_ref(x: torch.Tensor, weight: torch.Tensor, factor: float, bits: int, out_features: int
                      ) -> torch.Tensor:  # fmt: skip
-    """What panel_linear computes, in float64: x rounded to int8 per 32 columns, times the dequantized weight."""
+    """What panel_linear computes, in float64: x rounded to int8 per 32 columns (256 in a layout of super-blocks),
+    times the dequantized weight."""
     rows = panel_rows(weight, factor, bits, torch.arange(out_features))
-    return int8_rows(x).double() @ rows.double().t()
+    return int8_rows(x, SUPER_BLOCK if _is_super(weight, bits) else BLOCK).double() @ rows.double().t()

@@ -3,7 +3,8 @@ AMX-INT8): against x rounded to int8 the same way in torch times the
 dequantized weight, up to its half scales (a wrong lane, column or scale shows), its row gather equal to the weight,
 within the rounding of x of the float product, and exact on GGUF's blocks; in groups of whole 32-column blocks and
 of half a block (16 columns, GGUF's Q6_K, Q3_K and Q2_K), with scales of either sign; and a row of x gets the same bits
-whatever else its step multiplies."""
+whatever else its step multiplies. GGUF's Q6_K, whose sub-block scales are int8 times a half a super-block, keeps
+them so (super-blocks: x rounded per 256 columns, integer sums over a super-block)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from kvforge.kernels.cpu.quant_panels import (
+    SUPER_BLOCK,
+    SUPER_HEADER,
     int8_rows,
     pack_panels,
     pack_panels_ref,
@@ -200,12 +203,14 @@ def test_layouts_that_do_not_match_are_refused() -> None:
         panel_linear(x, packed, factor, 4, 16)
     with pytest.raises(RuntimeError, match="each part of the weight must be contiguous"):
         panel_linear(x, packed.transpose(0, 1), factor, 4, 64)
-    with pytest.raises(RuntimeError, match="x must be a float32"):
+    with pytest.raises(RuntimeError, match="x's 96 columns do not make 4 groups"):
         panel_linear(torch.randn(1, 96), packed, factor, 4, 64)
+    with pytest.raises(RuntimeError, match="a group of 320 bytes is not"):
+        panel_linear(torch.randn(1, 256), packed, factor, 4, 64)
     with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
         torch.ops.kvforge_cpu.quant_gemm_panels(x, packed, 2, 64, factor)
     half_blocks = torch.zeros(1, 4, 3, 64 + 2 * 64, dtype=torch.uint8)  # 4-bit half blocks, an odd number of them
-    with pytest.raises(RuntimeError, match="nor half a block of an even number of groups"):
+    with pytest.raises(RuntimeError, match="half of one of an even number of groups"):
         panel_linear(torch.randn(1, 48), half_blocks, factor, 4, 64)
     with pytest.raises(ValueError, match="parts must be at least 1"):
         pack_panels(weight.codes, weight.scales, weight.zeros, 4, parts=0)
@@ -288,3 +293,53 @@ def test_panel_factors_of_shards() -> None:
         True, 3.0)
     assert torch.ops.kvforge_cpu.panel_factors(scales, [torch.full((1, 2), 8.0), torch.full((1, 1), -4.0)], 4) == (
         False, 24.0)
+
+
+def _q6_k(num_rows: int, in_features: int, largest: int, seed: int) -> QuantizedWeight:
+    """6-bit codes in groups of 16 whose scales are int8 sc times a half d a super-block of 256 columns (GGUF's
+    Q6_K): each super-block's largest |sc| is `largest` (llama.cpp's quantizer: -128), d of either sign."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 64, (num_rows, in_features), generator=generator, dtype=torch.uint8)
+    sc = torch.randint(-abs(largest) + 1, abs(largest), (num_rows, in_features // 16), generator=generator).float()
+    sc[:, ::16] = largest
+    sc[1, :16] = 0  # a super-block of zero scales
+    d = (torch.rand(num_rows, in_features // SUPER_BLOCK, 1, generator=generator) * 2e-3 - 1e-3).half().float()
+    scales = (sc.reshape(num_rows, -1, 16) * d).reshape(num_rows, -1)
+    return QuantizedWeight(codes, scales, torch.full_like(scales, 32.0), 6)
+
+
+@pytest.mark.parametrize("num_rows,in_features,largest,parts", [(17, 256, -128, 1), (100, 512, 127, 3),
+                                                                (37, 768, -128, 2)])
+def test_super_blocks_keep_the_int8_sub_block_scales(num_rows: int, in_features: int, largest: int,
+                                                     parts: int) -> None:  # fmt: skip
+    """A Q6_K weight packs as super-blocks (0.83 bytes a weight where half scales take 0.88), the reference's bytes;
+    its rows are the weight; the kernel is x rounded to int8 per 256 columns times the weight, on every step shape;
+    and a row of x gets the same bits alone as among 150 (the AMX path where the CPU has it)."""
+    weight = _q6_k(num_rows, in_features, largest, seed=num_rows)
+    packed, factor = pack_panels(weight.codes, weight.scales, weight.zeros, 6, parts=parts)
+    assert packed.shape[2:] == (in_features // SUPER_BLOCK, SUPER_HEADER + 6 * 2 * SUPER_BLOCK)
+    reference_bytes = pack_panels_ref(weight.codes, weight.scales, weight.zeros, 6, parts=parts)
+    assert torch.equal(packed.contiguous(), reference_bytes[0].contiguous()) and factor == reference_bytes[1] == 1.0
+    ids = torch.tensor([num_rows - 1, 0, 1, num_rows // 2])
+    assert torch.equal(panel_rows(packed, factor, 6, ids), weight.dequantize()[ids])
+    x = torch.randn(150, in_features, generator=torch.Generator().manual_seed(parts)) * 3
+    x[0, :SUPER_BLOCK] = 0  # a super-block of zeros: dx = 0
+    x[2, 5] = 300.0  # an outlier: the rest of its super-block rounds coarsely
+    magnitudes = QuantizedWeight(weight.codes, weight.scales.abs(), weight.zeros, 6)
+    for rows in (x[:1], x[:3], x[:6], x[:70]):
+        reference = int8_rows(rows, SUPER_BLOCK).double() @ weight.dequantize().double().t()
+        error = (panel_linear(rows, packed, factor, 6, num_rows).double() - reference).abs()
+        assert (error <= _tolerance(int8_rows(rows, SUPER_BLOCK), magnitudes)).all(), error.max().item()
+    alone = torch.cat([panel_linear(row[None], packed, factor, 6, num_rows) for row in x])
+    assert torch.equal(panel_linear(x, packed, factor, 6, num_rows), alone)
+
+
+def test_scales_of_no_int8_factors_keep_half_scales() -> None:
+    """6-bit codes in groups of 16 whose scales are not int8 times one float a super-block keep a half each."""
+    weight = _signed(_weight(33, 256, 6, 16, "sym", seed=1), seed=1)
+    packed, factor = pack_panels(weight.codes, weight.scales, weight.zeros, 6)
+    assert packed.shape[2:] == (16, 32 + 6 * 32)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    reference = int8_rows(x).double() @ weight.dequantize().double().t()
+    tolerance = _tolerance(int8_rows(x), QuantizedWeight(weight.codes, weight.scales.abs(), weight.zeros, 6), "panels")
+    assert ((panel_linear(x, packed, factor, 6, 33).double() - reference).abs() <= tolerance).all()

@@ -9,10 +9,7 @@
 //
 //   panel_factors: whether every zero point is 2^(bits - 1) (symmetric: no offsets stored) and the largest |scale|
 //   (and |offset| = |zero * scale| unless symmetric), which the caller turns into the power-of-two multiplier
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
-#include <ATen/Parallel.h>
+#include "quant_panels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -21,8 +18,6 @@
 
 namespace kvforge_cpu {
 namespace {
-
-constexpr int64_t kPanel = 16, kBlock = 32;
 
 // Row n's 4 bytes of vector u of a panel: u = 8 b + j of 8-bit codes, columns 4u .. 4u + 3; u = 4 b + j of 4-bit
 // ones, columns 8u .. 8u + 3 in the low nibbles, 8u + 4 .. 8u + 7 in the high ones; u = 6 b + 3 h + v of 6-bit ones,
@@ -49,16 +44,19 @@ struct RowSource {
   const uint8_t* codes;
   const float *scales, *zeros;
   int64_t repeat;
+  const float* super_scale;  // super-blocks: the row's [K / 256]
 };
 
 std::vector<RowSource> row_sources(const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
-                                   const std::vector<at::Tensor>& zeros, int64_t K, int64_t G) {
+                                   const std::vector<at::Tensor>& zeros, const std::vector<at::Tensor>& super_scales,
+                                   int64_t K, int64_t G) {
   std::vector<RowSource> rows;
   for (size_t s = 0; s < codes.size(); ++s) {
     const int64_t n = codes[s].size(0), groups = scales[s].size(1);
     for (int64_t r = 0; r < n; ++r)
       rows.push_back({codes[s].data_ptr<uint8_t>() + r * K, scales[s].data_ptr<float>() + r * groups,
-                      zeros[s].data_ptr<float>() + r * groups, G / groups});
+                      zeros[s].data_ptr<float>() + r * groups, G / groups,
+                      super_scales.empty() ? nullptr : super_scales[s].data_ptr<float>() + r * (K / kSuperCols)});
   }
   return rows;
 }
@@ -122,7 +120,8 @@ std::tuple<bool, double> panel_factors(std::vector<at::Tensor> scales, std::vect
 }
 
 void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, std::vector<at::Tensor> zeros,
-                 int64_t bits, bool symmetric, double multiplier, at::Tensor out) {
+                 std::vector<at::Tensor> super_scales, int64_t bits, bool symmetric, double multiplier,
+                 at::Tensor out) {
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(!codes.empty(), "at least one shard of codes");
   const int64_t K = checked_shards(codes, scales, zeros);
@@ -136,18 +135,33 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
                 " groups do not divide the weight's ", G);
   TORCH_CHECK(G > 0 && K % G == 0 && K % kBlock == 0 && (K / G) % (kBlock / 2) == 0, "no panel layout for width ",
               K, " in ", G, " groups");
+  // super-blocks: each shard's scales [N_s, K / 16] are its float32 super_scales [N_s, K / 256] times int8 ones
+  const bool super = !super_scales.empty();
+  if (super) {
+    TORCH_CHECK(bits == 6 && symmetric && K / G == kSubCols && K % kSuperCols == 0 &&
+                    super_scales.size() == scales.size(),
+                "super-blocks hold 6-bit symmetric codes in sub-blocks of 16 columns, a shard's super scales each");
+    for (size_t s = 0; s < super_scales.size(); ++s) {
+      TORCH_CHECK(super_scales[s].scalar_type() == at::kFloat && super_scales[s].dim() == 2 &&
+                      super_scales[s].size(0) == scales[s].size(0) && super_scales[s].size(1) == K / kSuperCols &&
+                      scales[s].size(1) == G,
+                  "shard ", s, ": super scales must be float32 [rows, ", K / kSuperCols, "]");
+      super_scales[s] = super_scales[s].contiguous();
+    }
+  }
   const int64_t parts = out.dim() == 2 ? out.size(0) : 0;
   TORCH_CHECK(parts >= 1 && out.scalar_type() == at::kByte && out.stride(1) == 1 && out.device().is_cpu(),
               "out must be a uint8 [parts >= 1, bytes] CPU tensor, each part contiguous");
-  const int64_t V = bits;                                  // vectors a 32-column block
-  const int64_t group_vectors = V * (K / G) / kBlock;      // vectors a group (a half block: V / 2)
-  const int64_t header = symmetric ? 32 : 64;              // a panel's bytes of scales (and offsets)
-  const int64_t panel_group = header + 64 * group_vectors;  // a panel's bytes of a group
+  const int64_t layout_groups = super ? K / kSuperCols : G;
+  const int64_t V = bits;                                               // vectors a 32-column block
+  const int64_t group_vectors = V * (K / layout_groups) / kBlock;       // vectors a group (a half block: V / 2)
+  const int64_t header = super ? kSuperHeader : symmetric ? 32 : 64;  // a panel's bytes of scales (and offsets)
+  const int64_t panel_group = header + 64 * group_vectors;             // a panel's bytes of a group
   const int64_t W = bits == 8 ? 2 : 4;                     // panels a tile
   const int64_t per_part = (N + kPanel * parts - 1) / (kPanel * parts);
-  const int64_t used = per_part * G * panel_group, part_bytes = (used + 63) / 64 * 64;
+  const int64_t used = per_part * layout_groups * panel_group, part_bytes = (used + 63) / 64 * 64;
   TORCH_CHECK(out.size(1) >= part_bytes, "out holds ", out.size(1), " bytes a part, the layout takes ", part_bytes);
-  const std::vector<RowSource> rows = row_sources(codes, scales, zeros, K, G);
+  const std::vector<RowSource> rows = row_sources(codes, scales, zeros, super_scales, K, G);
   uint8_t* const base = out.data_ptr<uint8_t>();
   const int64_t part_stride = out.stride(0);
   const float mult = static_cast<float>(multiplier);
@@ -156,7 +170,7 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
   at::parallel_for(0, parts * tiles, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t t = i / tiles, first_panel = i % tiles * W, w = std::min(W, per_part - first_panel);
-      uint8_t* dst = base + t * part_stride + first_panel * G * panel_group;
+      uint8_t* dst = base + t * part_stride + first_panel * layout_groups * panel_group;
       const int64_t first_row = (t * per_part + first_panel) * kPanel;
       const auto halves = [&](bool offsets, int64_t g) {  // [w, 16] halves of group g's scales or offsets
         for (int64_t p = 0; p < w * kPanel; ++p, dst += 2) {
@@ -171,8 +185,25 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
           std::memcpy(dst, &h, 2);
         }
       };
-      for (int64_t g = 0; g < G; ++g) {
-        halves(false, g);
+      // a super-block's header: int8 [w, 16 sub-blocks, 16 rows] = scale / super scale, then float32 [w, 16 rows]
+      const auto super_header = [&](int64_t g) {
+        for (int64_t p = 0; p < w; ++p)
+          for (int64_t sub = 0; sub < kSubBlocks; ++sub)
+            for (int64_t r = 0; r < kPanel; ++r, ++dst) {
+              const int64_t n = first_row + p * kPanel + r;
+              const float d = n < N ? rows[n].super_scale[g] : 0.f;
+              *dst = d == 0.f ? 0 : static_cast<uint8_t>(static_cast<int8_t>(
+                                        std::lrint(rows[n].scales[g * kSubBlocks + sub] / d)));
+            }
+        for (int64_t p = 0; p < w * kPanel; ++p, dst += 4) {
+          const int64_t n = first_row + p;
+          const float d = n < N ? rows[n].super_scale[g] : 0.f;
+          std::memcpy(dst, &d, 4);
+        }
+      };
+      for (int64_t g = 0; g < layout_groups; ++g) {
+        if (super) super_header(g);
+        else halves(false, g);
         if (!symmetric) halves(true, g);
         for (int64_t v = 0; v < group_vectors; ++v)
           for (int64_t p = 0; p < w; ++p)

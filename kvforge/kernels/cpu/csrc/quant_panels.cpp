@@ -15,9 +15,12 @@
 //                                6-bit types: 0.75 bytes a weight where 8-bit codes take 1)
 //              or groups of 16 columns (GGUF's Q6_K, Q3_K, Q2_K: G even, the last dimension 64 + V/2 * 64): group
 //              g holds half of block g / 2, its vectors V/2 (g % 2) .. V/2 (g % 2) + V/2 - 1, [V/2, W, 64]
+//              or super-blocks (Groups::kSuper, 6-bit symmetric codes: G = K / 256, the last dimension
+//              kSuperHeader + 8 * 6 * 64): sc int8 [W, 16 sub-blocks, 16] | d float32 [W, 16] | 8 blocks' vectors
 //            the parts may lie apart (any stride between them, a multiple of 64 bytes); each part is contiguous
 //
 //   W[n, k] = (code[n, k] * scales[n, g] + offsets[n, g]) * factor,   factor = 2^-e
+//   (super-blocks: W[n, k] = (code[n, k] - 32) * sc[n, k / 16] * d[n, g] * factor, x rounded per 256 columns: super_tile)
 //
 // x is rounded to int8 per 32 columns (dx = max |x| / 127, q = round(x / dx), as quant_gemv_int8.cpp), in its own
 // column order. One _mm512_dpbusd_epi32 multiplies 4 columns of all 16 rows by 4 broadcast bytes of q and adds them
@@ -84,12 +87,105 @@ inline F::I broadcast4(const int8_t* q) {
   return _mm512_set1_epi32(word);
 }
 
+// out[m0 .. m0 + MT, rows of panels first .. first + NP of a tile whose first panel is p0] = acc * factor
+template <int MT, int NP>
+void store_rows(const PanelArgs& a, F::V (&acc)[MT][NP], int64_t p0, int first, int64_t m0) {
+  const F::V factor = F::set1(a.factor);
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = (p0 + first + p) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n);
+    if (valid <= 0) break;  // padding panels, at the end of the last part
+    const __mmask16 mask = valid >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    for (int m = 0; m < MT; ++m)
+      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n, mask, F::mul(acc[m][p], factor));
+  }
+}
+
+// Row m's int32 sums of the 4 columns at q (x's codes) and 4 + q, times each row's codes in low and high.
+template <int MT, int NP>
+inline void dot8(F::I (&sums)[MT][NP], int p, F::I low, F::I high, const int8_t* q, int64_t K) {
+  for (int m = 0; m < MT; ++m) {
+    sums[m][p] = F::dot_u8s8(sums[m][p], low, broadcast4(q + m * K));
+    sums[m][p] = F::dot_u8s8(sums[m][p], high, broadcast4(q + m * K + 4));
+  }
+}
+
+// A 6-bit triple [nibbles 2h | nibbles 2h + 1 | top bits h] at `at` (the next vector `next` bytes on): the codes
+// of columns 16 h + 8 s .. + 3 (low) and + 4 .. + 7 (high) of each row, s = 0, 1.
+template <class Use>
+inline void six_bit_codes(const uint8_t* at, int64_t next, Use&& use) {
+  const F::I low_nibbles = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
+  const F::I top = F::load_bytes(at + 2 * next);
+  for (int s = 0; s < 2; ++s) {
+    const F::I words = F::load_bytes(at + s * next);
+    // bits 4-5 of the codes: planes 2s and 2s + 1 of the top byte
+    const F::I top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
+    const F::I top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
+    const F::I low = _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits,
+                                               0xF8);  // a | (b & c)
+    const F::I high = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles),
+                                                top_high, top_bits, 0xF8);
+    use(s, low, high);
+  }
+}
+
+// panel_tile of super-blocks: per 16-column sub-block s of super-block g, each row's int32 sum of (code - 32) * q
+// (the VNNI sum of code * q, less 32 times the sub-block's sum of q) times the row's int8 scale sc[s], added up in
+// int32 over the super-block (exact: |sum| <= 256 * 128 * 32 * 127 < 2^31); then once per super-block
+//
+//   out[m, rows] += float(isum[m, rows]) * (d[g, rows] * dx[m, g])
+template <int MT, int NP, int W, bool PREFETCH>
+void super_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
+  constexpr int64_t V = vectors_per_block<6>(), blocks = kSuperCols / kBlock;
+  const int64_t K = a.K, G = a.G, subs = K / kSubCols;
+  const int64_t group_bytes = W * (kSuperHeader + blocks * V * 64), next = 64 * W;
+  const int8_t* const xq = a.xq + m0 * K;
+  const float* const dx = a.dx + m0 * G;
+  const int32_t* const xsub = a.xsub + m0 * subs;
+  F::V acc[MT][NP];
+  for (int m = 0; m < MT; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = F::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* const group = tile + g * group_bytes;
+    F::I total[MT][NP];
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < NP; ++p) total[m][p] = _mm512_setzero_si512();
+    for (int64_t s = 0; s < kSubBlocks; ++s) {  // half s % 2 of block s / 2
+      F::I sums[MT][NP];
+      for (int m = 0; m < MT; ++m)
+        for (int p = 0; p < NP; ++p) sums[m][p] = _mm512_setzero_si512();
+      for (int p = 0; p < NP; ++p) {
+        const int64_t at = g * group_bytes + kSuperHeader * W + 64 * ((s / 2 * V + 3 * (s % 2)) * W + first + p);
+        if (PREFETCH)
+          for (int64_t v = 0; v < 3; ++v) prefetch<kToL2>(ahead + at + v * next);
+        six_bit_codes(tile + at, next, [&](int half, F::I low, F::I high) {
+          dot8(sums, p, low, high, xq + kSuperCols * g + kSubCols * s + 8 * half, K);
+        });
+      }
+      for (int p = 0; p < NP; ++p) {
+        const F::I sc = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + kSubBlocks * kPanel * (first + p) + kPanel * s)));
+        for (int m = 0; m < MT; ++m) {
+          const F::I centred = _mm512_sub_epi32(sums[m][p], _mm512_set1_epi32(32 * xsub[m * subs + kSubBlocks * g + s]));
+          total[m][p] = _mm512_add_epi32(total[m][p], _mm512_mullo_epi32(centred, sc));
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const F::V d = F::load(reinterpret_cast<const float*>(group + kSubBlocks * kPanel * W) + kPanel * (first + p));
+      for (int m = 0; m < MT; ++m)
+        acc[m][p] = F::fma(F::to_float(total[m][p]), F::mul(d, F::set1(dx[m * G + g])), acc[m][p]);
+    }
+  }
+  store_rows(a, acc, p0, first, m0);
+}
+
 // out[m0 .. m0 + MT, rows of panels first .. first + NP of the tile of W panels at `tile`, whose first panel is p0),
 // prefetching (PREFETCH) the same bytes at `ahead`. A group is `chunks` runs of V vectors: whole blocks, or with
 // HALF_BLOCKS one half block (G = 2 * blocks; group g the columns 16 g .. 16 g + 15 of block g / 2, and its dx).
-template <int BITS, bool HALF_BLOCKS, bool SYM, int MT, int NP, int W, bool PREFETCH>
-void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
-  constexpr int64_t V = vectors_per_chunk<BITS, HALF_BLOCKS>();
+template <int BITS, Groups GROUPS, bool SYM, int MT, int NP, int W, bool PREFETCH>
+void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
+  constexpr bool HALF_BLOCKS = GROUPS == Groups::kHalves;
+  constexpr int64_t V = vectors_per_chunk<BITS, GROUPS>();
   const int64_t K = a.K, G = a.G, blocks = K / kBlock, chunks = HALF_BLOCKS ? 1 : blocks / G;
   constexpr int64_t header = SYM ? 32 : 64;  // a panel's bytes of a group's scales (and offsets)
   const int64_t group_bytes = W * (header + chunks * V * 64);
@@ -120,28 +216,14 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
         for (int p = 0; p < NP; ++p) sums[m][p] = _mm512_setzero_si512();
       if constexpr (BITS == 6) {
         // pairs of nibble vectors and their top bits: [nibbles 2h | nibbles 2h + 1 | top bits h], h < V / 3
-        const F::I top_bits = _mm512_set1_epi8(0x30);
         for (int64_t h = 0; h < V / 3; ++h)
           for (int p = 0; p < NP; ++p) {
             const int64_t at = group + header * W + 64 * ((i * V + 3 * h) * W + first + p), next = 64 * W;
             if (PREFETCH)
               for (int64_t v = 0; v < 3; ++v) prefetch<kToL2>(ahead + at + v * next);
-            const F::I top = F::load_bytes(tile + at + 2 * next);
-            for (int s = 0; s < 2; ++s) {
-              const F::I words = F::load_bytes(tile + at + s * next);
-              // bits 4-5 of the codes: planes 2s and 2s + 1 of the top byte
-              const F::I top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
-              const F::I top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
-              const F::I low = _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits,
-                                                            0xF8);  // a | (b & c)
-              const F::I high = _mm512_ternarylogic_epi32(
-                  _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles), top_high, top_bits, 0xF8);
-              for (int m = 0; m < MT; ++m) {
-                const int8_t* q = xq + m * K + 32 * b + half + 16 * h + 8 * s;
-                sums[m][p] = F::dot_u8s8(sums[m][p], low, broadcast4(q));
-                sums[m][p] = F::dot_u8s8(sums[m][p], high, broadcast4(q + 4));
-              }
-            }
+            six_bit_codes(tile + at, next, [&](int s, F::I low, F::I high) {
+              dot8(sums, p, low, high, xq + 32 * b + half + 16 * h + 8 * s, K);
+            });
           }
       } else {
         for (int64_t j = 0; j < V; ++j)
@@ -153,13 +235,8 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
               for (int m = 0; m < MT; ++m)
                 sums[m][p] = F::dot_u8s8(sums[m][p], words, broadcast4(xq + m * K + 32 * b + half + 4 * j));
             } else {
-              const F::I low = _mm512_and_si512(words, low_nibbles);
-              const F::I high = _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles);
-              for (int m = 0; m < MT; ++m) {
-                const int8_t* q = xq + m * K + 32 * b + half + 8 * j;
-                sums[m][p] = F::dot_u8s8(sums[m][p], low, broadcast4(q));
-                sums[m][p] = F::dot_u8s8(sums[m][p], high, broadcast4(q + 4));
-              }
+              dot8(sums, p, _mm512_and_si512(words, low_nibbles),
+                   _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles), xq + 32 * b + half + 8 * j, K);
             }
           }
       }
@@ -170,61 +247,60 @@ void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
       }
     }
   }
-  const F::V factor = F::set1(a.factor);
-  for (int p = 0; p < NP; ++p) {
-    const int64_t n = (p0 + first + p) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n);
-    if (valid <= 0) break;  // padding panels, at the end of the last part
-    const __mmask16 mask = valid >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-    for (int m = 0; m < MT; ++m)
-      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n, mask, F::mul(acc[m][p], factor));
-  }
+  store_rows(a, acc, p0, first, m0);
+}
+
+template <int BITS, Groups GROUPS, bool SYM, int MT, int NP, int W, bool PREFETCH>
+void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
+  if constexpr (GROUPS == Groups::kSuper) super_tile<MT, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
+  else block_tile<BITS, GROUPS, SYM, MT, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
 }
 
 // Panels first .. first + NP of a tile against `rows` (1 .. 3) rows of x from m0, in one step.
-template <int BITS, bool HALF_BLOCKS, bool SYM, int NP, int W, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM, int NP, int W, bool PREFETCH>
 void few_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0,
               int64_t rows) {
   switch (rows) {
-    case 3: panel_tile<BITS, HALF_BLOCKS, SYM, 3, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
-    case 2: panel_tile<BITS, HALF_BLOCKS, SYM, 2, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
-    case 1: panel_tile<BITS, HALF_BLOCKS, SYM, 1, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 3: panel_tile<BITS, GROUPS, SYM, 3, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 2: panel_tile<BITS, GROUPS, SYM, 2, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 1: panel_tile<BITS, GROUPS, SYM, 1, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
     default: break;
   }
 }
 
 // Panels first .. first + NP of a tile against every row of x: steps of 4 rows of x, then the 1-3 left.
-template <int BITS, bool HALF_BLOCKS, bool SYM, int NP, int W, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM, int NP, int W, bool PREFETCH>
 void pair_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first) {
   int64_t m0 = 0;
   for (; m0 + 4 <= a.M; m0 += 4)
-    panel_tile<BITS, HALF_BLOCKS, SYM, 4, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
-  few_rows<BITS, HALF_BLOCKS, SYM, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0, a.M - m0);
+    panel_tile<BITS, GROUPS, SYM, 4, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
+  few_rows<BITS, GROUPS, SYM, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0, a.M - m0);
 }
 
 // The tile of W panels at `tile` (panel p0 on, `end` the end of its part) against every row of x: all W panels a
 // step up to whole_tile_rows rows of x, else pairs of panels against 4 rows of x a step.
-template <int BITS, bool HALF_BLOCKS, bool SYM, int W, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM, int W, bool PREFETCH>
 void tile_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* end, int64_t p0) {
   const uint8_t* ahead = tile + tile_panels<BITS>() * a.panel_bytes;  // the next tile
   if (ahead + W * a.panel_bytes > end) ahead = tile;
   if (a.M <= whole_tile_rows<BITS>()) {
-    few_rows<BITS, HALF_BLOCKS, SYM, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0, a.M);
+    few_rows<BITS, GROUPS, SYM, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0, a.M);
     return;
   }
   int first = 0;
   if constexpr (W >= 2)
-    for (; first + 2 <= W; first += 2) pair_rows<BITS, HALF_BLOCKS, SYM, 2, W, PREFETCH>(a, tile, ahead, p0, first);
-  if (first < W) pair_rows<BITS, HALF_BLOCKS, SYM, 1, W, PREFETCH>(a, tile, ahead, p0, first);
+    for (; first + 2 <= W; first += 2) pair_rows<BITS, GROUPS, SYM, 2, W, PREFETCH>(a, tile, ahead, p0, first);
+  if (first < W) pair_rows<BITS, GROUPS, SYM, 1, W, PREFETCH>(a, tile, ahead, p0, first);
 }
 
 // One part of `count` panels at `part` (its first is panel p0): its whole tiles, then its last tile of the 1 .. W - 1
 // panels left.
-template <int BITS, bool HALF_BLOCKS, bool SYM, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM, bool PREFETCH>
 void part_gemm(const PanelArgs& a, const uint8_t* part, int64_t p0, int64_t count) {
   const uint8_t* const end = part + count * a.panel_bytes;
   int64_t s = 0;
   constexpr int T = tile_panels<BITS>();
-  constexpr bool H = HALF_BLOCKS;
+  constexpr Groups H = GROUPS;
   for (; s + T <= count; s += T) tile_rows<BITS, H, SYM, T, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s);
   switch (count - s) {
     case 3: if constexpr (T > 3) tile_rows<BITS, H, SYM, 3, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
@@ -234,16 +310,37 @@ void part_gemm(const PanelArgs& a, const uint8_t* part, int64_t p0, int64_t coun
   }
 }
 
-template <int BITS, bool HALF_BLOCKS, bool SYM>
+template <int BITS, Groups GROUPS, bool SYM>
 void panel_gemm(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride) {
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       if (t * per_part * kPanel >= a.N) continue;  // padding alone
       if (a.M > whole_tile_rows<BITS>())
-        part_gemm<BITS, HALF_BLOCKS, SYM, true>(a, weight + t * part_stride, t * per_part, per_part);
-      else part_gemm<BITS, HALF_BLOCKS, SYM, false>(a, weight + t * part_stride, t * per_part, per_part);
+        part_gemm<BITS, GROUPS, SYM, true>(a, weight + t * part_stride, t * per_part, per_part);
+      else part_gemm<BITS, GROUPS, SYM, false>(a, weight + t * part_stride, t * per_part, per_part);
     }
   });
+}
+
+// q of x [M, K] rounded to int8 per 256 columns (dx = max |x| / 127 a super-block, q = round(x / dx)) and the sum
+// of each 16 columns' q
+void quantize_super_rows(const float* x, int8_t* xq, float* dx, int32_t* xsub, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / kSuperCols; ++g) {
+      const float* const in = x + m * K + g * kSuperCols;
+      F::V amax = F::zero();
+      for (int64_t i = 0; i < kSubBlocks; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(F::load(in + 16 * i)));
+      const float d = _mm512_reduce_max_ps(amax) / 127.f;
+      dx[m * (K / kSuperCols) + g] = d;
+      for (int64_t i = 0; i < kSubBlocks; ++i) {
+        // NOTE: x / d and round half to even, as torch.round(x / dx) (the tests' reference), not x * (1 / d)
+        const F::I q = d == 0.f ? _mm512_setzero_si512()
+                                : _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(F::load(in + 16 * i), F::set1(d)),
+                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + g * kSuperCols + 16 * i), _mm512_cvtepi32_epi8(q));
+        xsub[m * (K / kSubCols) + g * kSubBlocks + i] = _mm512_reduce_add_epi32(q);
+      }
+    }
 }
 
 // q (in x's column order), dx and xsum of x [M, K]: groups of whole blocks, or of half a block (G = 2 * blocks).
@@ -283,20 +380,26 @@ at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int6
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 4 && weight.device().is_cpu(),
               "weight must be a uint8 [parts, panels, groups, group bytes] CPU tensor");
   const int64_t parts = weight.size(0), per_part = weight.size(1), G = weight.size(2), group_bytes = weight.size(3);
-  const int64_t vector_bytes = 64 * bits;  // of codes, a 32-column block's
-  const bool sym = group_bytes % 64 == 32;  // 32 bytes of scales alone: offsets = -zero * scales
-  const int64_t header = sym ? 32 : 64, codes_bytes = group_bytes - header;
-  const bool half_blocks = codes_bytes == vector_bytes / 2;  // groups of 16 columns
-  TORCH_CHECK(G > 0 && codes_bytes > 0 && (codes_bytes % vector_bytes == 0 || (half_blocks && G % 2 == 0)),
-              "a group of ", group_bytes, " bytes is not 64 bytes of scales and offsets (or 32 of scales) and whole "
-              "blocks of ", bits, "-bit codes, nor half a block of an even number of groups");
-  const int64_t K = half_blocks ? G * kBlock / 2 : G * codes_bytes / vector_bytes * kBlock;
+  // the layout, told by the bytes of a group's scales (its header): whole blocks or half a block of codes after 32
+  // bytes a panel (symmetric) or 64; a super-block's 256 columns of codes after kSuperHeader
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.device().is_cpu(),
+              "x must be a float32 [M, K] CPU tensor");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(G > 0 && K % G == 0 && K / G % (kBlock / 2) == 0, "x's ", K, " columns do not make ", G, " groups");
+  const int64_t codes_bytes = K / G * bits * 2, header = group_bytes - codes_bytes;  // 16 rows * bits / 8 a column
+  const Groups groups = K / G == kSuperCols && header == kSuperHeader ? Groups::kSuper
+                        : K / G == kBlock / 2                          ? Groups::kHalves
+                                                                       : Groups::kBlocks;
+  const bool sym = groups == Groups::kSuper || header == 32;
+  TORCH_CHECK((groups == Groups::kSuper || header == 32 || header == 64) &&
+                  (groups != Groups::kBlocks || K / G % kBlock == 0) && (groups != Groups::kHalves || G % 2 == 0),
+              "a group of ", group_bytes, " bytes is not 64 bytes of scales and offsets (or 32 of scales) and ",
+              K / G, " columns of ", bits, "-bit codes (whole 32-column blocks, or half of one of an even number of "
+              "groups)");
   const int64_t panel_bytes = G * group_bytes;
   TORCH_CHECK(weight.stride(3) == 1 && weight.stride(2) == group_bytes && weight.stride(1) == panel_bytes &&
                   (parts == 1 || (weight.stride(0) >= per_part * panel_bytes && weight.stride(0) % 64 == 0)),
               "each part of the weight must be contiguous, the parts apart by a multiple of 64 bytes");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
-              "x must be a float32 [M, ", K, "] CPU tensor");
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
   TORCH_CHECK(out_features > 0 && per_part == (panels + parts - 1) / parts, "out_features ", out_features,
               " does not fill ", parts, " parts of ", per_part, " panels");
@@ -306,25 +409,32 @@ at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int6
   if (M == 0) return out;
   const bool amx = M >= kAmxMinRows && panels_amx_ready();
   const int64_t rows = amx ? (M + 15) / 16 * 16 : M;  // the AMX path reads x in tiles of 16 rows: zeros pad them
+  const bool super = groups == Groups::kSuper;
   std::vector<int8_t> xq(rows * K);
-  std::vector<float> dx(rows * (K / kBlock)), xsum(rows * G);
+  std::vector<float> dx(rows * (super ? G : K / kBlock)), xsum(super ? 0 : rows * G);
+  std::vector<int32_t> xsub(super ? rows * (K / kSubCols) : 0);
   const float* const x_data = x.data_ptr<float>();
-  const int64_t blocks = K / kBlock;
+  const int64_t scales_a_row = super ? G : K / kBlock;
   at::parallel_for(0, M, 16, [&](int64_t first, int64_t last) {  // (each row's rounding its own)
-    quantize_rows(x_data + first * K, xq.data() + first * K, dx.data() + first * blocks, xsum.data() + first * G,
-                  last - first, K, G);
+    if (super)
+      quantize_super_rows(x_data + first * K, xq.data() + first * K, dx.data() + first * G,
+                          xsub.data() + first * (K / kSubCols), last - first, K);
+    else
+      quantize_rows(x_data + first * K, xq.data() + first * K, dx.data() + first * scales_a_row,
+                    xsum.data() + first * G, last - first, K, G);
   });
-  const PanelArgs args{xq.data(), dx.data(), xsum.data(), out.data_ptr<float>(), M, out_features, K, G, panel_bytes,
+  const PanelArgs args{xq.data(), dx.data(),   xsum.data(), xsub.data(), out.data_ptr<float>(),
+                       M,         out_features, K,          G,           panel_bytes,
                        static_cast<float>(factor)};
   const uint8_t* const codes = weight.data_ptr<uint8_t>();
   const int64_t part_stride = weight.stride(0);
   if (amx) {
-    panel_gemm_amx(args, codes, parts, per_part, part_stride, static_cast<int>(bits), half_blocks, sym);
+    panel_gemm_amx(args, codes, parts, per_part, part_stride, static_cast<int>(bits), groups, sym);
     return out;
   }
-  with_layout(static_cast<int>(bits), half_blocks, sym, [&](auto bits_c, auto half_c, auto sym_c) {
-    panel_gemm<decltype(bits_c)::value, decltype(half_c)::value, decltype(sym_c)::value>(args, codes, parts, per_part,
-                                                                                         part_stride);
+  with_layout(static_cast<int>(bits), groups, sym, [&](auto bits_c, auto groups_c, auto sym_c) {
+    panel_gemm<decltype(bits_c)::value, decltype(groups_c)::value, decltype(sym_c)::value>(args, codes, parts,
+                                                                                           per_part, part_stride);
   });
   return out;
 #else

@@ -13,16 +13,24 @@
 
 namespace kvforge_cpu {
 
-#ifdef KVFORGE_PANELS_VNNI
-
 constexpr int64_t kPanel = 16;  // weight rows per panel: one int32 lane each of a 512-bit vector
+
+// How a layout groups its columns: into runs of whole 32-column blocks, half blocks (groups of 16 columns), or
+// super-blocks of 256 columns, each of whose 16 sub-blocks of 16 columns has an int8 scale per row beside the
+// super-block's float32 one (6-bit symmetric codes: GGUF's Q6_K as it is stored).
+enum class Groups { kBlocks, kHalves, kSuper };
+
+constexpr int64_t kSuperCols = 256, kSubCols = 16, kSubBlocks = kSuperCols / kSubCols;
+constexpr int64_t kSuperHeader = kSubBlocks * kPanel + 4 * kPanel;  // a panel's int8 sub-block scales, float32 ones
+
+#ifdef KVFORGE_PANELS_VNNI
 
 template <int BITS>
 constexpr int64_t vectors_per_block() { return 32 * BITS / 8 / 4; }  // of 64 bytes
 
 // Vectors a group's run holds per block it covers: a whole block's, or half of them (groups of 16 columns).
-template <int BITS, bool HALF_BLOCKS>
-constexpr int64_t vectors_per_chunk() { return vectors_per_block<BITS>() / (HALF_BLOCKS ? 2 : 1); }
+template <int BITS, Groups GROUPS>
+constexpr int64_t vectors_per_chunk() { return vectors_per_block<BITS>() / (GROUPS == Groups::kHalves ? 2 : 1); }
 
 // Panels interleaved in a tile.
 template <int BITS>
@@ -33,9 +41,10 @@ template <int BITS>
 constexpr float minus_zero() { return BITS == 8 ? -128.f : BITS == 6 ? -32.f : -8.f; }
 
 struct PanelArgs {
-  const int8_t* xq;  // [M, K]
-  const float* dx;   // [M, K / 32]
-  const float* xsum; // [M, G]
+  const int8_t* xq;     // [M, K]
+  const float* dx;      // [M, K / 32] (kSuper: [M, G], a super-block's)
+  const float* xsum;    // [M, G] (kSuper: none)
+  const int32_t* xsub;  // kSuper: [M, K / 16], the sum of each sub-block's q
   float* out;        // [M, N]
   int64_t M, N, K, G;
   int64_t panel_bytes;
@@ -46,16 +55,25 @@ inline Avx512::V load_halves(const uint8_t* p) {
   return Avx512::load_half<false>(reinterpret_cast<const uint16_t*>(p));
 }
 
-// run(bits, half_blocks, sym) with each as a compile-time constant (std::integral_constant, std::bool_constant)
+template <Groups GROUPS>
+using GroupsConstant = std::integral_constant<Groups, GROUPS>;
+
+// run(bits, groups, sym) with each as a compile-time constant (std::integral_constant, std::bool_constant); super-
+// blocks come with 6-bit symmetric codes only
 template <class Run>
-void with_layout(int bits, bool half_blocks, bool sym, Run&& run) {
-  const auto with_sym = [&](auto bits_c, auto half_c) {
-    if (sym) run(bits_c, half_c, std::true_type{});
-    else run(bits_c, half_c, std::false_type{});
+void with_layout(int bits, Groups groups, bool sym, Run&& run) {
+  if (groups == Groups::kSuper) {
+    TORCH_CHECK(bits == 6 && sym, "super-blocks of int8 sub-block scales hold 6-bit symmetric codes, not ", bits,
+                "-bit ones");
+    return run(std::integral_constant<int, 6>{}, GroupsConstant<Groups::kSuper>{}, std::true_type{});
+  }
+  const auto with_sym = [&](auto bits_c, auto groups_c) {
+    if (sym) run(bits_c, groups_c, std::true_type{});
+    else run(bits_c, groups_c, std::false_type{});
   };
   const auto with_half = [&](auto bits_c) {
-    if (half_blocks) with_sym(bits_c, std::true_type{});
-    else with_sym(bits_c, std::false_type{});
+    if (groups == Groups::kHalves) with_sym(bits_c, GroupsConstant<Groups::kHalves>{});
+    else with_sym(bits_c, GroupsConstant<Groups::kBlocks>{});
   };
   if (bits == 8) with_half(std::integral_constant<int, 8>{});
   else if (bits == 6) with_half(std::integral_constant<int, 6>{});
@@ -74,7 +92,7 @@ bool panels_amx_ready();
 // The AMX path of quant_gemm_panels: the same sums and float work as the VNNI loops, so the same bits. x's rows
 // (xq, dx and xsum) are padded with zeros to a multiple of 16 (the outputs of the padding are not written).
 void panel_gemm_amx(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride,
-                    int bits, bool half_blocks, bool sym);
+                    int bits, Groups groups, bool sym);
 
 #endif
 

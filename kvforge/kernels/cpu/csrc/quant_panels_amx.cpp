@@ -29,6 +29,7 @@
 #include "amx.h"
 #include "quant_panels.h"
 
+#include <utility>
 #include <vector>
 
 namespace kvforge_cpu {
@@ -65,10 +66,11 @@ AMX_INT8_FUNCTION void release_tiles() { _tile_release(); }
 
 // Panel `first` of the tile of W panels at `tile`: its codes one byte each (chunk c at codes + c * kPanelsAtOnce *
 // chunk_bytes: the picture above) and its groups' scales and offsets as floats, the VNNI loop's unpacking and offsets.
-template <int BITS, bool HALF_BLOCKS, bool SYM>
+template <int BITS, Groups GROUPS, bool SYM>
 void unpack_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t K, int64_t G, uint8_t* codes, float* scales,
                   float* offsets) {
-  constexpr int64_t V = vectors_per_chunk<BITS, HALF_BLOCKS>();
+  constexpr bool HALF_BLOCKS = GROUPS == Groups::kHalves;
+  constexpr int64_t V = vectors_per_chunk<BITS, GROUPS>();
   constexpr int64_t header = SYM ? 32 : 64;
   constexpr int64_t chunk_bytes = (HALF_BLOCKS ? 16 : 32) * 16;  // unpacked: chunk_cols / 4 rows of 64 bytes
   const int64_t chunks = HALF_BLOCKS ? 1 : K / kBlock / G;  // chunks a group's run holds
@@ -199,8 +201,9 @@ void row_tile(int np, const PanelArgs& a, int64_t m0, const int8_t* x_tiles, con
 
 // One part of `count` panels at `part` (its first is panel p0), in tiles of tile_panels<BITS>() panels (the last
 // 1 ..): its panels four at a time (or the 1-3 left, or the last before the padding) against every tile of x's rows.
-template <int BITS, bool HALF_BLOCKS, bool SYM>
+template <int BITS, Groups GROUPS, bool SYM>
 void part_gemm(const PanelArgs& a, const int8_t* x_tiles, const uint8_t* part, int64_t p0, int64_t count) {
+  constexpr bool HALF_BLOCKS = GROUPS == Groups::kHalves;
   constexpr int64_t T = tile_panels<BITS>(), kPanels = kPanelsAtOnce, chunk_bytes = (HALF_BLOCKS ? 16 : 32) * 16;
   const int64_t K = a.K, G = a.G;
   std::vector<uint8_t> codes(static_cast<size_t>(kPanels * K * 16));
@@ -214,13 +217,167 @@ void part_gemm(const PanelArgs& a, const int8_t* x_tiles, const uint8_t* part, i
       const int np = static_cast<int>(std::min(kPanels, count - s));
       for (int p = 0; p < np; ++p) {
         const int64_t tile_start = (s + p) / T * T;  // the panel's tile, of W panels
-        unpack_panel<BITS, HALF_BLOCKS, SYM>(part + tile_start * a.panel_bytes, std::min(T, tiled - tile_start),
+        unpack_panel<BITS, GROUPS, SYM>(part + tile_start * a.panel_bytes, std::min(T, tiled - tile_start),
                                              s + p - tile_start, K, G, codes.data() + p * chunk_bytes,
                                              scales.data() + p * G * 16, offsets.data() + p * G * 16);
       }
       const int64_t n = (p0 + s) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n - kPanel * (np - 1));
       for (int64_t m0 = pass; m0 < std::min(rows, pass + kRowsPerPass); m0 += kRowTile)
         row_tile<HALF_BLOCKS>(np, a, m0, x_tiles + m0 * K, codes.data(), scales.data(), offsets.data(), n, valid);
+    }
+  }
+  release_tiles();
+}
+
+// Super-blocks (Groups::kSuper): each weight's sub-block scale goes into its codes, w = sc[s] * (code - 32), a 13-bit
+// integer cut into two int8 tiles, w = 64 hi + lo (lo in [0, 64)), so two _tile_dpbssd of the full depth (64 columns)
+// make 64 * C(hi) + C(lo), the exact int32 sum of the VNNI loop; C accumulates over a super-block's four chunks of 64
+// columns, and the float work, one vector a row of x and panel, is the VNNI loop's, once per super-block:
+//
+//   acc[m] = fma(float(64 C(hi)[m] + C(lo)[m]), d[g] * dx[m, g], acc[m])
+//
+//   codes   int8 [K / 64 chunks, hi | lo, 16 rows of 64 bytes (4 columns of the 16 weight rows)]    a panel's
+//   d       float [G, 16]
+constexpr int64_t kSuperChunk = 64;                         // columns of an A tile
+constexpr int64_t kSuperChunkBytes = 2 * kSuperChunk * 16;  // a chunk's hi and lo tiles
+constexpr int64_t kSuperPanels = 2;                         // panels (4 C tiles) that meet each A tile
+
+// w = sc * (code - 32) of a vector of codes (byte 4 r + c: weight row r) as (hi, lo), sc the 16 rows' int8 scales
+inline std::pair<F::I, F::I> scaled_codes(F::I codes, F::I sc) {
+  // each row's scale in its 4 bytes: lane L of 128 bits holds rows 4 L .. 4 L + 3
+  const F::I spread = _mm512_shuffle_epi8(
+      sc, _mm512_set_epi32(0x0F0F0F0F, 0x0E0E0E0E, 0x0D0D0D0D, 0x0C0C0C0C, 0x0B0B0B0B, 0x0A0A0A0A, 0x09090909,
+                           0x08080808, 0x07070707, 0x06060606, 0x05050505, 0x04040404, 0x03030303, 0x02020202,
+                           0x01010101, 0x00000000));
+  const F::I centred = _mm512_sub_epi8(codes, _mm512_set1_epi8(32));
+  F::I hi[2], lo[2];
+  for (int half = 0; half < 2; ++half) {
+    const __m256i c = half == 0 ? _mm512_castsi512_si256(centred) : _mm512_extracti64x4_epi64(centred, 1);
+    const __m256i e = half == 0 ? _mm512_castsi512_si256(spread) : _mm512_extracti64x4_epi64(spread, 1);
+    const F::I product = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(c), _mm512_cvtepi8_epi16(e));
+    hi[half] = _mm512_srai_epi16(product, 6);
+    lo[half] = _mm512_and_si512(product, _mm512_set1_epi16(63));
+  }
+  const auto bytes = [](F::I (&v)[2]) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(v[0])), _mm512_cvtepi16_epi8(v[1]), 1);
+  };
+  return {bytes(hi), bytes(lo)};
+}
+
+// Panel `first` of the tile of W panels at `tile`: its codes times their sub-block scales as hi and lo tiles, and its
+// super-blocks' float scales (the picture above).
+void unpack_super_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t G, int8_t* codes, float* d) {
+  constexpr int64_t V = vectors_per_block<6>(), blocks = kSuperCols / kBlock;
+  const int64_t group_bytes = W * (kSuperHeader + blocks * V * 64);
+  const F::I low_nibbles = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* const group = tile + g * group_bytes;
+    F::store(d + 16 * g, F::load(reinterpret_cast<const float*>(group + kSubBlocks * kPanel * W) + kPanel * first));
+    for (int64_t b = 0; b < blocks; ++b) {
+      int8_t* const chunk = codes + (g * blocks + b) / 2 * kSuperChunkBytes;  // two blocks a chunk
+      const auto vector = [&](int64_t j) { return F::load_bytes(group + kSuperHeader * W + 64 * ((b * V + j) * W + first)); };
+      for (int64_t h = 0; h < 2; ++h) {  // the block's two sub-blocks
+        const F::I sc = _mm512_broadcast_i32x4(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(group + kSubBlocks * kPanel * first + kPanel * (2 * b + h))));
+        const F::I top = vector(3 * h + 2);
+        for (int s = 0; s < 2; ++s) {
+          const F::I words = vector(3 * h + s);
+          const F::I top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
+          const F::I top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
+          const F::I low = _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits, 0xF8);
+          const F::I high = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles),
+                                                      top_high, top_bits, 0xF8);
+          const int64_t row = 8 * (b % 2) + 4 * h + 2 * s;  // of the chunk's tiles: columns 4 row .. 4 row + 3
+          for (int k = 0; k < 2; ++k) {
+            const auto [hi, lo] = scaled_codes(k == 0 ? low : high, sc);
+            _mm512_storeu_si512(chunk + 64 * (row + k), hi);
+            _mm512_storeu_si512(chunk + kSuperChunkBytes / 2 + 64 * (row + k), lo);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Rows m0 .. m0 + 15 of x (padded; `x_tiles` their A tiles of 64 columns) against NP unpacked panels (panel p's
+// codes at codes + p * stride, d + p * G * 16), whose outputs are columns n .. n + 16 NP - 1, the last panel's `valid`.
+template <int NP>
+AMX_INT8_FUNCTION void super_row_tile(const PanelArgs& a, int64_t m0, const int8_t* x_tiles, const int8_t* codes,
+                                      int64_t stride, const float* d, int64_t n, int64_t valid) {
+  const int64_t G = a.G;
+  const float* const dx = a.dx + m0 * G;
+  alignas(64) int32_t sums[2 * NP][kRowTile * 16];
+  alignas(64) float acc[kRowTile][NP * 16] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (NP > 1) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t c = 4 * g; c < 4 * g + 4; ++c) {
+      const int8_t* const chunk = codes + c * kSuperChunkBytes;
+      _tile_loadd(4, x_tiles + c * kRowTile * kSuperChunk, kSuperChunk);
+      _tile_loadd(5, chunk, 64);
+      _tile_dpbssd(0, 4, 5);
+      _tile_loadd(6, chunk + kSuperChunkBytes / 2, 64);
+      _tile_dpbssd(1, 4, 6);
+      if constexpr (NP > 1) {
+        _tile_loadd(7, chunk + stride, 64);
+        _tile_dpbssd(2, 4, 7);
+        _tile_loadd(5, chunk + stride + kSuperChunkBytes / 2, 64);
+        _tile_dpbssd(3, 4, 5);
+      }
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    if constexpr (NP > 1) {
+      _tile_stored(2, sums[2], 64);
+      _tile_stored(3, sums[3], 64);
+    }
+    F::V scale[NP];
+    for (int p = 0; p < NP; ++p) scale[p] = F::load(d + (p * G + g) * 16);
+#pragma GCC unroll 16
+    for (int m = 0; m < kRowTile; ++m) {
+      const F::V dxm = F::set1(dx[m * G + g]);
+      for (int p = 0; p < NP; ++p) {
+        const F::I total = _mm512_add_epi32(_mm512_slli_epi32(F::load_bytes(sums[2 * p] + 16 * m), 6),
+                                            F::load_bytes(sums[2 * p + 1] + 16 * m));
+        F::store(acc[m] + 16 * p, F::fma(F::to_float(total), F::mul(scale[p], dxm), F::load(acc[m] + 16 * p)));
+      }
+    }
+  }
+  const F::V factor = F::set1(a.factor);
+  const __mmask16 last = valid >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  for (int m = 0; m < kRowTile && m0 + m < a.M; ++m)
+    for (int p = 0; p < NP; ++p)
+      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n + 16 * p, p == NP - 1 ? last : static_cast<__mmask16>(0xFFFF),
+                            F::mul(F::load(acc[m] + 16 * p), factor));
+}
+
+// part_gemm of super-blocks: panels two at a time against every tile of x's rows.
+void super_part_gemm(const PanelArgs& a, const int8_t* x_tiles, const uint8_t* part, int64_t p0, int64_t count) {
+  constexpr int64_t T = tile_panels<6>();
+  const int64_t K = a.K, G = a.G, panel_codes = K / kSuperChunk * kSuperChunkBytes;
+  std::vector<int8_t> codes(static_cast<size_t>(kSuperPanels * panel_codes));
+  std::vector<float> d(kSuperPanels * G * 16);
+  const int64_t tiled = count;  // the part's panels, padding included, as its tiles are laid out
+  count = std::min(count, (a.N + kPanel - 1) / kPanel - p0);  // without the padding panels
+  configure_tiles(kSuperChunk);
+  const int64_t rows = (a.M + kRowTile - 1) / kRowTile * kRowTile;
+  for (int64_t pass = 0; pass < rows; pass += kRowsPerPass) {
+    for (int64_t s = 0; s < count; s += kSuperPanels) {
+      const int np = static_cast<int>(std::min(kSuperPanels, count - s));
+      for (int p = 0; p < np; ++p) {
+        const int64_t tile_start = (s + p) / T * T;  // the panel's tile, of W panels
+        unpack_super_panel(part + tile_start * a.panel_bytes, std::min(T, tiled - tile_start), s + p - tile_start, G,
+                           codes.data() + p * panel_codes, d.data() + p * G * 16);
+      }
+      const int64_t n = (p0 + s) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n - kPanel * (np - 1));
+      for (int64_t m0 = pass; m0 < std::min(rows, pass + kRowsPerPass); m0 += kRowTile) {
+        if (np == 2) super_row_tile<2>(a, m0, x_tiles + m0 * K, codes.data(), panel_codes, d.data(), n, valid);
+        else super_row_tile<1>(a, m0, x_tiles + m0 * K, codes.data(), panel_codes, d.data(), n, valid);
+      }
     }
   }
   release_tiles();
@@ -240,14 +397,16 @@ std::vector<int8_t> x_as_tiles(const int8_t* xq, int64_t rows, int64_t K, int64_
   return tiles;
 }
 
-template <int BITS, bool HALF_BLOCKS, bool SYM>
+template <int BITS, Groups GROUPS, bool SYM>
 void panel_gemm(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride) {
-  const std::vector<int8_t> x_tiles =
-      x_as_tiles(a.xq, (a.M + kRowTile - 1) / kRowTile * kRowTile, a.K, HALF_BLOCKS ? 16 : 32);
+  const int64_t chunk_cols = GROUPS == Groups::kSuper ? kSuperChunk : GROUPS == Groups::kHalves ? 16 : 32;
+  const std::vector<int8_t> x_tiles = x_as_tiles(a.xq, (a.M + kRowTile - 1) / kRowTile * kRowTile, a.K, chunk_cols);
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       if (t * per_part * kPanel >= a.N) continue;  // padding alone
-      part_gemm<BITS, HALF_BLOCKS, SYM>(a, x_tiles.data(), weight + t * part_stride, t * per_part, per_part);
+      if constexpr (GROUPS == Groups::kSuper)
+        super_part_gemm(a, x_tiles.data(), weight + t * part_stride, t * per_part, per_part);
+      else part_gemm<BITS, GROUPS, SYM>(a, x_tiles.data(), weight + t * part_stride, t * per_part, per_part);
     }
   });
 }
@@ -259,10 +418,10 @@ bool panels_amx_ready() {
 }
 
 void panel_gemm_amx(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_t per_part, int64_t part_stride,
-                    int bits, bool half_blocks, bool sym) {
-  with_layout(bits, half_blocks, sym, [&](auto bits_c, auto half_c, auto sym_c) {
-    panel_gemm<decltype(bits_c)::value, decltype(half_c)::value, decltype(sym_c)::value>(a, weight, parts, per_part,
-                                                                                         part_stride);
+                    int bits, Groups groups, bool sym) {
+  with_layout(bits, groups, sym, [&](auto bits_c, auto groups_c, auto sym_c) {
+    panel_gemm<decltype(bits_c)::value, decltype(groups_c)::value, decltype(sym_c)::value>(a, weight, parts, per_part,
+                                                                                           part_stride);
   });
 }
 
