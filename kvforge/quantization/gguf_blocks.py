@@ -38,17 +38,17 @@ its own integer scale sc[s] (and min m[s]) times the block's d (and dmin):
             ls[s] = (scales_l[s // 2] >> 4 * (s % 2) & 15) | (scales_h (uint16) >> 2s & 3) << 4
             qs[16s + j] = q[32s + j] | q[32s + 16 + j] << 4          (j < 16)
 
-As QuantizedWeights, one group per block or sub-block (codes of 5 and 6 bits take 6, kvalues 8):
+As QuantizedWeights, one group per block or sub-block (kvalues take 8 bits, Q5_0's shifted codes 6):
 
     type    bits  group  codes             scales          zeros
     Q8_0    8     32     q + 128           d               128
     Q4_0    4     32     q                 d               8
     Q4_1    4     32     q                 d               -m / d
     Q5_0    6     32     q + 16            d               32
-    Q5_1    6     32     q                 d               -m / d
+    Q5_1    5     32     q                 d               -m / d
     IQ4_NL  8     32     kvalues[q] + 128  d               128
     Q4_K    4     32     q                 d * sc          dmin * m / (d * sc)
-    Q5_K    6     32     q                 d * sc          dmin * m / (d * sc)
+    Q5_K    5     32     q                 d * sc          dmin * m / (d * sc)
     Q6_K    6     16     q                 d * sc          32                      (sc may be negative)
     Q3_K    4     16     q + 4             d * (sc - 32)   8
     Q2_K    4     16     q                 d * sc          dmin * m / (d * sc)
@@ -87,7 +87,7 @@ class BlockLayout:
 
     block_size: int  # columns per block
     block_bytes: int
-    bits: int  # of the codes the kernel reads: 4, 6 or 8
+    bits: int  # of the codes the kernel reads: 4, 5, 6 or 8
     group_size: int  # columns per scale and zero point
     decode: Callable[[np.ndarray], Decoded]
 
@@ -228,10 +228,10 @@ BLOCK_LAYOUTS: dict[GGMLQuantizationType, BlockLayout] = {
     _Q.Q4_0: BlockLayout(32, 18, bits=4, group_size=32, decode=_q4_0),
     _Q.Q4_1: BlockLayout(32, 20, bits=4, group_size=32, decode=_q4_1),
     _Q.Q5_0: BlockLayout(32, 22, bits=6, group_size=32, decode=_q5_0),
-    _Q.Q5_1: BlockLayout(32, 24, bits=6, group_size=32, decode=_q5_1),
+    _Q.Q5_1: BlockLayout(32, 24, bits=5, group_size=32, decode=_q5_1),
     _Q.IQ4_NL: BlockLayout(32, 18, bits=8, group_size=32, decode=_iq4_nl),
     _Q.Q4_K: BlockLayout(256, 144, bits=4, group_size=32, decode=_q4_k),
-    _Q.Q5_K: BlockLayout(256, 176, bits=6, group_size=32, decode=_q5_k),
+    _Q.Q5_K: BlockLayout(256, 176, bits=5, group_size=32, decode=_q5_k),
     _Q.Q6_K: BlockLayout(256, 210, bits=6, group_size=16, decode=_q6_k),
     _Q.Q3_K: BlockLayout(256, 110, bits=4, group_size=16, decode=_q3_k),
     _Q.Q2_K: BlockLayout(256, 84, bits=4, group_size=16, decode=_q2_k),

@@ -20,7 +20,7 @@ class QuantizedWeight:
     codes: torch.Tensor  # [N, K] uint8, in [0, 2**bits)
     scales: torch.Tensor  # [N, G] float32
     zeros: torch.Tensor  # [N, G] float32, zero points in code units (integers, but GGUF Q4_1's are not)
-    bits: int  # 4, 8, or 6 (GGUF's 5- and 6-bit types; kernels without a 6-bit layout take them as 8-bit codes)
+    bits: int  # 4, 8, 5 or 6 (GGUF's 5- and 6-bit types; kernels without their layout take them as 8-bit codes)
     perm: torch.Tensor | None = None  # [K] int64: column k of codes is input feature perm[k]
 
     @property
@@ -28,8 +28,8 @@ class QuantizedWeight:
         return self.codes.shape[1] // self.scales.shape[1]
 
     def widened(self) -> QuantizedWeight:
-        """The same weight with 6-bit codes as 8-bit ones (the same codes and zero points)."""
-        return QuantizedWeight(self.codes, self.scales, self.zeros, 8 if self.bits == 6 else self.bits, self.perm)
+        """The same weight with 5- or 6-bit codes as 8-bit ones (the same codes and zero points)."""
+        return QuantizedWeight(self.codes, self.scales, self.zeros, 8 if self.bits in (5, 6) else self.bits, self.perm)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], input features in their original order."""

@@ -43,7 +43,7 @@ from kvforge.quantization.quantized_weight import QuantizedWeight, RowShards
 class WeightOnlyKernel(KernelModule):
     """Base: a quantized weight [N, K] in one kernel's layout."""
 
-    code_bits = (4, 8)  # the widths of codes its layout stores (6-bit codes are given to the others as 8-bit ones)
+    code_bits = (4, 8)  # the widths of codes its layout stores (5- and 6-bit codes go to the others as 8-bit ones)
     takes_row_shards = False  # prepare takes a merged layer's RowShards as they are (the others get them stacked)
 
     @classmethod
@@ -84,7 +84,7 @@ def _on_cpu(device: torch.device, ops: OpTable) -> bool:
 
 class PanelKernel(WeightOnlyKernel):
     name = "panels"
-    code_bits = (4, 6, 8)
+    code_bits = (4, 5, 6, 8)
     takes_row_shards = True
 
     @classmethod

@@ -90,7 +90,8 @@ def test_registry_and_gguf_agree_on_block_sizes() -> None:
     assert {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0} <= set(QUANTIZED)
     for qtype, layout in BLOCK_LAYOUTS.items():
         assert (layout.block_size, layout.block_bytes) == GGML_QUANT_SIZES[qtype], qtype.name
-        assert layout.bits in (4, 6, 8) and layout.group_size in (16, 32) and layout.block_size % layout.group_size == 0
+        assert layout.bits in (4, 5, 6, 8) and layout.group_size in (16, 32)
+        assert layout.block_size % layout.group_size == 0
 
 
 def test_q6_k_negative_scales_are_kept() -> None:

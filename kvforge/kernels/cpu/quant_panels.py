@@ -4,9 +4,9 @@ One kernel for every batch size (decode, batched decode, prefill chunks): x is r
 one vpdpbusd multiplies 4 columns of 16 weight rows at once, so above a few rows it is several times the float
 GEMM's rate and never dequantizes the weight. Layout, one uint8 tensor a weight: P = ceil(N / 16) panels of 16 rows
 in T parts of S = ceil(P / T) panels (one part a thread; zero rows pad the last panels), each part in tiles of W
-panels (W = tile_panels(bits): 4 for 4- and 6-bit codes, 2 for 8-bit; the part's last tile has the 1 .. W left), and per
-group of B 32-column blocks of a tile (or of half a block: groups of 16 columns) one run of bytes, in the order the
-kernel reads them:
+panels (W = tile_panels(bits): 4 for 4-, 5- and 6-bit codes, 2 for 8-bit; the part's last tile has the 1 .. W
+left), and per group of B 32-column blocks of a tile (or of half a block: groups of 16 columns) one run of bytes, in
+the order the kernel reads them:
 
     weight   uint8 [T, S, G, 64 + B * V * 64]      the sizes of a panel's group; a tile's groups hold its W panels'
                                                    bytes interleaved: group g of the tile of panels s .. s + W is
@@ -14,6 +14,8 @@ kernel reads them:
                       the panels' rows side by side, times 2^e; vector j of a panel, one int32 lane (4 bytes) a row:
                       8 bits, V = 8:  [row 0: c(32b+4j .. 32b+4j+3) | row 1: ... | ... | row 15: ...]
                       4 bits, V = 4:  row r, byte c = c(r, 32b+8j+c) | c(r, 32b+8j+4+c) << 4
+                      5 bits, V = 5:  j < 4 the low 4 bits as the 4-bit vector j; j = 4, row r, byte c: bit s is
+                                      bit 4 of c(r, 32b+4s+c) (GGUF's Q5_1 and Q5_K: 0.625 bytes a weight)
                       6 bits, V = 6:  j = 3h + v (h < 2): v < 2 the low 4 bits of the 4-bit vector 2h + v; v = 2
                                       the top 2 bits of columns 32b+16h+4i+c in bits 2i, 2i+1 of byte c (i < 4)
         or, groups of 16 columns (GGUF's Q6_K, Q3_K, Q2_K; G even, the last dimension 64 + V/2 * 64; 6 bits: one h):
@@ -67,7 +69,7 @@ from kvforge.kernels.cpu.extension import cpu_kernels
 PANEL_ROWS = 16
 BLOCK = 32  # columns per scale of x, and the group-size unit
 HALF_BLOCK = 16  # the one group size below a block (GGUF's Q6_K, Q3_K, Q2_K)
-SYMMETRIC_ZERO = {4: 8, 6: 32, 8: 128}  # the zero point of a weight whose layout keeps no offsets
+SYMMETRIC_ZERO = {4: 8, 5: 16, 6: 32, 8: 128}  # the zero point of a weight whose layout keeps no offsets
 SUPER_BLOCK = 256  # columns of a super-block: 16 groups of 16 whose scales are int8 times one float32
 SUPER_HEADER = 16 * PANEL_ROWS + 4 * PANEL_ROWS  # a panel's bytes of a super-block's int8 and float32 scales
 
@@ -84,10 +86,11 @@ def tile_panels(bits: int) -> int:
 
 
 def panel_layout_fits(bits: int, in_features: int, group_size: int) -> bool:
-    """4-, 6- or 8-bit codes in groups of whole 32-column blocks, or of half a block (16 columns) in whole blocks."""
+    """4-, 5-, 6- or 8-bit codes in groups of whole 32-column blocks, or (but 5-bit ones) of half a block (16 columns)
+    in whole blocks."""
     whole_blocks = group_size > 0 and group_size % BLOCK == 0
-    fits_blocks = whole_blocks or group_size == HALF_BLOCK
-    return bits in (4, 6, 8) and fits_blocks and in_features % max(group_size, BLOCK) == 0
+    fits_blocks = whole_blocks or (group_size == HALF_BLOCK and bits != 5)
+    return bits in (4, 5, 6, 8) and fits_blocks and in_features % max(group_size, BLOCK) == 0
 
 
 def _checked_parts(bits: int, in_features: int, groups: int, parts: int | None) -> int:
@@ -197,9 +200,12 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     blocks = codes.reshape(panels, PANEL_ROWS, in_features // BLOCK, BLOCK)  # [P, r, b, 32]
     if bits == 8:
         vectors = blocks.reshape(panels, PANEL_ROWS, -1, 8, 4)  # [P, r, b, j, c]
-    elif bits == 4:
+    elif bits in (4, 5):
         halves = blocks.reshape(panels, PANEL_ROWS, -1, 4, 2, 4)  # [P, r, b, j, low/high, c]
-        vectors = halves[..., 0, :] | (halves[..., 1, :] << 4)
+        vectors = (halves[..., 0, :] & 15) | ((halves[..., 1, :] & 15) << 4)
+        if bits == 5:  # then bit 4 of column 4 s + c in bit s of byte c: [P, r, b, 5, c]
+            top = (blocks.reshape(panels, PANEL_ROWS, -1, 8, 4) >> 4) << torch.arange(8, dtype=torch.uint8)[:, None]
+            vectors = torch.cat([vectors, top.sum(dim=3, dtype=torch.uint8)[..., None, :]], dim=3)
     else:
         halves = blocks.reshape(panels, PANEL_ROWS, -1, 2, 2, 2, 4)  # [P, r, b, h, v, low/high, c]
         nibbles = (halves[..., 0, :] & 15) | ((halves[..., 1, :] & 15) << 4)  # [P, r, b, h, v, c]
@@ -275,6 +281,11 @@ def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
     grid = flat[parts[:, None, None, None], at]
     if bits == 4:
         grid = torch.stack([grid & 0x0F, grid >> 4], dim=-2)  # [len, G, B * V, low/high, c]
+    elif bits == 5:
+        fives = grid.reshape(*grid.shape[:2], -1, 5, 4)  # [len, G, b, v (4 nibble vectors, then the top bits), c]
+        nibbles = torch.stack([fives[..., :4, :] & 0x0F, fives[..., :4, :] >> 4], dim=-2)  # [len, G, b, j, lh, c]
+        top = torch.stack([(fives[..., 4, :] >> s) & 1 for s in range(8)], dim=-2)  # [len, G, b, s = 2 j + lh, c]
+        grid = nibbles | (top.reshape(nibbles.shape) << 4)
     elif bits == 6:
         triples = grid.reshape(*grid.shape[:2], -1, 3, 4)  # [len, G, h, v (2 nibbles, then the top bits), c]
         nibbles = torch.stack([triples[..., :2, :] & 0x0F, triples[..., :2, :] >> 4], dim=-2)  # [len, G, h, v, lh, c]

@@ -1,10 +1,10 @@
 """The panel kernel (csrc/quant_panels.cpp: AVX-512 VNNI; from 64 rows of x, csrc/quant_panels_amx.cpp where the CPU has
-AMX-INT8): against x rounded to int8 the same way in torch times the
-dequantized weight, up to its half scales (a wrong lane, column or scale shows), its row gather equal to the weight,
-within the rounding of x of the float product, and exact on GGUF's blocks; in groups of whole 32-column blocks and
-of half a block (16 columns, GGUF's Q6_K, Q3_K and Q2_K), with scales of either sign; and a row of x gets the same bits
-whatever else its step multiplies. GGUF's Q6_K, whose sub-block scales are int8 times a half a super-block, keeps
-them so (super-blocks: x rounded per 256 columns, integer sums over a super-block)."""
+AMX-INT8): against x rounded to int8 the same way in torch times the dequantized weight, up to its half scales (a
+wrong lane, column or scale shows), its row gather equal to the weight, within the rounding of x of the float
+product, and exact on GGUF's blocks; in groups of whole 32-column blocks and of half a block (16 columns, GGUF's Q6_K,
+Q3_K and Q2_K), with scales of either sign; and a row of x gets the same bits whatever else its step multiplies;
+5-bit codes (GGUF's Q5_1 and Q5_K) in 0.625 bytes. GGUF's Q6_K, whose sub-block scales are int8 times a half a
+super-block, keeps them so (super-blocks: x rounded per 256 columns, integer sums over a super-block)."""
 
 from __future__ import annotations
 
@@ -343,3 +343,29 @@ def test_scales_of_no_int8_factors_keep_half_scales() -> None:
     reference = int8_rows(x).double() @ weight.dequantize().double().t()
     tolerance = _tolerance(int8_rows(x), QuantizedWeight(weight.codes, weight.scales.abs(), weight.zeros, 6), "panels")
     assert ((panel_linear(x, packed, factor, 6, 33).double() - reference).abs() <= tolerance).all()
+
+
+@pytest.mark.parametrize("num_rows,in_features,group_size", [(37, 128, 32), (13, 576, 192), (110, 576, 32)])
+@pytest.mark.parametrize("zeros", ["sym", "int", "float"])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_five_bit_codes(num_rows: int, in_features: int, group_size: int, zeros: str, parts: int) -> None:
+    """5-bit codes take 0.625 bytes a weight where the 6-bit layout took 0.75 (the reference's bytes); rows, products
+    on every step shape and the same bits for a row alone or among 150, as the other widths."""
+    weight = _weight(num_rows, in_features, 5, group_size, zeros, seed=num_rows + parts)
+    packed, factor = pack_panels(weight.codes, weight.scales, weight.zeros, 5, parts=parts)
+    header = 32 if zeros == "sym" else 64
+    assert packed.shape[3] == header + 5 * 64 * group_size // 32
+    reference_bytes = pack_panels_ref(weight.codes, weight.scales, weight.zeros, 5, parts=parts)
+    assert torch.equal(packed.contiguous(), reference_bytes[0].contiguous()) and factor == reference_bytes[1]
+    ids = torch.tensor([num_rows - 1, 0, num_rows // 2])
+    error = (panel_rows(packed, factor, 5, ids).double() - weight.dequantize()[ids].double()).abs()
+    group_scales, group_zeros = (t.double().repeat_interleave(group_size, dim=1)[ids]
+                                 for t in (weight.scales, weight.zeros))
+    assert (error <= 2**-11 * (weight.codes[ids].double() + group_zeros.abs()) * group_scales + 1e-6).all()
+    x = torch.randn(150, in_features, generator=torch.Generator().manual_seed(parts)) * 3
+    for rows in (x[:1], x[:2], x[:3], x[:6], x[:70]):
+        reference = int8_rows(rows).double() @ weight.dequantize().double().t()
+        error = (panel_linear(rows, packed, factor, 5, num_rows).double() - reference).abs()
+        assert (error <= _tolerance(int8_rows(rows), weight, "panels")).all(), error.max().item()
+    alone = torch.cat([panel_linear(row[None], packed, factor, 5, num_rows) for row in x])
+    assert torch.equal(panel_linear(x, packed, factor, 5, num_rows), alone)

@@ -22,10 +22,19 @@ namespace {
 // Row n's 4 bytes of vector u of a panel: u = 8 b + j of 8-bit codes, columns 4u .. 4u + 3; u = 4 b + j of 4-bit
 // ones, columns 8u .. 8u + 3 in the low nibbles, 8u + 4 .. 8u + 7 in the high ones; u = 6 b + 3 h + v of 6-bit ones,
 // the low 4 bits as the 4-bit ones' vectors 4 b + 2 h + v (v < 2), and v = 2 their top 2 bits, of columns
-// 32 b + 16 h + 4 i + c in bits 2i, 2i + 1 of byte c
+// 32 b + 16 h + 4 i + c in bits 2i, 2i + 1 of byte c; u = 5 b + v of 5-bit ones, v < 4 the low 4 bits as the 4-bit
+// ones' vector 4 b + v, v = 4 bit 4 of columns 32 b + 4 s + c in bit s of byte c
 inline void lane(const uint8_t* row, int64_t u, int64_t bits, uint8_t* out) {
   if (bits == 8) {
     std::memcpy(out, row + 4 * u, 4);
+    return;
+  }
+  if (bits == 5 && u % 5 == 4) {  // bit 4 of columns 32 b + 4 s + c in bit s of byte c
+    const uint8_t* c = row + 32 * (u / 5);
+    for (int64_t i = 0; i < 4; ++i) {
+      out[i] = 0;
+      for (int64_t s = 0; s < 8; ++s) out[i] |= ((c[4 * s + i] >> 4) & 1) << s;
+    }
     return;
   }
   if (bits == 6 && u % 3 == 2) {
@@ -34,7 +43,9 @@ inline void lane(const uint8_t* row, int64_t u, int64_t bits, uint8_t* out) {
       out[i] = (c[i] >> 4) | (c[i + 4] >> 4) << 2 | (c[i + 8] >> 4) << 4 | (c[i + 12] >> 4) << 6;
     return;
   }
-  const uint8_t* c = row + (bits == 6 ? 32 * (u / 6) + 16 * (u % 6 / 3) + 8 * (u % 3) : 8 * u);
+  const uint8_t* c = row + (bits == 6   ? 32 * (u / 6) + 16 * (u % 6 / 3) + 8 * (u % 3)
+                            : bits == 5 ? 32 * (u / 5) + 8 * (u % 5)
+                                        : 8 * u);
   for (int64_t i = 0; i < 4; ++i) out[i] = (c[i] & 15) | (c[i + 4] & 15) << 4;
 }
 
@@ -87,7 +98,7 @@ int64_t checked_shards(std::vector<at::Tensor>& codes, std::vector<at::Tensor>& 
 
 std::tuple<bool, double> panel_factors(std::vector<at::Tensor> scales, std::vector<at::Tensor> zeros,
                                        int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8, got ", bits);
   std::vector<at::Tensor> no_codes;
   checked_shards(no_codes, scales, zeros);
   const float symmetric_zero = static_cast<float>(int64_t{1} << (bits - 1));
@@ -122,7 +133,7 @@ std::tuple<bool, double> panel_factors(std::vector<at::Tensor> scales, std::vect
 void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, std::vector<at::Tensor> zeros,
                  std::vector<at::Tensor> super_scales, int64_t bits, bool symmetric, double multiplier,
                  at::Tensor out) {
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8, got ", bits);
   TORCH_CHECK(!codes.empty(), "at least one shard of codes");
   const int64_t K = checked_shards(codes, scales, zeros);
   int64_t N = 0, G = 0;

@@ -10,6 +10,8 @@
 //              (an int32 lane a row):
 //                8 bits (V = 8): vector j, row r, byte c = code[r, 32 b + 4 j + c]
 //                4 bits (V = 4): low nibble code[r, 32 b + 8 j + c], high nibble code[r, 32 b + 8 j + 4 + c]
+//                5 bits (V = 5): j < 4 the low 4 bits as the 4-bit vector j, j = 4 bit 4 of columns 32 b + 4 s + c
+//                                in bit s of byte c (GGUF's Q5_1, Q5_K: 0.625 bytes a weight)
 //                6 bits (V = 6): j = 3 h + v: v < 2 the low 4 bits as the 4-bit vector 2 h + v, v = 2 the top 2
 //                                bits of columns 32 b + 16 h + 4 i + c in bits 2 i, 2 i + 1 of byte c (GGUF's 5- and
 //                                6-bit types: 0.75 bytes a weight where 8-bit codes take 1)
@@ -79,7 +81,7 @@ using F = Avx512;
 
 // Up to these rows of x, a step multiplies a whole tile, and prefetches nothing.
 template <int BITS>
-constexpr int64_t whole_tile_rows() { return BITS == 4 ? 3 : BITS == 6 ? 2 : 1; }
+constexpr int64_t whole_tile_rows() { return BITS == 4 ? 3 : BITS == 8 ? 1 : 2; }
 
 inline F::I broadcast4(const int8_t* q) {
   int32_t word;
@@ -106,25 +108,6 @@ inline void dot8(F::I (&sums)[MT][NP], int p, F::I low, F::I high, const int8_t*
   for (int m = 0; m < MT; ++m) {
     sums[m][p] = F::dot_u8s8(sums[m][p], low, broadcast4(q + m * K));
     sums[m][p] = F::dot_u8s8(sums[m][p], high, broadcast4(q + m * K + 4));
-  }
-}
-
-// A 6-bit triple [nibbles 2h | nibbles 2h + 1 | top bits h] at `at` (the next vector `next` bytes on): the codes
-// of columns 16 h + 8 s .. + 3 (low) and + 4 .. + 7 (high) of each row, s = 0, 1.
-template <class Use>
-inline void six_bit_codes(const uint8_t* at, int64_t next, Use&& use) {
-  const F::I low_nibbles = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
-  const F::I top = F::load_bytes(at + 2 * next);
-  for (int s = 0; s < 2; ++s) {
-    const F::I words = F::load_bytes(at + s * next);
-    // bits 4-5 of the codes: planes 2s and 2s + 1 of the top byte
-    const F::I top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
-    const F::I top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
-    const F::I low = _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits,
-                                               0xF8);  // a | (b & c)
-    const F::I high = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles),
-                                                top_high, top_bits, 0xF8);
-    use(s, low, high);
   }
 }
 
@@ -225,6 +208,20 @@ void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
               dot8(sums, p, low, high, xq + 32 * b + half + 16 * h + 8 * s, K);
             });
           }
+      } else if constexpr (BITS == 5) {
+        // 4 nibble vectors, then the top bits: [nibbles 0 | .. | nibbles 3 | top bits]
+        for (int p = 0; p < NP; ++p) {
+          const int64_t at = group + header * W + 64 * (i * V * W + first + p), next = 64 * W;
+          if (PREFETCH)
+            for (int64_t v = 0; v < V; ++v) prefetch<kToL2>(ahead + at + v * next);
+          const F::I top = F::load_bytes(tile + at + 4 * next);
+          for (int j = 0; j < 4; ++j) {
+            const F::I words = F::load_bytes(tile + at + j * next);
+            dot8(sums, p, five_bit_codes(_mm512_and_si512(words, low_nibbles), top, 2 * j),
+                 five_bit_codes(_mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles), top, 2 * j + 1),
+                 xq + 32 * b + half + 8 * j, K);
+          }
+        }
       } else {
         for (int64_t j = 0; j < V; ++j)
           for (int p = 0; p < NP; ++p) {
@@ -376,7 +373,7 @@ void quantize_rows(const float* x, int8_t* xq, float* dx, float* xsum, int64_t M
 at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int64_t out_features,
                                 double factor) {
 #ifdef KVFORGE_PANELS_VNNI
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8, got ", bits);
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 4 && weight.device().is_cpu(),
               "weight must be a uint8 [parts, panels, groups, group bytes] CPU tensor");
   const int64_t parts = weight.size(0), per_part = weight.size(1), G = weight.size(2), group_bytes = weight.size(3);

@@ -38,7 +38,7 @@ constexpr int tile_panels() { return BITS == 8 ? 2 : 4; }
 
 // The zero point of a symmetric weight's codes, negated (its offsets are -zero * scales).
 template <int BITS>
-constexpr float minus_zero() { return BITS == 8 ? -128.f : BITS == 6 ? -32.f : -8.f; }
+constexpr float minus_zero() { return -static_cast<float>(1 << (BITS - 1)); }
 
 struct PanelArgs {
   const int8_t* xq;     // [M, K]
@@ -53,6 +53,34 @@ struct PanelArgs {
 
 inline Avx512::V load_halves(const uint8_t* p) {
   return Avx512::load_half<false>(reinterpret_cast<const uint16_t*>(p));
+}
+
+// A 6-bit triple [nibbles 2h | nibbles 2h + 1 | top bits h] at `at` (the next vector `next` bytes on): the codes
+// of columns 16 h + 8 s .. + 3 (low) and + 4 .. + 7 (high) of each row, s = 0, 1.
+template <class Use>
+inline void six_bit_codes(const uint8_t* at, int64_t next, Use&& use) {
+  const Avx512::I low_nibbles = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
+  const Avx512::I top = Avx512::load_bytes(at + 2 * next);
+  for (int s = 0; s < 2; ++s) {
+    const Avx512::I words = Avx512::load_bytes(at + s * next);
+    // bits 4-5 of the codes: planes 2s and 2s + 1 of the top byte
+    const Avx512::I top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
+    const Avx512::I top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
+    const Avx512::I low = _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits,
+                                                    0xF8);  // a | (b & c)
+    const Avx512::I high = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles),
+                                                     top_high, top_bits, 0xF8);
+    use(s, low, high);
+  }
+}
+
+// 5-bit codes of a block: its 4-bit vector j's nibbles (low, then high: the vpdpbusd s = 2 j, 2 j + 1 of the
+// block) with bit 4 of each code from the block's top-bit vector, whose byte c of a row holds in bit s bit 4 of
+// the code of column 4 s + c.
+inline Avx512::I five_bit_codes(Avx512::I nibbles, Avx512::I top, int s) {
+  // (16-bit shifts: after the mask no bit crosses into another byte)
+  const Avx512::I shifted = s < 4 ? _mm512_slli_epi16(top, 4 - s) : _mm512_srli_epi16(top, s - 4);
+  return _mm512_ternarylogic_epi32(nibbles, shifted, _mm512_set1_epi8(0x10), 0xF8);  // a | (b & c)
 }
 
 template <Groups GROUPS>
@@ -75,6 +103,10 @@ void with_layout(int bits, Groups groups, bool sym, Run&& run) {
     if (groups == Groups::kHalves) with_sym(bits_c, GroupsConstant<Groups::kHalves>{});
     else with_sym(bits_c, GroupsConstant<Groups::kBlocks>{});
   };
+  if (bits == 5) {  // (GGUF's 5-bit types come in groups of 32 columns)
+    TORCH_CHECK(groups == Groups::kBlocks, "5-bit codes come in groups of whole 32-column blocks");
+    return with_sym(std::integral_constant<int, 5>{}, GroupsConstant<Groups::kBlocks>{});
+  }
   if (bits == 8) with_half(std::integral_constant<int, 8>{});
   else if (bits == 6) with_half(std::integral_constant<int, 6>{});
   else with_half(std::integral_constant<int, 4>{});

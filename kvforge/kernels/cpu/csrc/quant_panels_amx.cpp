@@ -87,27 +87,21 @@ void unpack_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t K, int6
       const auto store = [&](int64_t row, F::I v) { _mm512_storeu_si512(out + 64 * row, v); };
       if constexpr (BITS == 8) {
         for (int64_t j = 0; j < V; ++j) store(j, vector(j));
-      } else if constexpr (BITS == 4) {
-        for (int64_t j = 0; j < V; ++j) {
-          const F::I words = vector(j);
-          store(2 * j, _mm512_and_si512(words, low_nibbles));
-          store(2 * j + 1, _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles));
+      } else if constexpr (BITS == 4 || BITS == 5) {
+        const F::I top = BITS == 5 ? vector(4) : _mm512_setzero_si512();  // 5 bits: after 4 nibble vectors
+        for (int64_t j = 0; j < (BITS == 5 ? 4 : V); ++j) {
+          const F::I words = vector(j), low = _mm512_and_si512(words, low_nibbles);
+          const F::I high = _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles);
+          store(2 * j, BITS == 5 ? five_bit_codes(low, top, 2 * j) : low);
+          store(2 * j + 1, BITS == 5 ? five_bit_codes(high, top, 2 * j + 1) : high);
         }
       } else {
-        const F::I top_bits = _mm512_set1_epi8(0x30);
-        for (int64_t h = 0; h < V / 3; ++h) {
-          const F::I top = vector(3 * h + 2);
-          for (int s = 0; s < 2; ++s) {
-            const F::I words = vector(3 * h + s);
-            const F::I top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
-            const F::I top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
-            store(4 * h + 2 * s,
-                  _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits, 0xF8));
-            store(4 * h + 2 * s + 1, _mm512_ternarylogic_epi32(
-                                         _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles), top_high,
-                                         top_bits, 0xF8));
-          }
-        }
+        for (int64_t h = 0; h < V / 3; ++h)
+          six_bit_codes(group + header * W + 64 * ((i * V + 3 * h) * W + first), 64 * W,
+                        [&](int s, F::I low, F::I high) {
+                          store(4 * h + 2 * s, low);
+                          store(4 * h + 2 * s + 1, high);
+                        });
       }
     }
   }
@@ -269,31 +263,23 @@ inline std::pair<F::I, F::I> scaled_codes(F::I codes, F::I sc) {
 void unpack_super_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t G, int8_t* codes, float* d) {
   constexpr int64_t V = vectors_per_block<6>(), blocks = kSuperCols / kBlock;
   const int64_t group_bytes = W * (kSuperHeader + blocks * V * 64);
-  const F::I low_nibbles = _mm512_set1_epi8(0x0F), top_bits = _mm512_set1_epi8(0x30);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* const group = tile + g * group_bytes;
     F::store(d + 16 * g, F::load(reinterpret_cast<const float*>(group + kSubBlocks * kPanel * W) + kPanel * first));
     for (int64_t b = 0; b < blocks; ++b) {
       int8_t* const chunk = codes + (g * blocks + b) / 2 * kSuperChunkBytes;  // two blocks a chunk
-      const auto vector = [&](int64_t j) { return F::load_bytes(group + kSuperHeader * W + 64 * ((b * V + j) * W + first)); };
       for (int64_t h = 0; h < 2; ++h) {  // the block's two sub-blocks
         const F::I sc = _mm512_broadcast_i32x4(_mm_loadu_si128(
             reinterpret_cast<const __m128i*>(group + kSubBlocks * kPanel * first + kPanel * (2 * b + h))));
-        const F::I top = vector(3 * h + 2);
-        for (int s = 0; s < 2; ++s) {
-          const F::I words = vector(3 * h + s);
-          const F::I top_low = s == 0 ? _mm512_slli_epi16(top, 4) : top;
-          const F::I top_high = s == 0 ? _mm512_slli_epi16(top, 2) : _mm512_srli_epi16(top, 2);
-          const F::I low = _mm512_ternarylogic_epi32(_mm512_and_si512(words, low_nibbles), top_low, top_bits, 0xF8);
-          const F::I high = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles),
-                                                      top_high, top_bits, 0xF8);
-          const int64_t row = 8 * (b % 2) + 4 * h + 2 * s;  // of the chunk's tiles: columns 4 row .. 4 row + 3
-          for (int k = 0; k < 2; ++k) {
-            const auto [hi, lo] = scaled_codes(k == 0 ? low : high, sc);
-            _mm512_storeu_si512(chunk + 64 * (row + k), hi);
-            _mm512_storeu_si512(chunk + kSuperChunkBytes / 2 + 64 * (row + k), lo);
-          }
-        }
+        six_bit_codes(group + kSuperHeader * W + 64 * ((b * V + 3 * h) * W + first), 64 * W,
+                      [&](int s, F::I low, F::I high) {
+                        const int64_t row = 8 * (b % 2) + 4 * h + 2 * s;  // of the chunk's tiles: columns 4 row ..
+                        for (int k = 0; k < 2; ++k) {
+                          const auto [hi, lo] = scaled_codes(k == 0 ? low : high, sc);
+                          _mm512_storeu_si512(chunk + 64 * (row + k), hi);
+                          _mm512_storeu_si512(chunk + kSuperChunkBytes / 2 + 64 * (row + k), lo);
+                        }
+                      });
       }
     }
   }
