@@ -19,6 +19,7 @@ from kvforge.executor.recurrent_states import RecurrentStates
 from kvforge.layers.attention import AttentionMetadata
 from kvforge.layers.kv_cache_spec import KVCacheSpec
 from kvforge.layers.sampler import RawLogprobs, Sampler, SamplingBatch, compute_logprobs
+from kvforge.loader.heap import release_freed_memory
 from kvforge.lora.pool import LoRAPool
 from kvforge.spec_decode.proposer import Proposer
 from kvforge.spec_decode.verify import verify_drafts
@@ -60,6 +61,7 @@ class ModelRunner:
         self.dtype = dtype
         self.parallel = get_parallel_state()
         self.block_size = block_size
+        self.ran_prompt = False  # a step since the last decode-only one ran prompt tokens
         # kv_cache_spec: the model's, or the same stored as int8 / fp8 codes (KVCacheSpec.with_kv_cache_dtype)
         spec = kv_cache_spec or model.kv_cache_spec
         self.kv_caches = spec.allocate(num_blocks, block_size, dtype, device)
@@ -199,6 +201,21 @@ class ModelRunner:
             send_tensor(state, tensor, state.stage_rank(state.pp_rank + 1))
         return None
 
+    def _release_prompt_memory(self, decode_only: bool) -> None:
+        """On the CPU, the first decode-only step after prompts hands the heap memory freed since back to the system.
+
+        NOTE: a prompt's temporaries (activations of every token of the chunk, tens of MB for a few hundred tokens)
+        stay resident in the C heap once freed, and the decode steps that follow need a small part of them: measured,
+        1B-class GGUF file, three 128-token prompts each decoding 128 tokens, ~60 MB of freed heap resident at the end
+        and the process's peak 40 MB higher than with this. Once after the prompts, not after each chunk of a long
+        one (the next chunk takes the same memory back); the next prompt's temporaries are backed anew."""
+        if not decode_only:
+            self.ran_prompt = True
+        elif self.ran_prompt:
+            self.ran_prompt = False
+            if self.device.type == "cpu":
+                release_freed_memory()
+
     def _runs_compiled(self, batch: _Batch) -> bool:
         """A decode-only step that a compiled bucket holds, with nothing asked of its hidden states (nor drafts to
         verify through linear-attention layers, a position at a time: those steps run eagerly)."""
@@ -259,6 +276,7 @@ class ModelRunner:
 
     def _execute(self, output: SchedulerOutput, result: ModelRunnerOutput | None, samples: bool) -> None:
         batch = self._prepare(output)
+        self._release_prompt_memory(batch.metadata.decode_only)
         logits = None
         graphs = self.decode_graphs
         if result is not None and graphs is not None:

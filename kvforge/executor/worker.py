@@ -24,6 +24,7 @@ from kvforge.executor.model_info import ModelInfo
 from kvforge.executor.model_runner import ModelRunner
 from kvforge.kernels.cpu.extension import keep_python_memory
 from kvforge.kernels.ops import OpTable, building_with_ops, op_table
+from kvforge.layers.rotary import keep_positions
 from kvforge.loader.model_loader import LoadedModel, load_model
 from kvforge.lora.pool import LoRAPool
 from kvforge.lora.request import LoRARequest
@@ -206,6 +207,10 @@ class Worker:
 
     def init_cache(self, size: KVCacheSize) -> None:
         compilation = self._compilation()
+        if self.kv_cache_spec.layer_groups()[0].kind == "full_attention":
+            # NOTE: every token's keys and values stay in a block of the full-attention layers' table, which holds
+            # at most num_blocks blocks: no position reaches num_blocks * block_size (before anything compiles)
+            keep_positions(self.loaded.model, size.num_blocks * self.config.cache.block_size)
         self.runner = ModelRunner(self.loaded.model, size.num_blocks, self.config.cache.block_size,
                                   self.loaded.dtype, self.device, self.kv_cache_spec, compilation, self.lora_pool,
                                   num_state_slots=size.max_num_seqs,

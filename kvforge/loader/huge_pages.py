@@ -4,8 +4,8 @@ Decoding one token streams every weight from memory once. In 4 KiB pages that st
 a TLB miss and a page walk each (a 135M-parameter 4-bit model spans ~20000 pages, far past the TLB), and the
 hardware prefetchers, which track physical addresses, stop at each page's end. In 2 MiB pages it crosses one every
 2 MiB. Where the kernel offers them only on request ("madvise", the common default), torch's allocations never get
-them: this moves every parameter and buffer into one arena, a private anonymous mapping of its own, aligned to 2 MiB
-and marked MADV_HUGEPAGE before its pages are first touched.
+them: this moves every parameter and buffer (but the rotary tables) into one arena, a private anonymous mapping of
+its own, aligned to 2 MiB and marked MADV_HUGEPAGE before its pages are first touched.
 
 Layout: one uint8 arena, each tensor at the next multiple of 64 bytes, viewed back as its dtype and shape:
 
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from kvforge.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +102,15 @@ def _arena_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _movable_tensors(model: nn.Module) -> tuple[dict[int, list[tuple[nn.Module, str, bool]]], dict[int, torch.Tensor]]:
-    """Where each movable tensor is bound, (module, name, is a parameter), and the tensor, both by storage address."""
+    """Where each movable tensor is bound, (module, name, is a parameter), and the tensor, both by storage address.
+    NOTE: not the rotary tables: a step reads one row per token of them, not the whole, and the engine cuts them to
+    its KV cache's positions after the load (layers/rotary.py keep_positions), which frees them only outside an
+    arena."""
     slots: dict[int, list[tuple[nn.Module, str, bool]]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            continue
         for registry, is_parameter in ((module._parameters, True), (module._buffers, False)):
             for name, tensor in registry.items():
                 if tensor is not None and _movable(tensor):
