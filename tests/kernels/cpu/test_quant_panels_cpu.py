@@ -207,7 +207,7 @@ def test_layouts_that_do_not_match_are_refused() -> None:
         panel_linear(torch.randn(1, 96), packed, factor, 4, 64)
     with pytest.raises(RuntimeError, match="a group of 320 bytes is not"):
         panel_linear(torch.randn(1, 256), packed, factor, 4, 64)
-    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
+    with pytest.raises(RuntimeError, match="bits must be 4, 5, 6 or 8"):
         torch.ops.kvforge_cpu.quant_gemm_panels(x, packed, 2, 64, factor)
     half_blocks = torch.zeros(1, 4, 3, 64 + 2 * 64, dtype=torch.uint8)  # 4-bit half blocks, an odd number of them
     with pytest.raises(RuntimeError, match="half of one of an even number of groups"):
