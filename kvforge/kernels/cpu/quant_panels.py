@@ -131,20 +131,22 @@ def _super_scales(scales: torch.Tensor) -> torch.Tensor | None:
     for d in (largest / -128, largest / 127):
         sc = torch.where(d != 0, blocks / torch.where(d != 0, d, 1), 0)
         exact = ((sc == sc.round()) & (sc >= -128) & (sc <= 127) & (sc * d == blocks)).all(dim=-1, keepdim=True)
-        found = torch.where((found == 0) & exact, d, found)
+        found = torch.where((found == 0) & exact & (d != 0), d, found)  # 0 a super-block of zeros
         if bool(((found != 0) | (largest == 0)).all()):
             return found[..., 0]
     return None
 
 
-def _super_blocks(scales: list[torch.Tensor], zeros: list[torch.Tensor], bits: int, in_features: int
-                  ) -> list[torch.Tensor] | None:  # fmt: skip
+def _super_blocks(scales: list[torch.Tensor], zeros: list[torch.Tensor], bits: int, in_features: int,
+                  reference: bool = False) -> list[torch.Tensor] | None:  # fmt: skip
     """Each shard's super scales where a 6-bit symmetric weight in groups of 16 columns keeps its scales as int8
-    times a float32 a super-block (_super_scales), else None."""
+    times a float32 a super-block (csrc/panel_pack.cpp; reference: _super_scales), else None."""
     if bits != 6 or in_features % SUPER_BLOCK or any(s.shape[1] * HALF_BLOCK != in_features for s in scales):
         return None
     if not all(bool((z == SYMMETRIC_ZERO[bits]).all()) for z in zeros):
         return None
+    if not reference:
+        return torch.ops.kvforge_cpu.panel_super_scales(scales) or None
     found = [_super_scales(s) for s in scales]
     return None if any(d is None for d in found) else found
 
@@ -186,7 +188,7 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     groups = scales.shape[1]
     parts = _checked_parts(bits, in_features, groups, parts)
     symmetric = bool((zeros == SYMMETRIC_ZERO[bits]).all())  # then no offsets are stored
-    supers = _super_blocks([scales.float()], [zeros.float()], bits, in_features)
+    supers = _super_blocks([scales.float()], [zeros.float()], bits, in_features, reference=True)
     largest = scales.abs().max().item()
     if not symmetric:
         largest = max(largest, (-zeros.float() * scales.float()).abs().max().item())

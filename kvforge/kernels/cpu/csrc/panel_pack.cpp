@@ -9,9 +9,15 @@
 //
 //   panel_factors: whether every zero point is 2^(bits - 1) (symmetric: no offsets stored) and the largest |scale|
 //   (and |offset| = |zero * scale| unless symmetric), which the caller turns into the power-of-two multiplier
+//
+//   panel_super_scales: each shard's d float32 [N_s, K / 256] with its scales [N_s, K / 16] = d * sc exactly for int8
+//   sc in every super-block of 16 of them, d = s / -128 or else s / 127 (s the super-block's first largest |scale|,
+//   signed; GGUF's Q6_K gives it sc -128), or no tensors where some super-block has neither (_super_scales in
+//   quant_panels.py is the reference)
 #include "quant_panels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -128,6 +134,45 @@ std::tuple<bool, double> panel_factors(std::vector<at::Tensor> scales, std::vect
                                         std::max(all.offset, f.offset)};
   }
   return {all.symmetric, all.symmetric ? all.scale : std::max(all.scale, all.offset)};
+}
+
+std::vector<at::Tensor> panel_super_scales(std::vector<at::Tensor> scales) {
+  std::vector<at::Tensor> found;
+  for (size_t s = 0; s < scales.size(); ++s) {
+    TORCH_CHECK(scales[s].scalar_type() == at::kFloat && scales[s].dim() == 2 && scales[s].size(1) % kSubBlocks == 0 &&
+                    scales[s].device().is_cpu(),
+                "shard ", s, ": scales must be a float32 [rows, 16 n] CPU tensor");
+    const at::Tensor sc = scales[s].contiguous();
+    const int64_t n = sc.numel() / kSubBlocks;  // super-blocks
+    at::Tensor d = at::empty({sc.size(0), sc.size(1) / kSubBlocks}, sc.options());
+    const float* const in = sc.data_ptr<float>();
+    float* const out = d.data_ptr<float>();
+    std::atomic<bool> exact{true};
+    at::parallel_for(0, n, 4096, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last && exact.load(std::memory_order_relaxed); ++i) {
+        const float* const block = in + i * kSubBlocks;
+        float largest = 0.f;
+        for (int64_t j = 0; j < kSubBlocks; ++j)
+          if (std::fabs(block[j]) > std::fabs(largest)) largest = block[j];
+        out[i] = 0.f;
+        for (const float factor : {largest / -128.f, largest / 127.f}) {
+          bool fits = factor != 0.f;
+          for (int64_t j = 0; j < kSubBlocks && fits; ++j) {
+            const float q = block[j] / factor;
+            fits = q == std::nearbyint(q) && q >= -128.f && q <= 127.f && q * factor == block[j];
+          }
+          if (fits) {
+            out[i] = factor;
+            break;
+          }
+        }
+        if (out[i] == 0.f && largest != 0.f) exact = false;
+      }
+    });
+    if (!exact) return {};
+    found.push_back(d);
+  }
+  return found;
 }
 
 void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, std::vector<at::Tensor> zeros,

@@ -22,7 +22,8 @@
 //            the parts may lie apart (any stride between them, a multiple of 64 bytes); each part is contiguous
 //
 //   W[n, k] = (code[n, k] * scales[n, g] + offsets[n, g]) * factor,   factor = 2^-e
-//   (super-blocks: W[n, k] = (code[n, k] - 32) * sc[n, k / 16] * d[n, g] * factor, x rounded per 256 columns: super_tile)
+//   (super-blocks: W[n, k] = (code[n, k] - 32) * sc[n, k / 16] * d[n, g] * factor, x rounded per 256 columns:
+//   super_tile)
 //
 // x is rounded to int8 per 32 columns (dx = max |x| / 127, q = round(x / dx), as quant_gemv_int8.cpp), in its own
 // column order. One _mm512_dpbusd_epi32 multiplies 4 columns of all 16 rows by 4 broadcast bytes of q and adds them
@@ -148,7 +149,8 @@ void super_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
         const F::I sc = _mm512_cvtepi8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + kSubBlocks * kPanel * (first + p) + kPanel * s)));
         for (int m = 0; m < MT; ++m) {
-          const F::I centred = _mm512_sub_epi32(sums[m][p], _mm512_set1_epi32(32 * xsub[m * subs + kSubBlocks * g + s]));
+          const F::I x_sum = _mm512_set1_epi32(32 * xsub[m * subs + kSubBlocks * g + s]);  // of the -32s
+          const F::I centred = _mm512_sub_epi32(sums[m][p], x_sum);
           total[m][p] = _mm512_add_epi32(total[m][p], _mm512_mullo_epi32(centred, sc));
         }
       }
@@ -331,9 +333,10 @@ void quantize_super_rows(const float* x, int8_t* xq, float* dx, int32_t* xsub, i
       dx[m * (K / kSuperCols) + g] = d;
       for (int64_t i = 0; i < kSubBlocks; ++i) {
         // NOTE: x / d and round half to even, as torch.round(x / dx) (the tests' reference), not x * (1 / d)
+        const F::V scaled = _mm512_div_ps(F::load(in + 16 * i), F::set1(d));
         const F::I q = d == 0.f ? _mm512_setzero_si512()
-                                : _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(F::load(in + 16 * i), F::set1(d)),
-                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                                : _mm512_cvtps_epi32(_mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT |
+                                                                                      _MM_FROUND_NO_EXC));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + g * kSuperCols + 16 * i), _mm512_cvtepi32_epi8(q));
         xsub[m * (K / kSubCols) + g * kSubBlocks + i] = _mm512_reduce_add_epi32(q);
       }

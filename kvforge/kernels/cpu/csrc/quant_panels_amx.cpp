@@ -138,6 +138,18 @@ AMX_INT8_FUNCTION inline void chunk_sums(const int8_t* x, int64_t chunk_cols, co
   if constexpr (NP > 3) _tile_stored(3, sums[3], 64);
 }
 
+// A row tile's sums acc [16 rows of x, NP * 16] times the weight's factor into out's rows m0 .. (those of x) and
+// columns n .. n + 16 NP - 1, the last panel's first `valid` of them.
+template <int NP>
+inline void store_row_tile(const PanelArgs& a, int64_t m0, int64_t n, int64_t valid, const float (*acc)[NP * 16]) {
+  const F::V factor = F::set1(a.factor);
+  const __mmask16 all = 0xFFFF, last = valid >= kPanel ? all : static_cast<__mmask16>((1u << valid) - 1);
+  for (int m = 0; m < kRowTile && m0 + m < a.M; ++m)
+    for (int p = 0; p < NP; ++p)
+      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n + 16 * p, p == NP - 1 ? last : all,
+                            F::mul(F::load(acc[m] + 16 * p), factor));
+}
+
 // Rows m0 .. m0 + 15 of x (padded; `x_tiles` their A tiles) against NP unpacked panels (panel p's codes at codes +
 // p * chunk_bytes, scales and offsets + p * G * 16), whose outputs are columns n .. n + 16 NP - 1, the last panel's
 // `valid` of them.
@@ -174,12 +186,7 @@ AMX_INT8_FUNCTION void row_tile(const PanelArgs& a, int64_t m0, const int8_t* x_
       }
     }
   }
-  const F::V factor = F::set1(a.factor);
-  const __mmask16 last = valid >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-  for (int m = 0; m < kRowTile && m0 + m < a.M; ++m)
-    for (int p = 0; p < NP; ++p)
-      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n + 16 * p, p == NP - 1 ? last : static_cast<__mmask16>(0xFFFF),
-                            F::mul(F::load(acc[m] + 16 * p), factor));
+  store_row_tile<NP>(a, m0, n, valid, acc);
 }
 
 template <bool HALF_BLOCKS>
@@ -333,12 +340,7 @@ AMX_INT8_FUNCTION void super_row_tile(const PanelArgs& a, int64_t m0, const int8
       }
     }
   }
-  const F::V factor = F::set1(a.factor);
-  const __mmask16 last = valid >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-  for (int m = 0; m < kRowTile && m0 + m < a.M; ++m)
-    for (int p = 0; p < NP; ++p)
-      _mm512_mask_storeu_ps(a.out + (m0 + m) * a.N + n + 16 * p, p == NP - 1 ? last : static_cast<__mmask16>(0xFFFF),
-                            F::mul(F::load(acc[m] + 16 * p), factor));
+  store_row_tile<NP>(a, m0, n, valid, acc);
 }
 
 // part_gemm of super-blocks: panels two at a time against every tile of x's rows.
