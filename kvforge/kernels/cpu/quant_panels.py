@@ -137,13 +137,13 @@ def _super_scales(scales: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _super_blocks(scales: list[torch.Tensor], zeros: list[torch.Tensor], bits: int, in_features: int,
+def _super_blocks(scales: list[torch.Tensor], symmetric: bool, bits: int, in_features: int,
                   reference: bool = False) -> list[torch.Tensor] | None:  # fmt: skip
     """Each shard's super scales where a 6-bit symmetric weight in groups of 16 columns keeps its scales as int8
     times a float32 a super-block (csrc/panel_pack.cpp; reference: _super_scales), else None."""
-    if bits != 6 or in_features % SUPER_BLOCK or any(s.shape[1] * HALF_BLOCK != in_features for s in scales):
+    if not symmetric or bits != 6 or in_features % SUPER_BLOCK:
         return None
-    if not all(bool((z == SYMMETRIC_ZERO[bits]).all()) for z in zeros):
+    if any(s.shape[1] * HALF_BLOCK != in_features for s in scales):
         return None
     if not reference:
         return torch.ops.kvforge_cpu.panel_super_scales(scales) or None
@@ -167,12 +167,9 @@ def pack_panels(codes: Rows, scales: Rows, zeros: Rows, bits: int, parts: int | 
     groups = max(shard.shape[1] for shard in scales)
     parts = _checked_parts(bits, in_features, groups, parts)
     scales, zeros = [s.float() for s in scales], [z.float() for z in zeros]
-    supers = _super_blocks(scales, zeros, bits, in_features)
-    if supers is None:
-        symmetric, largest = torch.ops.kvforge_cpu.panel_factors(scales, zeros, bits)
-        exponent = _exponent(largest)
-    else:
-        symmetric, exponent = True, 0  # float32 super scales: no multiplier
+    symmetric, largest = torch.ops.kvforge_cpu.panel_factors(scales, zeros, bits)
+    supers = _super_blocks(scales, symmetric, bits, in_features)
+    exponent = 0 if supers else _exponent(largest)  # float32 super scales: no multiplier
     shape, part_bytes = panel_part_bytes(num_rows, in_features, groups, bits, symmetric, parts, supers is not None)
     out = torch.empty(parts, part_bytes, dtype=torch.uint8) if place is None else place(parts, part_bytes)
     torch.ops.kvforge_cpu.pack_panels([c.to(torch.uint8) for c in codes], scales, zeros, supers or [], bits,
@@ -188,7 +185,7 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     groups = scales.shape[1]
     parts = _checked_parts(bits, in_features, groups, parts)
     symmetric = bool((zeros == SYMMETRIC_ZERO[bits]).all())  # then no offsets are stored
-    supers = _super_blocks([scales.float()], [zeros.float()], bits, in_features, reference=True)
+    supers = _super_blocks([scales.float()], symmetric, bits, in_features, reference=True)
     largest = scales.abs().max().item()
     if not symmetric:
         largest = max(largest, (-zeros.float() * scales.float()).abs().max().item())

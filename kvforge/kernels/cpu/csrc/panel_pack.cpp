@@ -25,34 +25,48 @@
 namespace kvforge_cpu {
 namespace {
 
-// Row n's 4 bytes of vector u of a panel: u = 8 b + j of 8-bit codes, columns 4u .. 4u + 3; u = 4 b + j of 4-bit
+// A row's 4 bytes of vector u of a panel: u = 8 b + j of 8-bit codes, columns 4u .. 4u + 3; u = 4 b + j of 4-bit
 // ones, columns 8u .. 8u + 3 in the low nibbles, 8u + 4 .. 8u + 7 in the high ones; u = 6 b + 3 h + v of 6-bit ones,
 // the low 4 bits as the 4-bit ones' vectors 4 b + 2 h + v (v < 2), and v = 2 their top 2 bits, of columns
 // 32 b + 16 h + 4 i + c in bits 2i, 2i + 1 of byte c; u = 5 b + v of 5-bit ones, v < 4 the low 4 bits as the 4-bit
-// ones' vector 4 b + v, v = 4 bit 4 of columns 32 b + 4 s + c in bit s of byte c
-inline void lane(const uint8_t* row, int64_t u, int64_t bits, uint8_t* out) {
-  if (bits == 8) {
-    std::memcpy(out, row + 4 * u, 4);
-    return;
+// ones' vector 4 b + v, v = 4 bit 4 of columns 32 b + 4 s + c in bit s of byte c. Found once per vector (where in
+// the row, which bits), then made for each row.
+struct Lane {
+  enum Kind { kBytes, kNibbles, kTwoTopBits, kFifthBits } kind;
+  int64_t column;  // the first of the row's codes it takes
+};
+
+inline Lane lane_of(int64_t u, int64_t bits) {
+  if (bits == 8) return {Lane::kBytes, 4 * u};
+  if (bits == 5)
+    return u % 5 == 4 ? Lane{Lane::kFifthBits, 32 * (u / 5)} : Lane{Lane::kNibbles, 32 * (u / 5) + 8 * (u % 5)};
+  if (bits == 6) {
+    const int64_t half = 32 * (u / 6) + 16 * (u % 6 / 3);
+    return u % 3 == 2 ? Lane{Lane::kTwoTopBits, half} : Lane{Lane::kNibbles, half + 8 * (u % 3)};
   }
-  if (bits == 5 && u % 5 == 4) {  // bit 4 of columns 32 b + 4 s + c in bit s of byte c
-    const uint8_t* c = row + 32 * (u / 5);
-    for (int64_t i = 0; i < 4; ++i) {
-      out[i] = 0;
-      for (int64_t s = 0; s < 8; ++s) out[i] |= ((c[4 * s + i] >> 4) & 1) << s;
-    }
-    return;
+  return {Lane::kNibbles, 8 * u};
+}
+
+inline void lane_bytes(const uint8_t* c, Lane::Kind kind, uint8_t* out) {
+  switch (kind) {
+    case Lane::kBytes:
+      std::memcpy(out, c, 4);
+      return;
+    case Lane::kNibbles:
+      for (int64_t i = 0; i < 4; ++i) out[i] = (c[i] & 15) | (c[i + 4] & 15) << 4;
+      return;
+    case Lane::kTwoTopBits:
+      for (int64_t i = 0; i < 4; ++i)
+        out[i] = (c[i] >> 4) | (c[i + 4] >> 4) << 2 | (c[i + 8] >> 4) << 4 | (c[i + 12] >> 4) << 6;
+      return;
+    case Lane::kFifthBits:
+      for (int64_t i = 0; i < 4; ++i) {
+        uint8_t byte = 0;
+        for (int64_t s = 0; s < 8; ++s) byte |= ((c[4 * s + i] >> 4) & 1) << s;
+        out[i] = byte;
+      }
+      return;
   }
-  if (bits == 6 && u % 3 == 2) {
-    const uint8_t* c = row + 32 * (u / 6) + 16 * (u % 6 / 3);
-    for (int64_t i = 0; i < 4; ++i)
-      out[i] = (c[i] >> 4) | (c[i + 4] >> 4) << 2 | (c[i + 8] >> 4) << 4 | (c[i + 12] >> 4) << 6;
-    return;
-  }
-  const uint8_t* c = row + (bits == 6   ? 32 * (u / 6) + 16 * (u % 6 / 3) + 8 * (u % 3)
-                            : bits == 5 ? 32 * (u / 5) + 8 * (u % 5)
-                                        : 8 * u);
-  for (int64_t i = 0; i < 4; ++i) out[i] = (c[i] & 15) | (c[i + 4] & 15) << 4;
 }
 
 // Where each row of the stacked shards lies: its codes, scales and zeros, and how many of the weight's groups each
@@ -261,12 +275,11 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
         if (super) super_header(g);
         else halves(false, g);
         if (!symmetric) halves(true, g);
-        for (int64_t v = 0; v < group_vectors; ++v)
-          for (int64_t p = 0; p < w; ++p)
-            for (int64_t r = 0; r < kPanel; ++r, dst += 4) {
-              const int64_t n = first_row + p * kPanel + r;
-              lane(n < N ? rows[n].codes : zero_row.data(), g * group_vectors + v, bits, dst);
-            }
+        for (int64_t v = 0; v < group_vectors; ++v) {
+          const Lane lane = lane_of(g * group_vectors + v, bits);
+          for (int64_t n = first_row; n < first_row + w * kPanel; ++n, dst += 4)
+            lane_bytes((n < N ? rows[n].codes : zero_row.data()) + lane.column, lane.kind, dst);
+        }
       }
     }
   });

@@ -39,9 +39,9 @@
 // against up to whole_tile_rows rows of x, reading the tile's bytes in order; with more rows, for two panels of the
 // tile against 4 rows of x.
 //
-// NOTE: the tile is what makes one row of x stream at the copy's rate: in it one row reads one run of memory, with
-// no software prefetch (the hardware prefetchers follow it), where panels one after another (each panel's codes,
-// then all scales, then all offsets, in three arrays) took four runs a thread and prefetches 4 tiles ahead. And one
+// NOTE: the tile is what makes one row of x stream at the copy's rate: in it one row reads one run of memory, where
+// panels one after another (each panel's codes, then all scales, then all offsets, in three arrays) took four runs a
+// thread and prefetches 4 tiles ahead. And one
 // part a thread lets the loader put part t of every weight of a model, one after another in the order the model
 // calls them, into one region of memory (quantization/weight_only_kernels.py, interleave_panel_parts): each thread
 // then reads one run of memory through a whole decode step. Measured, the default model's 30 layers (random codes)
@@ -51,8 +51,12 @@
 // 8-bit, 1 row 1.16-1.19x, 2 rows 0.93-0.95x, 3 rows 1.11x, 16 rows 1.01-1.03x, 64 rows 0.97x. Weights in cache
 // (one layer's, reused), 4-bit: 1 row 1.25x, 16 rows 1.01x. The same tiles with each weight whole instead of in
 // per-thread regions: within 0-9% below (1 row 1.12-1.17x).
-// NOTE: above whole_tile_rows rows, each load prefetches (to L2, prefetcht1) the same byte of the next tile: at 16
-// rows, 4-bit, 1.00x the layout before; 2 tiles ahead 0.93x, 4 tiles 0.90x, 8 tiles 0.84x, half a tile 0.92x. Whole
+// NOTE: each load prefetches (to L2, prefetcht1) the same byte of the next tile: at 16 rows, 4-bit, 1.00x the layout
+// before; 2 tiles ahead 0.93x, 4 tiles 0.90x, 8 tiles 0.84x, half a tile 0.92x (Zen 4). At 1-3 rows of x it was left
+// to the hardware prefetchers until measured on the Intel Xeon VM (2 threads, 8192 x 2048 weights, ~1.1 GB of them
+// out of cache, best of 15; `ahead` the next tile): 1 row, 4-bit asymmetric 22.3 -> 25.7 GB/s, symmetric 21.5 ->
+// 24.5, 5-bit 19.0 -> 25.0, 6-bit super-blocks 19.1 -> 24.4, 8-bit 23.6 -> 25.3 (the 1 GiB copy 26.9); 2 rows 4-bit
+// 20.9 -> 25.0, 6-bit 18.6 -> 24.4; weights in L3 (~130 MB), 1 row 1.4-1.7x. Whole
 // 4-bit tiles against 3 rows of x a step (12 sums and 12 accumulators) instead of pairs of panels against 4, at 16
 // rows: 0.83x; against 2 rows, 0.90x.
 // NOTE: 8-bit weights take tiles of 2 panels. In tiles of 4, 2-3 rows of x read 0.64-0.87x the layout before and 16
@@ -80,7 +84,7 @@ namespace {
 
 using F = Avx512;
 
-// Up to these rows of x, a step multiplies a whole tile, and prefetches nothing.
+// Up to these rows of x, a step multiplies a whole tile.
 template <int BITS>
 constexpr int64_t whole_tile_rows() { return BITS == 4 ? 3 : BITS == 8 ? 1 : 2; }
 
@@ -117,7 +121,7 @@ inline void dot8(F::I (&sums)[MT][NP], int p, F::I low, F::I high, const int8_t*
 // int32 over the super-block (exact: |sum| <= 256 * 128 * 32 * 127 < 2^31); then once per super-block
 //
 //   out[m, rows] += float(isum[m, rows]) * (d[g, rows] * dx[m, g])
-template <int MT, int NP, int W, bool PREFETCH>
+template <int MT, int NP, int W>
 void super_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
   constexpr int64_t V = vectors_per_block<6>(), blocks = kSuperCols / kBlock;
   const int64_t K = a.K, G = a.G, subs = K / kSubCols;
@@ -139,8 +143,7 @@ void super_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
         for (int p = 0; p < NP; ++p) sums[m][p] = _mm512_setzero_si512();
       for (int p = 0; p < NP; ++p) {
         const int64_t at = g * group_bytes + kSuperHeader * W + 64 * ((s / 2 * V + 3 * (s % 2)) * W + first + p);
-        if (PREFETCH)
-          for (int64_t v = 0; v < 3; ++v) prefetch<kToL2>(ahead + at + v * next);
+        for (int64_t v = 0; v < 3; ++v) prefetch<kToL2>(ahead + at + v * next);
         six_bit_codes(tile + at, next, [&](int half, F::I low, F::I high) {
           dot8(sums, p, low, high, xq + kSuperCols * g + kSubCols * s + 8 * half, K);
         });
@@ -165,9 +168,9 @@ void super_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
 }
 
 // out[m0 .. m0 + MT, rows of panels first .. first + NP of the tile of W panels at `tile`, whose first panel is p0),
-// prefetching (PREFETCH) the same bytes at `ahead`. A group is `chunks` runs of V vectors: whole blocks, or with
+// prefetching the same bytes at `ahead`. A group is `chunks` runs of V vectors: whole blocks, or with
 // HALF_BLOCKS one half block (G = 2 * blocks; group g the columns 16 g .. 16 g + 15 of block g / 2, and its dx).
-template <int BITS, Groups GROUPS, bool SYM, int MT, int NP, int W, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM, int MT, int NP, int W>
 void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
   constexpr bool HALF_BLOCKS = GROUPS == Groups::kHalves;
   constexpr int64_t V = vectors_per_chunk<BITS, GROUPS>();
@@ -186,7 +189,7 @@ void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
     const int64_t group = g * group_bytes;
     F::V scale[NP];
     for (int p = 0; p < NP; ++p) {
-      if (PREFETCH) prefetch<kToL2>(ahead + group + 64 * (first + p));
+      prefetch<kToL2>(ahead + group + 64 * (first + p));
       scale[p] = load_halves(tile + group + 32 * (first + p));
       const F::V offset =
           SYM ? F::mul(scale[p], negated_zero) : load_halves(tile + group + 32 * (W + first + p));
@@ -204,8 +207,7 @@ void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
         for (int64_t h = 0; h < V / 3; ++h)
           for (int p = 0; p < NP; ++p) {
             const int64_t at = group + header * W + 64 * ((i * V + 3 * h) * W + first + p), next = 64 * W;
-            if (PREFETCH)
-              for (int64_t v = 0; v < 3; ++v) prefetch<kToL2>(ahead + at + v * next);
+            for (int64_t v = 0; v < 3; ++v) prefetch<kToL2>(ahead + at + v * next);
             six_bit_codes(tile + at, next, [&](int s, F::I low, F::I high) {
               dot8(sums, p, low, high, xq + 32 * b + half + 16 * h + 8 * s, K);
             });
@@ -214,8 +216,7 @@ void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
         // 4 nibble vectors, then the top bits: [nibbles 0 | .. | nibbles 3 | top bits]
         for (int p = 0; p < NP; ++p) {
           const int64_t at = group + header * W + 64 * (i * V * W + first + p), next = 64 * W;
-          if (PREFETCH)
-            for (int64_t v = 0; v < V; ++v) prefetch<kToL2>(ahead + at + v * next);
+          for (int64_t v = 0; v < V; ++v) prefetch<kToL2>(ahead + at + v * next);
           const F::I top = F::load_bytes(tile + at + 4 * next);
           for (int j = 0; j < 4; ++j) {
             const F::I words = F::load_bytes(tile + at + j * next);
@@ -228,7 +229,7 @@ void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
         for (int64_t j = 0; j < V; ++j)
           for (int p = 0; p < NP; ++p) {
             const int64_t at = group + header * W + 64 * ((i * V + j) * W + first + p);
-            if (PREFETCH) prefetch<kToL2>(ahead + at);
+            prefetch<kToL2>(ahead + at);
             const F::I words = F::load_bytes(tile + at);
             if (BITS == 8) {
               for (int m = 0; m < MT; ++m)
@@ -249,62 +250,62 @@ void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
   store_rows(a, acc, p0, first, m0);
 }
 
-template <int BITS, Groups GROUPS, bool SYM, int MT, int NP, int W, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM, int MT, int NP, int W>
 void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
-  if constexpr (GROUPS == Groups::kSuper) super_tile<MT, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
-  else block_tile<BITS, GROUPS, SYM, MT, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
+  if constexpr (GROUPS == Groups::kSuper) super_tile<MT, NP, W>(a, tile, ahead, p0, first, m0);
+  else block_tile<BITS, GROUPS, SYM, MT, NP, W>(a, tile, ahead, p0, first, m0);
 }
 
 // Panels first .. first + NP of a tile against `rows` (1 .. 3) rows of x from m0, in one step.
-template <int BITS, Groups GROUPS, bool SYM, int NP, int W, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM, int NP, int W>
 void few_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0,
               int64_t rows) {
   switch (rows) {
-    case 3: panel_tile<BITS, GROUPS, SYM, 3, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
-    case 2: panel_tile<BITS, GROUPS, SYM, 2, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
-    case 1: panel_tile<BITS, GROUPS, SYM, 1, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0); break;
+    case 3: panel_tile<BITS, GROUPS, SYM, 3, NP, W>(a, tile, ahead, p0, first, m0); break;
+    case 2: panel_tile<BITS, GROUPS, SYM, 2, NP, W>(a, tile, ahead, p0, first, m0); break;
+    case 1: panel_tile<BITS, GROUPS, SYM, 1, NP, W>(a, tile, ahead, p0, first, m0); break;
     default: break;
   }
 }
 
 // Panels first .. first + NP of a tile against every row of x: steps of 4 rows of x, then the 1-3 left.
-template <int BITS, Groups GROUPS, bool SYM, int NP, int W, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM, int NP, int W>
 void pair_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first) {
   int64_t m0 = 0;
   for (; m0 + 4 <= a.M; m0 += 4)
-    panel_tile<BITS, GROUPS, SYM, 4, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0);
-  few_rows<BITS, GROUPS, SYM, NP, W, PREFETCH>(a, tile, ahead, p0, first, m0, a.M - m0);
+    panel_tile<BITS, GROUPS, SYM, 4, NP, W>(a, tile, ahead, p0, first, m0);
+  few_rows<BITS, GROUPS, SYM, NP, W>(a, tile, ahead, p0, first, m0, a.M - m0);
 }
 
 // The tile of W panels at `tile` (panel p0 on, `end` the end of its part) against every row of x: all W panels a
 // step up to whole_tile_rows rows of x, else pairs of panels against 4 rows of x a step.
-template <int BITS, Groups GROUPS, bool SYM, int W, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM, int W>
 void tile_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* end, int64_t p0) {
   const uint8_t* ahead = tile + tile_panels<BITS>() * a.panel_bytes;  // the next tile
   if (ahead + W * a.panel_bytes > end) ahead = tile;
   if (a.M <= whole_tile_rows<BITS>()) {
-    few_rows<BITS, GROUPS, SYM, W, W, PREFETCH>(a, tile, ahead, p0, 0, 0, a.M);
+    few_rows<BITS, GROUPS, SYM, W, W>(a, tile, ahead, p0, 0, 0, a.M);
     return;
   }
   int first = 0;
   if constexpr (W >= 2)
-    for (; first + 2 <= W; first += 2) pair_rows<BITS, GROUPS, SYM, 2, W, PREFETCH>(a, tile, ahead, p0, first);
-  if (first < W) pair_rows<BITS, GROUPS, SYM, 1, W, PREFETCH>(a, tile, ahead, p0, first);
+    for (; first + 2 <= W; first += 2) pair_rows<BITS, GROUPS, SYM, 2, W>(a, tile, ahead, p0, first);
+  if (first < W) pair_rows<BITS, GROUPS, SYM, 1, W>(a, tile, ahead, p0, first);
 }
 
 // One part of `count` panels at `part` (its first is panel p0): its whole tiles, then its last tile of the 1 .. W - 1
 // panels left.
-template <int BITS, Groups GROUPS, bool SYM, bool PREFETCH>
+template <int BITS, Groups GROUPS, bool SYM>
 void part_gemm(const PanelArgs& a, const uint8_t* part, int64_t p0, int64_t count) {
   const uint8_t* const end = part + count * a.panel_bytes;
   int64_t s = 0;
   constexpr int T = tile_panels<BITS>();
   constexpr Groups H = GROUPS;
-  for (; s + T <= count; s += T) tile_rows<BITS, H, SYM, T, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s);
+  for (; s + T <= count; s += T) tile_rows<BITS, H, SYM, T>(a, part + s * a.panel_bytes, end, p0 + s);
   switch (count - s) {
-    case 3: if constexpr (T > 3) tile_rows<BITS, H, SYM, 3, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
-    case 2: if constexpr (T > 2) tile_rows<BITS, H, SYM, 2, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
-    case 1: tile_rows<BITS, H, SYM, 1, PREFETCH>(a, part + s * a.panel_bytes, end, p0 + s); break;
+    case 3: if constexpr (T > 3) tile_rows<BITS, H, SYM, 3>(a, part + s * a.panel_bytes, end, p0 + s); break;
+    case 2: if constexpr (T > 2) tile_rows<BITS, H, SYM, 2>(a, part + s * a.panel_bytes, end, p0 + s); break;
+    case 1: tile_rows<BITS, H, SYM, 1>(a, part + s * a.panel_bytes, end, p0 + s); break;
     default: break;
   }
 }
@@ -314,9 +315,7 @@ void panel_gemm(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_
   at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       if (t * per_part * kPanel >= a.N) continue;  // padding alone
-      if (a.M > whole_tile_rows<BITS>())
-        part_gemm<BITS, GROUPS, SYM, true>(a, weight + t * part_stride, t * per_part, per_part);
-      else part_gemm<BITS, GROUPS, SYM, false>(a, weight + t * part_stride, t * per_part, per_part);
+      part_gemm<BITS, GROUPS, SYM>(a, weight + t * part_stride, t * per_part, per_part);
     }
   });
 }

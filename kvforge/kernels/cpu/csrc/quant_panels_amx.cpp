@@ -219,8 +219,8 @@ void part_gemm(const PanelArgs& a, const int8_t* x_tiles, const uint8_t* part, i
       for (int p = 0; p < np; ++p) {
         const int64_t tile_start = (s + p) / T * T;  // the panel's tile, of W panels
         unpack_panel<BITS, GROUPS, SYM>(part + tile_start * a.panel_bytes, std::min(T, tiled - tile_start),
-                                             s + p - tile_start, K, G, codes.data() + p * chunk_bytes,
-                                             scales.data() + p * G * 16, offsets.data() + p * G * 16);
+                                        s + p - tile_start, K, G, codes.data() + p * chunk_bytes,
+                                        scales.data() + p * G * 16, offsets.data() + p * G * 16);
       }
       const int64_t n = (p0 + s) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n - kPanel * (np - 1));
       for (int64_t m0 = pass; m0 < std::min(rows, pass + kRowsPerPass); m0 += kRowTile)
