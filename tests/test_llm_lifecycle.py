@@ -83,3 +83,12 @@ def test_an_engine_after_shutdown_refuses_work(tiny_llama_dir) -> None:
                 lambda: engine.local_model):
         with pytest.raises(RuntimeError, match="the engine has been shut down"):
             use()
+
+
+def test_an_llm_still_referenced_at_exit_ends_quietly(tiny_llama_dir) -> None:
+    script = (f"from kvforge import LLM\nllm = LLM({str(tiny_llama_dir[0])!r}, kv_cache_memory='4MiB', "
+              "enforce_eager=True)\nprint(llm.generate('Hello')[0].outputs[0].token_ids)")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]

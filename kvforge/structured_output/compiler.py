@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -74,7 +75,9 @@ class GrammarCompiler:
             return future
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # NOTE: an engine still referenced when the interpreter exits shuts down after concurrent.futures's module
+        # globals are torn down, where cancelling the queued jobs fails ("Exception ignored in ... __del__")
+        self._pool.shutdown(wait=False, cancel_futures=not sys.is_finalizing())
 
     def _build_vocabulary(self) -> llguidance.LLTokenizer:
         eos = sorted(self.tokenizer.eos_token_ids)
