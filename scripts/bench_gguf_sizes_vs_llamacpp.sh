@@ -12,7 +12,7 @@
 # SKIP_BATCHED=1 leaves out the batched runs (the 8B file). NATIVE_BIN=DIR also times tg128 (and its peak memory) with
 # a second llama.cpp build: on a VM that reports AMX but does not enable it, the native build decodes (faster, with its
 # repacked AMX/AVX-512 kernels) but dies on prompts, so LLAMA_CPP_BIN_DIR is then a build with AMX off
-# (benchmarks/RESULTS.md has its cmake line) and NATIVE_BIN the native one.
+# (its cmake line is in benchmarks/history/decode-vs-llamacpp.md) and NATIVE_BIN the native one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
