@@ -96,15 +96,12 @@ class RotaryEmbedding(nn.Module):
         return self.ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)
 
 
-def keep_positions(model: nn.Module, num_positions: int) -> int:
+def keep_positions(model: nn.Module, num_positions: int) -> None:
     """Cut every rotary table of the model to its first num_positions rows, in a copy of their own (the longer table
-    is freed), where no token of the engine's ever reaches a later position. Returns the bytes freed.
+    is freed), where no token of the engine's ever reaches a later position.
 
     NOTE: a table holds the model's every position (131072 of a Llama 3: 32 MiB in float32) while its engine's KV
     cache may hold a few thousand tokens; a 256 MiB cache of a 1B model, 8192 tokens: 2 MiB of table."""
-    freed = 0
     for module in model.modules():
         if isinstance(module, RotaryEmbedding) and module.cos_sin_cache.shape[0] > num_positions:
-            freed += module.cos_sin_cache[num_positions:].nbytes
             module.cos_sin_cache = module.cos_sin_cache[:num_positions].clone()
-    return freed
