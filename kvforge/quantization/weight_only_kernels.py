@@ -94,6 +94,7 @@ class PanelKernel(WeightOnlyKernel):
     def prepare(self, weight: QuantizedWeight | RowShards, arena: WeightArena | None = None) -> None:
         shards = weight.shards if isinstance(weight, RowShards) else [weight]
         self.bits, self.out_features = weight.bits, sum(shard.codes.shape[0] for shard in shards)
+        self.in_features = shards[0].codes.shape[1]
         packed, self.factor = pack_panels(*([getattr(shard, name) for shard in shards]
                                             for name in ("codes", "scales", "zeros")),
                                           weight.bits, place=None if arena is None else arena.place)
@@ -103,7 +104,7 @@ class PanelKernel(WeightOnlyKernel):
         return panel_linear(x, self.weight, self.factor, self.bits, self.out_features)
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return panel_rows(self.weight, self.factor, self.bits, ids)
+        return panel_rows(self.weight, self.factor, self.bits, ids, self.in_features)
 
 
 class PanelArena:

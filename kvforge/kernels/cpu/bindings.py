@@ -74,7 +74,7 @@ OPS = (
        lambda a: new(a.x, a.x.shape[0], a.out_features, dtype="float32"), c_shim=True),
     Op("quant_panels_available() -> bool"),
     Op("panel_factors(Tensor[] scales, Tensor[] zeros, int bits) -> (bool, float)"),
-    Op("panel_super_scales(Tensor[] scales) -> Tensor[]"),
+    Op("panel_super_scales(Tensor[] codes, Tensor[] scales, Tensor[] zeros, int bits, bool symmetric) -> Tensor[]"),
     Op("pack_panels(Tensor[] codes, Tensor[] scales, Tensor[] zeros, Tensor[] super_scales, int bits, bool symmetric, "
        "float multiplier, Tensor(a!) out) -> ()"),
     # gguf_decode.cpp (quantization/gguf_blocks.py, at load time)

@@ -72,6 +72,10 @@ HALF_BLOCK = 16  # the one group size below a block (GGUF's Q6_K, Q3_K, Q2_K)
 SYMMETRIC_ZERO = {4: 8, 5: 16, 6: 32, 8: 128}  # the zero point of a weight whose layout keeps no offsets
 SUPER_BLOCK = 256  # columns of a super-block: 16 groups of 16 whose scales are int8 times one float32
 SUPER_HEADER = 16 * PANEL_ROWS + 4 * PANEL_ROWS  # a panel's bytes of a super-block's int8 and float32 scales
+MINS_GROUP = 32  # columns of a sub-block of a super-block with mins (4- or 5-bit codes: GGUF's Q4_K, Q5_K)
+MINS_HEADER = 2 * 8 * PANEL_ROWS + 8 * PANEL_ROWS  # a panel's bytes of its 6-bit sc and m, float32 d and dmin
+MINS_RANGE = range(63, 0, -1)  # candidates of a super-block's largest sc or m (GGUF's quantizers: 63 but with imatrix)
+MINS_TOLERANCE = 2.0**-20  # how near min / dmin comes to its integer m (csrc/panel_pack.cpp, kMinsTolerance)
 
 
 @functools.cache
@@ -111,14 +115,35 @@ def _exponent(largest: float) -> int:
 def panel_part_bytes(num_rows: int, in_features: int, groups: int, bits: int, symmetric: bool, parts: int,
                      super_blocks: bool = False) -> tuple[tuple[int, int, int, int], int]:
     """(the layout's shape [T, S, G, group bytes], the bytes of a part, padded to 64) of a weight [num_rows,
-    in_features] in `groups` groups (super_blocks: in groups of 16 columns kept as super-blocks, G of the layout
+    in_features] in `groups` groups (super_blocks: kept as super-blocks, symmetric or with mins, G of the layout
     in_features / 256)."""
     per_part = -(-num_rows // (PANEL_ROWS * parts))
     if super_blocks:
         groups = in_features // SUPER_BLOCK
     vectors = bits * in_features // groups // BLOCK  # 64-byte vectors a panel's group: `bits` a 32-column block
-    group_bytes = (SUPER_HEADER if super_blocks else 32 if symmetric else 64) + 64 * vectors
+    header = (SUPER_HEADER if symmetric else MINS_HEADER) if super_blocks else 32 if symmetric else 64
+    group_bytes = header + 64 * vectors
     return (parts, per_part, groups, group_bytes), -(-per_part * groups * group_bytes // 64) * 64
+
+
+def _super_factor(values: torch.Tensor, ks: Sequence[int], low: int, high: int, tolerance: float
+                  ) -> torch.Tensor | None:  # fmt: skip
+    """Each super-block's factor f [..] of its values [.., n]: every v / f within tolerance * |v / f| of an integer q in
+    [low, high] (tolerance 0: q * f == v), f = largest / k for the first k of ks that fits (largest: the first largest
+    |v|, signed); 0 where every v is 0; None where some super-block has no such k (super_factor in
+    csrc/panel_pack.cpp, the same float32 operations)."""
+    largest = values.gather(-1, values.abs().argmax(dim=-1, keepdim=True))  # signed
+    found = torch.zeros_like(largest)
+    for k in ks:
+        factor = largest / k
+        ratio = torch.where(factor != 0, values / torch.where(factor != 0, factor, 1), 0)
+        q = ratio.round()
+        near = (q - ratio).abs() <= tolerance * ratio.abs()
+        fits = (q >= low) & (q <= high) & near & ((q * factor == values) if tolerance == 0 else near)
+        found = torch.where((found == 0) & fits.all(dim=-1, keepdim=True) & (factor != 0), factor, found)
+        if bool(((found != 0) | (largest == 0)).all()):
+            return found[..., 0]
+    return None
 
 
 def _super_scales(scales: torch.Tensor) -> torch.Tensor | None:
@@ -126,28 +151,44 @@ def _super_scales(scales: torch.Tensor) -> torch.Tensor | None:
     or None where some super-block has none. GGUF's Q6_K makes its largest scale s's sc -128 (d = -s / 128, a
     half); a quantizer that gives it 127 is found too."""
     blocks = scales.float().reshape(scales.shape[0], -1, SUPER_BLOCK // HALF_BLOCK)
-    largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # signed
-    found = torch.zeros_like(largest)
-    for d in (largest / -128, largest / 127):
-        sc = torch.where(d != 0, blocks / torch.where(d != 0, d, 1), 0)
-        exact = ((sc == sc.round()) & (sc >= -128) & (sc <= 127) & (sc * d == blocks)).all(dim=-1, keepdim=True)
-        found = torch.where((found == 0) & exact & (d != 0), d, found)  # 0 a super-block of zeros
-        if bool(((found != 0) | (largest == 0)).all()):
-            return found[..., 0]
-    return None
+    return _super_factor(blocks, (-128, 127), -128, 127, 0.0)
 
 
-def _super_blocks(scales: list[torch.Tensor], symmetric: bool, bits: int, in_features: int,
-                  reference: bool = False) -> list[torch.Tensor] | None:  # fmt: skip
-    """Each shard's super scales where a 6-bit symmetric weight in groups of 16 columns keeps its scales as int8
-    times a float32 a super-block (csrc/panel_pack.cpp; reference: _super_scales), else None."""
-    if not symmetric or bits != 6 or in_features % SUPER_BLOCK:
+def _scales_and_mins(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A weight with zero points in groups of 32 as scale and min a group (its weights code * scale - min): (scales,
+    zeros * scales), but a group of codes 0 and zero point -1 whose scale is not positive (GGUF's decoder's group of
+    scale 0, every weight its `scale`) as (0, -scale)."""
+    blank = (codes.reshape(*scales.shape, MINS_GROUP) == 0).all(dim=-1)
+    special = (zeros == -1) & (scales <= 0) & blank
+    return torch.where(special, 0.0, scales), torch.where(special, -scales, zeros * scales)
+
+
+def _super_mins(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor | None:
+    """(d, dmin) [N, K / 256, 2] float32 with each group's scale d * sc and min dmin * m (_scales_and_mins) for sc, m
+    in [0, 63] in every super-block of 8 groups of 32 (GGUF's Q4_K and Q5_K), or None where some super-block has
+    none."""
+    found = [_super_factor(values.reshape(values.shape[0], -1, SUPER_BLOCK // MINS_GROUP), MINS_RANGE, 0, 63,
+                           tolerance) for values, tolerance in zip(_scales_and_mins(codes, scales, zeros),
+                                                               (0.0, MINS_TOLERANCE))]  # fmt: skip
+    return None if any(f is None for f in found) else torch.stack(found, dim=-1)
+
+
+def _super_blocks(codes: list[torch.Tensor], scales: list[torch.Tensor], zeros: list[torch.Tensor], symmetric: bool,
+                  bits: int, reference: bool = False) -> list[torch.Tensor] | None:  # fmt: skip
+    """Each shard's super scales where its weight keeps them as super-blocks: 6-bit symmetric codes in groups of 16
+    columns whose scales are int8 times a float32 a super-block (d [N_s, K / 256]), or 4- or 5-bit ones in groups of
+    32 with mins (d, dmin [N_s, K / 256, 2]); else None (csrc/panel_pack.cpp; reference: _super_scales,
+    _super_mins)."""
+    in_features = codes[0].shape[1]
+    group = HALF_BLOCK if symmetric else MINS_GROUP
+    if (bits != 6 if symmetric else bits not in (4, 5)) or in_features % SUPER_BLOCK:
         return None
-    if any(s.shape[1] * HALF_BLOCK != in_features for s in scales):
+    if any(s.shape[1] * group != in_features for s in scales):
         return None
     if not reference:
-        return torch.ops.kvforge_cpu.panel_super_scales(scales) or None
-    found = [_super_scales(s) for s in scales]
+        return torch.ops.kvforge_cpu.panel_super_scales(codes, scales, zeros, bits, symmetric) or None
+    found = [_super_scales(s) if symmetric else _super_mins(c, s, z) for c, s, z in zip(codes, scales, zeros)]
     return None if any(d is None for d in found) else found
 
 
@@ -166,14 +207,13 @@ def pack_panels(codes: Rows, scales: Rows, zeros: Rows, bits: int, parts: int | 
     num_rows, in_features = sum(shard.shape[0] for shard in codes), codes[0].shape[1]
     groups = max(shard.shape[1] for shard in scales)
     parts = _checked_parts(bits, in_features, groups, parts)
-    scales, zeros = [s.float() for s in scales], [z.float() for z in zeros]
+    codes, scales, zeros = [c.to(torch.uint8) for c in codes], [s.float() for s in scales], [z.float() for z in zeros]
     symmetric, largest = torch.ops.kvforge_cpu.panel_factors(scales, zeros, bits)
-    supers = _super_blocks(scales, symmetric, bits, in_features)
+    supers = _super_blocks(codes, scales, zeros, symmetric, bits)
     exponent = 0 if supers else _exponent(largest)  # float32 super scales: no multiplier
     shape, part_bytes = panel_part_bytes(num_rows, in_features, groups, bits, symmetric, parts, supers is not None)
     out = torch.empty(parts, part_bytes, dtype=torch.uint8) if place is None else place(parts, part_bytes)
-    torch.ops.kvforge_cpu.pack_panels([c.to(torch.uint8) for c in codes], scales, zeros, supers or [], bits,
-                                      symmetric, 2.0**exponent, out)
+    torch.ops.kvforge_cpu.pack_panels(codes, scales, zeros, supers or [], bits, symmetric, 2.0**exponent, out)
     groups, group_bytes = shape[2:]
     return out.as_strided(shape, (out.stride(0), groups * group_bytes, group_bytes, 1)), 2.0**-exponent
 
@@ -185,7 +225,7 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     groups = scales.shape[1]
     parts = _checked_parts(bits, in_features, groups, parts)
     symmetric = bool((zeros == SYMMETRIC_ZERO[bits]).all())  # then no offsets are stored
-    supers = _super_blocks([scales.float()], symmetric, bits, in_features, reference=True)
+    supers = _super_blocks([codes.to(torch.uint8)], [scales.float()], [zeros.float()], symmetric, bits, reference=True)
     largest = scales.abs().max().item()
     if not symmetric:
         largest = max(largest, (-zeros.float() * scales.float()).abs().max().item())
@@ -220,7 +260,16 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
         grouped = factors.reshape(parts, per_part, PANEL_ROWS, layout_groups, -1).permute(0, 1, 3, 4, 2)
         return grouped.to(dtype).contiguous().view(torch.uint8).flatten(3)  # each panel's rows side by side
 
-    if supers:  # int8 [16 sub-blocks, 16 rows], then float32 [16 rows]
+    if supers and not symmetric:  # uint8 sc [8 sub-blocks, 16 rows], m [2 quads, 16 rows, 4], float32 d, dmin [16]
+        factors = torch.nn.functional.pad(supers[0], (0, 0, 0, 0, 0, pad))  # [P * 16, G, 2]
+        values = [torch.nn.functional.pad(v, (0, 0, 0, pad)).reshape(*factors.shape[:2], -1)
+                  for v in _scales_and_mins(codes[:num_rows], scales[:num_rows], zeros.float())]
+        sc, m = (torch.where(f[..., None] != 0, v / torch.where(f[..., None] != 0, f[..., None], 1), 0).round()
+                 for v, f in zip(values, factors.unbind(-1)))
+        quads = m.reshape(parts, per_part, PANEL_ROWS, layout_groups, 2, 4).permute(0, 1, 3, 4, 2, 5)
+        stored = [side_by_side(sc, torch.uint8), quads.to(torch.uint8).flatten(3),
+                  *(side_by_side(f, torch.float32) for f in factors.unbind(-1))]
+    elif supers:  # int8 [16 sub-blocks, 16 rows], then float32 [16 rows]
         d = torch.nn.functional.pad(supers[0], (0, 0, 0, pad))
         sc = torch.where(d[:, :, None] != 0, scales.reshape(d.shape[0], d.shape[1], -1) / d[:, :, None], 0)
         stored = [side_by_side(sc.round(), torch.int8), side_by_side(d, torch.float32)]
@@ -247,9 +296,9 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return weight.as_strided(shape, (weight.shape[1], layout_groups * group_bytes, group_bytes, 1)), 2.0**-exponent
 
 
-def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor) -> torch.Tensor:
-    """The float32 weight rows W[ids] [len(ids), K] of the layout (an embedding lookup): each row's bytes gathered
-    from the tile its panel lies in."""
+def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The float32 weight rows W[ids] [len(ids), in_features] of the layout (an embedding lookup): each row's bytes
+    gathered from the tile its panel lies in."""
     _, per_part, groups, group_bytes = weight.shape
     width, panels = tile_panels(bits), ids // PANEL_ROWS
     parts, slots = panels // per_part, panels % per_part
@@ -262,15 +311,22 @@ def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
     def halves(at: torch.Tensor) -> torch.Tensor:  # the half at each byte `at` [len, G] of the rows' parts
         return flat[parts[:, None, None], at[..., None] + torch.arange(2)].view(torch.float16)[..., 0].float()
 
-    if _is_super(weight, bits):  # int8 [16 sub-blocks, 16 rows] a panel, then float32 [16 rows]
-        header = SUPER_HEADER
+    header = _header(weight, bits, in_features)
+    if header == MINS_HEADER:  # uint8 sc [8 sub-blocks, 16 rows], m [2 quads, 16 rows, 4], float32 d, dmin [16 rows]
+        subs = torch.arange(SUPER_BLOCK // MINS_GROUP)
+        sc = flat[parts[:, None, None], (starts + 128 * places)[..., None] + 16 * subs + lanes[..., None]]
+        m = flat[parts[:, None, None], (starts + 128 * (widths + places))[..., None] + 64 * (subs // 4) + subs % 4
+                 + 4 * lanes[..., None]]  # fmt: skip
+        d, dmin = (flat[parts[:, None, None], (starts + 64 * (4 * widths + w + places) + 4 * lanes)[..., None]
+                        + torch.arange(4)].view(torch.float32) for w in (0, widths))  # fmt: skip
+        scales, offsets = (sc.float() * d).flatten(1), -(m.float() * dmin).flatten(1)  # [len, G * 8]
+    elif header == SUPER_HEADER:  # int8 [16 sub-blocks, 16 rows] a panel, then float32 [16 rows]
         subs = torch.arange(SUPER_BLOCK // HALF_BLOCK)
         sc = flat[parts[:, None, None], (starts + 256 * places)[..., None] + 16 * subs + lanes[..., None]]
         d = flat[parts[:, None, None], (starts + 256 * widths + 64 * places + 4 * lanes)[..., None] + torch.arange(4)]
         scales = (sc.view(torch.int8).float() * d.view(torch.float32)).flatten(1)  # [len, G * 16]
         offsets = -SYMMETRIC_ZERO[bits] * scales
-    else:
-        header = 32 if group_bytes % 64 == 32 else 64  # a panel's bytes of scales (and offsets, unless symmetric)
+    else:  # a panel's 32 bytes of half scales (and 32 of offsets, unless symmetric)
         scales = halves(starts + 32 * places + 2 * lanes)
         offsets = (halves(starts + 32 * (widths + places) + 2 * lanes) if header == 64
                    else -SYMMETRIC_ZERO[bits] * scales)
@@ -296,10 +352,10 @@ def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
             + offsets.repeat_interleave(group_size, dim=1)) * factor
 
 
-def _is_super(weight: torch.Tensor, bits: int) -> bool:
-    """The layout holds super-blocks: its groups are 256 columns of 6-bit codes after SUPER_HEADER bytes a panel (no
-    other layout's group has that size)."""
-    return bits == 6 and weight.shape[3] == SUPER_HEADER + 64 * bits * SUPER_BLOCK // BLOCK
+def _header(weight: torch.Tensor, bits: int, in_features: int) -> int:
+    """A panel's bytes of scales before its codes in a group of the layout: 32 or 64 (half scales, and offsets), or a
+    super-block's SUPER_HEADER (6-bit codes) or MINS_HEADER (4- or 5-bit codes)."""
+    return weight.shape[3] - 2 * bits * in_features // weight.shape[2]  # 16 rows of bits / 8 bytes a column
 
 
 def panel_linear(x: torch.Tensor, weight: torch.Tensor, factor: float, bits: int, out_features: int) -> torch.Tensor:
@@ -321,5 +377,6 @@ def panel_linear_ref(x: torch.Tensor, weight: torch.Tensor, factor: float, bits:
                      ) -> torch.Tensor:  # fmt: skip
     """What panel_linear computes, in float64: x rounded to int8 per 32 columns (256 in a layout of super-blocks),
     times the dequantized weight."""
-    rows = panel_rows(weight, factor, bits, torch.arange(out_features))
-    return int8_rows(x, SUPER_BLOCK if _is_super(weight, bits) else BLOCK).double() @ rows.double().t()
+    rows = panel_rows(weight, factor, bits, torch.arange(out_features), x.shape[1])
+    super_blocks = _header(weight, bits, x.shape[1]) in (SUPER_HEADER, MINS_HEADER)
+    return int8_rows(x, SUPER_BLOCK if super_blocks else BLOCK).double() @ rows.double().t()

@@ -4,14 +4,19 @@ wrong lane, column or scale shows), its row gather equal to the weight, within t
 product, and exact on GGUF's blocks; in groups of whole 32-column blocks and of half a block (16 columns, GGUF's Q6_K,
 Q3_K and Q2_K), with scales of either sign; and a row of x gets the same bits whatever else its step multiplies;
 5-bit codes (GGUF's Q5_1 and Q5_K) in 0.625 bytes. GGUF's Q6_K, whose sub-block scales are int8 times a half a
-super-block, keeps them so (super-blocks: x rounded per 256 columns, integer sums over a super-block)."""
+super-block, keeps them so, and Q4_K and Q5_K their 6-bit sub-block scales and mins (super-blocks: x rounded per 256
+columns, integer sums over a super-block)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 
 from kvforge.kernels.cpu.quant_panels import (
+    MINS_HEADER,
     SUPER_BLOCK,
     SUPER_HEADER,
     int8_rows,
@@ -24,9 +29,11 @@ from kvforge.kernels.cpu.quant_panels import (
     panels_available,
 )
 from kvforge.loader.huge_pages import huge_pages_offered
+from kvforge.quantization.gguf_blocks import decode_blocks
 from kvforge.quantization.quantized_weight import QuantizedWeight
 from kvforge.quantization.weight_only_kernels import PanelArena, interleaved_views
 from tests.kernels.cpu.test_quant_gemv_cpu import _tolerance, _weight
+from tests.quantization.test_gguf_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(not panels_available(), reason="the panel kernel needs AVX-512 VNNI")
 
@@ -54,7 +61,7 @@ def test_rows_of_the_layout_are_the_weight(bits: int, num_rows: int, in_features
     weight = _weight(num_rows, in_features, bits, group_size, zeros, seed=num_rows)
     packed = pack_panels(weight.codes, weight.scales, weight.zeros, bits)
     ids = torch.tensor([num_rows - 1, 0, num_rows // 2, 0])
-    error = (panel_rows(*packed, bits, ids).double() - weight.dequantize()[ids].double()).abs()
+    error = (panel_rows(*packed, bits, ids, in_features).double() - weight.dequantize()[ids].double()).abs()
     group_size = in_features // weight.scales.shape[1]
     scales, zeros = (t.double().repeat_interleave(group_size, dim=1)[ids] for t in (weight.scales, weight.zeros))
     terms = (weight.codes[ids].double() + zeros.abs()) * scales  # half scales and offsets: 2^-11 of each
@@ -161,7 +168,7 @@ def test_any_number_of_parts_on_any_number_of_threads(bits: int, parts: int, thr
         torch.set_num_threads(before)
     assert torch.equal(out, panel_linear(x, *one_part, bits, 140))
     ids = torch.arange(140)
-    assert torch.equal(panel_rows(*packed, bits, ids), panel_rows(*one_part, bits, ids))
+    assert torch.equal(panel_rows(*packed, bits, ids, 576), panel_rows(*one_part, bits, ids, 576))
 
 
 @pytest.mark.parametrize("huge_pages", [False, True])
@@ -185,7 +192,7 @@ def test_weights_interleaved_by_part_answer_as_before(huge_pages: bool) -> None:
         x = torch.randn(3, k)
         assert torch.equal(panel_linear(x, copy, factor, bits, n), panel_linear(x, weight, factor, bits, n))
         ids = torch.tensor([n - 1, 0, n // 2])
-        assert torch.equal(panel_rows(copy, factor, bits, ids), panel_rows(weight, factor, bits, ids))
+        assert torch.equal(panel_rows(copy, factor, bits, ids, k), panel_rows(weight, factor, bits, ids, k))
 
 
 def test_interleaving_needs_one_number_of_parts() -> None:
@@ -227,7 +234,7 @@ def test_negative_scales(bits: int, num_rows: int, in_features: int, group_size:
     weight = _signed(magnitudes, seed=num_rows)
     packed = pack_panels(weight.codes, weight.scales, weight.zeros, bits, parts=2)
     ids = torch.arange(num_rows)
-    error = (panel_rows(*packed, bits, ids).double() - weight.dequantize().double()).abs()
+    error = (panel_rows(*packed, bits, ids, in_features).double() - weight.dequantize().double()).abs()
     scales, zeros = (t.double().repeat_interleave(group_size, dim=1) for t in (magnitudes.scales, weight.zeros))
     assert (error <= 2**-11 * (weight.codes.double() + zeros.abs()) * scales + 1e-6).all()
     x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(num_tokens)) * 3
@@ -321,7 +328,7 @@ def test_super_blocks_keep_the_int8_sub_block_scales(num_rows: int, in_features:
     reference_bytes = pack_panels_ref(weight.codes, weight.scales, weight.zeros, 6, parts=parts)
     assert torch.equal(packed.contiguous(), reference_bytes[0].contiguous()) and factor == reference_bytes[1] == 1.0
     ids = torch.tensor([num_rows - 1, 0, 1, num_rows // 2])
-    assert torch.equal(panel_rows(packed, factor, 6, ids), weight.dequantize()[ids])
+    assert torch.equal(panel_rows(packed, factor, 6, ids, in_features), weight.dequantize()[ids])
     x = torch.randn(150, in_features, generator=torch.Generator().manual_seed(parts)) * 3
     x[0, :SUPER_BLOCK] = 0  # a super-block of zeros: dx = 0
     x[2, 5] = 300.0  # an outlier: the rest of its super-block rounds coarsely
@@ -358,7 +365,7 @@ def test_five_bit_codes(num_rows: int, in_features: int, group_size: int, zeros:
     reference_bytes = pack_panels_ref(weight.codes, weight.scales, weight.zeros, 5, parts=parts)
     assert torch.equal(packed.contiguous(), reference_bytes[0].contiguous()) and factor == reference_bytes[1]
     ids = torch.tensor([num_rows - 1, 0, num_rows // 2])
-    error = (panel_rows(packed, factor, 5, ids).double() - weight.dequantize()[ids].double()).abs()
+    error = (panel_rows(packed, factor, 5, ids, in_features).double() - weight.dequantize()[ids].double()).abs()
     group_scales, group_zeros = (t.double().repeat_interleave(group_size, dim=1)[ids]
                                  for t in (weight.scales, weight.zeros))
     assert (error <= 2**-11 * (weight.codes[ids].double() + group_zeros.abs()) * group_scales + 1e-6).all()
@@ -369,3 +376,34 @@ def test_five_bit_codes(num_rows: int, in_features: int, group_size: int, zeros:
         assert (error <= _tolerance(int8_rows(rows), weight, "panels")).all(), error.max().item()
     alone = torch.cat([panel_linear(row[None], packed, factor, 5, num_rows) for row in x])
     assert torch.equal(panel_linear(x, packed, factor, 5, num_rows), alone)
+
+
+@pytest.mark.parametrize("qtype,num_rows,in_features,parts", [(Q.Q4_K, 17, 256, 1), (Q.Q5_K, 100, 512, 3),
+                                                              (Q.Q4_K, 37, 768, 2), (Q.Q5_K, 33, 256, 2)])
+def test_k_quants_keep_their_sub_block_scales_and_mins(qtype: Q, num_rows: int, in_features: int,
+                                                       parts: int) -> None:  # fmt: skip
+    """GGUF's Q4_K and Q5_K blocks (random bytes: 6-bit sc and m of any largest value, and row 0's first super-block
+    of d = 0, whose groups the decoder gives scale 0) pack as super-blocks with mins (0.59 and 0.72 bytes a weight
+    where half scales and offsets take 0.625 and 0.75), the reference's bytes; their rows are the gguf package's
+    dequantization; the kernel is x rounded to int8 per 256 columns times the weight, on every step shape; and a row
+    of x gets the same bits alone as among 150 (the AMX path where the CPU has it)."""
+    data = random_blocks(np.random.default_rng(num_rows), qtype, (num_rows, in_features))
+    weight = decode_blocks(data, qtype, (num_rows, in_features))
+    bits = weight.bits
+    packed, factor = pack_panels(weight.codes, weight.scales, weight.zeros, bits, parts=parts)
+    assert packed.shape[2:] == (in_features // SUPER_BLOCK, MINS_HEADER + 2 * bits * SUPER_BLOCK) and factor == 1.0
+    reference_bytes = pack_panels_ref(weight.codes, weight.scales, weight.zeros, bits, parts=parts)
+    assert torch.equal(packed.contiguous(), reference_bytes[0].contiguous()) and reference_bytes[1] == 1.0
+    expected = torch.from_numpy(dequantize(data, qtype)).reshape(num_rows, in_features)
+    rows = panel_rows(packed, factor, bits, torch.arange(num_rows), in_features)
+    assert (rows - expected).abs().max() <= 1e-6 * expected.abs().max()
+    x = torch.randn(150, in_features, generator=torch.Generator().manual_seed(parts)) * 3
+    x[0, :SUPER_BLOCK] = 0  # a super-block of zeros: dx = 0
+    x[2, 5] = 300.0  # an outlier: the rest of its super-block rounds coarsely
+    magnitudes = QuantizedWeight(weight.codes, weight.scales.abs(), weight.zeros, bits)
+    for rows in (x[:1], x[:2], x[:3], x[:6], x[:70]):
+        reference = int8_rows(rows, SUPER_BLOCK).double() @ expected.double().t()
+        error = (panel_linear(rows, packed, factor, bits, num_rows).double() - reference).abs()
+        assert (error <= _tolerance(int8_rows(rows, SUPER_BLOCK), magnitudes)).all(), error.max().item()
+    alone = torch.cat([panel_linear(row[None], packed, factor, bits, num_rows) for row in x])
+    assert torch.equal(panel_linear(x, packed, factor, bits, num_rows), alone)

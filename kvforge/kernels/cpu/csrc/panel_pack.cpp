@@ -10,16 +10,22 @@
 //   panel_factors: whether every zero point is 2^(bits - 1) (symmetric: no offsets stored) and the largest |scale|
 //   (and |offset| = |zero * scale| unless symmetric), which the caller turns into the power-of-two multiplier
 //
-//   panel_super_scales: each shard's d float32 [N_s, K / 256] with its scales [N_s, K / 16] = d * sc exactly for int8
-//   sc in every super-block of 16 of them, d = s / -128 or else s / 127 (s the super-block's first largest |scale|,
-//   signed; GGUF's Q6_K gives it sc -128), or no tensors where some super-block has neither (_super_scales in
-//   quant_panels.py is the reference)
+//   panel_super_scales: symmetric 6-bit codes, each shard's d float32 [N_s, K / 256] with its scales [N_s, K / 16] =
+//   d * sc exactly for int8 sc in every super-block of 16 of them, d = s / -128 or else s / 127 (s the super-block's
+//   first largest |scale|, signed; GGUF's Q6_K gives it sc -128); 4- or 5-bit codes with zero points in groups of 32,
+//   each shard's (d, dmin) float32 [N_s, K / 256, 2] with each group's scale d * sc and zero * scale dmin * m for
+//   sc, m in [0, 63] (scale_and_min, super_factor: GGUF's Q4_K and Q5_K); or no tensors where some super-block has
+//   none (_super_scales in quant_panels.py is the reference)
 #include "quant_panels.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <array>
+#include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace kvforge_cpu {
@@ -75,7 +81,7 @@ struct RowSource {
   const uint8_t* codes;
   const float *scales, *zeros;
   int64_t repeat;
-  const float* super_scale;  // super-blocks: the row's [K / 256]
+  const float* super_scale;  // super-blocks: the row's [K / 256] (with mins [K / 256, 2])
 };
 
 std::vector<RowSource> row_sources(const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
@@ -87,7 +93,7 @@ std::vector<RowSource> row_sources(const std::vector<at::Tensor>& codes, const s
     for (int64_t r = 0; r < n; ++r)
       rows.push_back({codes[s].data_ptr<uint8_t>() + r * K, scales[s].data_ptr<float>() + r * groups,
                       zeros[s].data_ptr<float>() + r * groups, G / groups,
-                      super_scales.empty() ? nullptr : super_scales[s].data_ptr<float>() + r * (K / kSuperCols)});
+                      super_scales.empty() ? nullptr : super_scales[s].data_ptr<float>() + r * super_scales[s].stride(0)});
   }
   return rows;
 }
@@ -112,6 +118,53 @@ int64_t checked_shards(std::vector<at::Tensor>& codes, std::vector<at::Tensor>& 
     codes[s] = codes[s].contiguous();
   }
   return K;
+}
+
+// A super-block's factor f of its `n` values v: each v / f within tolerance * |v / f| of an integer q in [lo, hi]
+// (q = round(v / f); tolerance 0: q * f == v), for f = largest / k of the first k of `ks` that fits, largest the first
+// of the largest |v| (signed); 0 where every v is 0, NaN where no k fits. (No product is added to anything: the
+// compiler has no multiply-add to contract, and the reference in torch ops gives the same f.)
+template <size_t KS>
+inline float super_factor(const float* v, int64_t n, const std::array<float, KS>& ks, float lo, float hi,
+                          float tolerance) {
+  float largest = 0.f;
+  for (int64_t j = 0; j < n; ++j)
+    if (std::fabs(v[j]) > std::fabs(largest)) largest = v[j];
+  if (largest == 0.f) return 0.f;
+  for (const float k : ks) {
+    const float factor = largest / k;
+    bool fits = factor != 0.f;
+    for (int64_t j = 0; j < n && fits; ++j) {
+      const float ratio = v[j] / factor, q = std::nearbyint(ratio);
+      fits = q >= lo && q <= hi && std::fabs(q - ratio) <= tolerance * std::fabs(ratio) &&
+             (tolerance > 0.f || q * factor == v[j]);
+    }
+    if (fits) return factor;
+  }
+  return std::numeric_limits<float>::quiet_NaN();
+}
+
+// Symmetric super-blocks: k of their largest int8 sc (GGUF's Q6_K: -128; 127 from a quantizer that gives it that)
+constexpr std::array<float, 2> kSymmetricRange = {-128.f, 127.f};
+
+// Super-blocks with mins: the candidates k of the largest 6-bit sc or m (GGUF's quantizers give 63 without an
+// importance matrix, and may give less with one), and how near min / dmin must come to an integer m (a min is the
+// weight's zero * scale, GGUF's dmin * m divided by the scale and multiplied back in float32, within 2^-22 of it: the
+// layout keeps m exact and dmin within 2^-20 of the file's, where half offsets round by 2^-11)
+constexpr std::array<float, 63> kMinsRange = [] {
+  std::array<float, 63> ks{};
+  for (int i = 0; i < 63; ++i) ks[i] = static_cast<float>(63 - i);
+  return ks;
+}();
+constexpr float kMinsTolerance = 0x1p-20f;
+
+// A 32-column group of a 4- or 5-bit weight with mins as (scale, min), its weights code * scale - min: (scale, zero *
+// scale), or for a group of codes 0 and zero point -1 whose scale is not positive (GGUF's decoder's group of scale 0,
+// every weight its `scale`), (0, -scale)
+inline std::pair<float, float> scale_and_min(const uint8_t* codes, float scale, float zero) {
+  if (zero == -1.f && scale <= 0.f && std::all_of(codes, codes + 32, [](uint8_t c) { return c == 0; }))
+    return {0.f, -scale};
+  return {scale, zero * scale};
 }
 
 }  // namespace
@@ -150,41 +203,38 @@ std::tuple<bool, double> panel_factors(std::vector<at::Tensor> scales, std::vect
   return {all.symmetric, all.symmetric ? all.scale : std::max(all.scale, all.offset)};
 }
 
-std::vector<at::Tensor> panel_super_scales(std::vector<at::Tensor> scales) {
+std::vector<at::Tensor> panel_super_scales(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales,
+                                           std::vector<at::Tensor> zeros, int64_t bits, bool symmetric) {
+  const bool mins = !symmetric;
+  TORCH_CHECK(mins ? bits == 4 || bits == 5 : bits == 6, "super-blocks hold 6-bit symmetric codes or 4- or 5-bit ones "
+              "with mins, not ", bits, "-bit ", symmetric ? "symmetric" : "asymmetric", " ones");
+  const int64_t K = checked_shards(codes, scales, zeros), group = mins ? 32 : kSubCols, subs = kSuperCols / group;
   std::vector<at::Tensor> found;
   for (size_t s = 0; s < scales.size(); ++s) {
-    TORCH_CHECK(scales[s].scalar_type() == at::kFloat && scales[s].dim() == 2 && scales[s].size(1) % kSubBlocks == 0 &&
-                    scales[s].device().is_cpu(),
-                "shard ", s, ": scales must be a float32 [rows, 16 n] CPU tensor");
-    const at::Tensor sc = scales[s].contiguous();
-    const int64_t n = sc.numel() / kSubBlocks;  // super-blocks
-    at::Tensor d = at::empty({sc.size(0), sc.size(1) / kSubBlocks}, sc.options());
-    const float* const in = sc.data_ptr<float>();
-    float* const out = d.data_ptr<float>();
+    TORCH_CHECK(K % kSuperCols == 0 && scales[s].size(1) * group == K, "shard ", s, ": ", scales[s].size(1),
+                " groups of ", K, " columns are not sub-blocks of ", group);
+    const int64_t n = scales[s].numel() / subs;  // super-blocks
+    at::Tensor factors = at::empty({scales[s].size(0), K / kSuperCols, mins ? 2 : 1}, scales[s].options());
+    const float *const sc = scales[s].data_ptr<float>(), *const z = zeros[s].data_ptr<float>();
+    const uint8_t* const c = codes[s].data_ptr<uint8_t>();
+    float* const out = factors.data_ptr<float>();
     std::atomic<bool> exact{true};
     at::parallel_for(0, n, 4096, [&](int64_t first, int64_t last) {
+      float scale[kSubBlocks], min[kSubBlocks];
       for (int64_t i = first; i < last && exact.load(std::memory_order_relaxed); ++i) {
-        const float* const block = in + i * kSubBlocks;
-        float largest = 0.f;
-        for (int64_t j = 0; j < kSubBlocks; ++j)
-          if (std::fabs(block[j]) > std::fabs(largest)) largest = block[j];
-        out[i] = 0.f;
-        for (const float factor : {largest / -128.f, largest / 127.f}) {
-          bool fits = factor != 0.f;
-          for (int64_t j = 0; j < kSubBlocks && fits; ++j) {
-            const float q = block[j] / factor;
-            fits = q == std::nearbyint(q) && q >= -128.f && q <= 127.f && q * factor == block[j];
-          }
-          if (fits) {
-            out[i] = factor;
-            break;
-          }
+        if (!mins) {
+          out[i] = super_factor(sc + i * subs, subs, kSymmetricRange, -128.f, 127.f, 0.f);
+        } else {
+          for (int64_t j = 0; j < subs; ++j)
+            std::tie(scale[j], min[j]) = scale_and_min(c + (i * subs + j) * group, sc[i * subs + j], z[i * subs + j]);
+          out[2 * i] = super_factor(scale, subs, kMinsRange, 0.f, 63.f, 0.f);
+          out[2 * i + 1] = super_factor(min, subs, kMinsRange, 0.f, 63.f, kMinsTolerance);
         }
-        if (out[i] == 0.f && largest != 0.f) exact = false;
+        if (std::isnan(out[(mins ? 2 : 1) * i]) || (mins && std::isnan(out[2 * i + 1]))) exact = false;
       }
     });
     if (!exact) return {};
-    found.push_back(d);
+    found.push_back(mins ? factors : factors.squeeze(2));
   }
   return found;
 }
@@ -205,17 +255,19 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
                 " groups do not divide the weight's ", G);
   TORCH_CHECK(G > 0 && K % G == 0 && K % kBlock == 0 && (K / G) % (kBlock / 2) == 0, "no panel layout for width ",
               K, " in ", G, " groups");
-  // super-blocks: each shard's scales [N_s, K / 16] are its float32 super_scales [N_s, K / 256] times int8 ones
-  const bool super = !super_scales.empty();
+  // super-blocks: each shard's scales [N_s, K / 16] are its float32 super_scales [N_s, K / 256] times int8 ones; with
+  // mins, its scales [N_s, K / 32] and zero * scale are its super_scales [N_s, K / 256, 2] (d, dmin) times 6-bit ones
+  const bool super = !super_scales.empty(), mins = super && !symmetric;
   if (super) {
-    TORCH_CHECK(bits == 6 && symmetric && K / G == kSubCols && K % kSuperCols == 0 &&
-                    super_scales.size() == scales.size(),
-                "super-blocks hold 6-bit symmetric codes in sub-blocks of 16 columns, a shard's super scales each");
+    TORCH_CHECK((mins ? (bits == 4 || bits == 5) && K / G == 32 : bits == 6 && K / G == kSubCols) &&
+                    K % kSuperCols == 0 && super_scales.size() == scales.size(),
+                "super-blocks hold 6-bit symmetric codes in sub-blocks of 16 columns, or 4- or 5-bit ones with mins "
+                "in sub-blocks of 32, a shard's super scales each");
     for (size_t s = 0; s < super_scales.size(); ++s) {
-      TORCH_CHECK(super_scales[s].scalar_type() == at::kFloat && super_scales[s].dim() == 2 &&
+      TORCH_CHECK(super_scales[s].scalar_type() == at::kFloat && super_scales[s].dim() == (mins ? 3 : 2) &&
                       super_scales[s].size(0) == scales[s].size(0) && super_scales[s].size(1) == K / kSuperCols &&
-                      scales[s].size(1) == G,
-                  "shard ", s, ": super scales must be float32 [rows, ", K / kSuperCols, "]");
+                      (!mins || super_scales[s].size(2) == 2) && scales[s].size(1) == G,
+                  "shard ", s, ": super scales must be float32 [rows, ", K / kSuperCols, mins ? ", 2]" : "]");
       super_scales[s] = super_scales[s].contiguous();
     }
   }
@@ -225,7 +277,7 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
   const int64_t layout_groups = super ? K / kSuperCols : G;
   const int64_t V = bits;                                               // vectors a 32-column block
   const int64_t group_vectors = V * (K / layout_groups) / kBlock;       // vectors a group (a half block: V / 2)
-  const int64_t header = super ? kSuperHeader : symmetric ? 32 : 64;  // a panel's bytes of scales (and offsets)
+  const int64_t header = super ? (mins ? kMinsHeader : kSuperHeader) : symmetric ? 32 : 64;  // a panel's scales' bytes
   const int64_t panel_group = header + 64 * group_vectors;             // a panel's bytes of a group
   const int64_t W = bits == 8 ? 2 : 4;                     // panels a tile
   const int64_t per_part = (N + kPanel * parts - 1) / (kPanel * parts);
@@ -271,10 +323,43 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
           std::memcpy(dst, &d, 4);
         }
       };
+      // with mins: sc uint8 [w, 8 sub-blocks, 16 rows], m uint8 [w, 2 quads, 16 rows, 4 sub-blocks], then d and
+      // dmin float32 [w, 16 rows] each
+      const auto mins_header = [&](int64_t g) {
+        const auto sub_block = [&](int64_t n, int64_t sub, int64_t which) -> uint8_t {  // sc (which 0) or m (1)
+          const RowSource& row = rows[n];
+          const int64_t group = g * kMinsSubBlocks + sub;
+          const float factor = row.super_scale[2 * g + which];
+          const std::pair<float, float> scale_min = scale_and_min(row.codes + 32 * group, row.scales[group],
+                                                                  row.zeros[group]);
+          const float value = which == 0 ? scale_min.first : scale_min.second;
+          return factor == 0.f ? 0 : static_cast<uint8_t>(std::lrint(value / factor));
+        };
+        for (int64_t p = 0; p < w; ++p)
+          for (int64_t sub = 0; sub < kMinsSubBlocks; ++sub)
+            for (int64_t r = 0; r < kPanel; ++r, ++dst) {
+              const int64_t n = first_row + p * kPanel + r;
+              *dst = n < N ? sub_block(n, sub, 0) : 0;
+            }
+        for (int64_t p = 0; p < w; ++p)
+          for (int64_t r = 0; r < kPanel; ++r)
+            for (int64_t sub = 0; sub < kMinsSubBlocks; ++sub) {
+              const int64_t n = first_row + p * kPanel + r;
+              dst[128 * p + 64 * (sub / 4) + 4 * r + sub % 4] = n < N ? sub_block(n, sub, 1) : 0;
+            }
+        dst += w * 2 * 64;
+        for (int64_t which = 0; which < 2; ++which)
+          for (int64_t p = 0; p < w * kPanel; ++p, dst += 4) {
+            const int64_t n = first_row + p;
+            const float factor = n < N ? rows[n].super_scale[2 * g + which] : 0.f;
+            std::memcpy(dst, &factor, 4);
+          }
+      };
       for (int64_t g = 0; g < layout_groups; ++g) {
-        if (super) super_header(g);
+        if (mins) mins_header(g);
+        else if (super) super_header(g);
         else halves(false, g);
-        if (!symmetric) halves(true, g);
+        if (!symmetric && !super) halves(true, g);
         for (int64_t v = 0; v < group_vectors; ++v) {
           const Lane lane = lane_of(g * group_vectors + v, bits);
           for (int64_t n = first_row; n < first_row + w * kPanel; ++n, dst += 4)

@@ -84,15 +84,9 @@ namespace {
 
 using F = Avx512;
 
-// Up to these rows of x, a step multiplies a whole tile.
-template <int BITS>
-constexpr int64_t whole_tile_rows() { return BITS == 4 ? 3 : BITS == 8 ? 1 : 2; }
-
-inline F::I broadcast4(const int8_t* q) {
-  int32_t word;
-  std::memcpy(&word, q, sizeof(word));
-  return _mm512_set1_epi32(word);
-}
+// Up to these rows of x, a step multiplies a whole tile (super-blocks hold a third set of int32 sums: 2 rows).
+template <int BITS, Groups GROUPS>
+constexpr int64_t whole_tile_rows() { return GROUPS == Groups::kSuper ? 2 : BITS == 4 ? 3 : BITS == 8 ? 1 : 2; }
 
 // out[m0 .. m0 + MT, rows of panels first .. first + NP of a tile whose first panel is p0] = acc * factor
 template <int MT, int NP>
@@ -167,6 +161,59 @@ void super_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
   store_rows(a, acc, p0, first, m0);
 }
 
+// panel_tile of super-blocks with mins (4- or 5-bit codes): per 32-column sub-block s of super-block g, each row's
+// int32 sum of code * q times the row's sc[s], added up over the super-block (|sum| <= 8 * 63 * 32 * 31 * 127 <
+// 2^31), and its mins against x's sub-block sums (min_sums); then once per super-block
+//
+//   out[m, rows] += float(isum[m, rows]) * (d[g, rows] * dx[m, g]) + float(msum[m, rows]) * (dmin[g, rows] * -dx[m, g])
+template <int BITS, int MT, int NP, int W>
+void mins_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
+  constexpr int64_t V = vectors_per_block<BITS>(), subs = kMinsSubBlocks;
+  const int64_t K = a.K, G = a.G;
+  const int64_t group_bytes = W * (kMinsHeader + subs * V * 64), next = 64 * W;
+  const int8_t* const xq = a.xq + m0 * K;
+  const float* const dx = a.dx + m0 * G;
+  const int8_t* const xmin = a.xmin + m0 * G * 16;
+  F::V acc[MT][NP];
+  for (int m = 0; m < MT; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = F::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* const group = tile + g * group_bytes;
+    F::I total[MT][NP];
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < NP; ++p) total[m][p] = _mm512_setzero_si512();
+    for (int64_t s = 0; s < subs; ++s) {
+      F::I sums[MT][NP];
+      for (int m = 0; m < MT; ++m)
+        for (int p = 0; p < NP; ++p) sums[m][p] = _mm512_setzero_si512();
+      for (int p = 0; p < NP; ++p) {
+        const int64_t at = g * group_bytes + kMinsHeader * W + 64 * (s * V * W + first + p);
+        for (int64_t v = 0; v < V; ++v) prefetch<kToL2>(ahead + at + v * next);
+        nibble_codes<BITS>(tile + at, next, [&](int j, F::I low, F::I high) {
+          dot8(sums, p, low, high, xq + kSuperCols * g + 32 * s + 8 * j, K);
+        });
+      }
+      for (int p = 0; p < NP; ++p) {
+        const F::I sc = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + subs * kPanel * (first + p) + kPanel * s)));
+        for (int m = 0; m < MT; ++m) total[m][p] = _mm512_add_epi32(total[m][p], _mm512_mullo_epi32(sums[m][p], sc));
+      }
+    }
+    const uint8_t* const mins = group + subs * kPanel * W;  // [W, 2 quads, 64 bytes]
+    const float* const d = reinterpret_cast<const float*>(mins + subs * kPanel * W);  // [W, 16], then dmin [W, 16]
+    for (int p = 0; p < NP; ++p) {
+      const F::I quads[2] = {F::load_bytes(mins + 128 * (first + p)), F::load_bytes(mins + 128 * (first + p) + 64)};
+      const F::V scale = F::load(d + kPanel * (first + p)), min = F::load(d + kPanel * (W + first + p));
+      for (int m = 0; m < MT; ++m) {
+        const F::I msum = min_sums(quads, xmin + (m * G + g) * 16);
+        acc[m][p] = F::fma(F::to_float(msum), F::mul(min, F::set1(-dx[m * G + g])),
+                           F::fma(F::to_float(total[m][p]), F::mul(scale, F::set1(dx[m * G + g])), acc[m][p]));
+      }
+    }
+  }
+  store_rows(a, acc, p0, first, m0);
+}
+
 // out[m0 .. m0 + MT, rows of panels first .. first + NP of the tile of W panels at `tile`, whose first panel is p0),
 // prefetching the same bytes at `ahead`. A group is `chunks` runs of V vectors: whole blocks, or with
 // HALF_BLOCKS one half block (G = 2 * blocks; group g the columns 16 g .. 16 g + 15 of block g / 2, and its dx).
@@ -217,13 +264,9 @@ void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
         for (int p = 0; p < NP; ++p) {
           const int64_t at = group + header * W + 64 * (i * V * W + first + p), next = 64 * W;
           for (int64_t v = 0; v < V; ++v) prefetch<kToL2>(ahead + at + v * next);
-          const F::I top = F::load_bytes(tile + at + 4 * next);
-          for (int j = 0; j < 4; ++j) {
-            const F::I words = F::load_bytes(tile + at + j * next);
-            dot8(sums, p, five_bit_codes(_mm512_and_si512(words, low_nibbles), top, 2 * j),
-                 five_bit_codes(_mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles), top, 2 * j + 1),
-                 xq + 32 * b + half + 8 * j, K);
-          }
+          nibble_codes<5>(tile + at, next, [&](int j, F::I low, F::I high) {
+            dot8(sums, p, low, high, xq + 32 * b + half + 8 * j, K);
+          });
         }
       } else {
         for (int64_t j = 0; j < V; ++j)
@@ -252,7 +295,8 @@ void block_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, i
 
 template <int BITS, Groups GROUPS, bool SYM, int MT, int NP, int W>
 void panel_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, int64_t p0, int first, int64_t m0) {
-  if constexpr (GROUPS == Groups::kSuper) super_tile<MT, NP, W>(a, tile, ahead, p0, first, m0);
+  if constexpr (GROUPS == Groups::kSuper && SYM) super_tile<MT, NP, W>(a, tile, ahead, p0, first, m0);
+  else if constexpr (GROUPS == Groups::kSuper) mins_tile<BITS, MT, NP, W>(a, tile, ahead, p0, first, m0);
   else block_tile<BITS, GROUPS, SYM, MT, NP, W>(a, tile, ahead, p0, first, m0);
 }
 
@@ -283,7 +327,7 @@ template <int BITS, Groups GROUPS, bool SYM, int W>
 void tile_rows(const PanelArgs& a, const uint8_t* tile, const uint8_t* end, int64_t p0) {
   const uint8_t* ahead = tile + tile_panels<BITS>() * a.panel_bytes;  // the next tile
   if (ahead + W * a.panel_bytes > end) ahead = tile;
-  if (a.M <= whole_tile_rows<BITS>()) {
+  if (a.M <= whole_tile_rows<BITS, GROUPS>()) {
     few_rows<BITS, GROUPS, SYM, W, W>(a, tile, ahead, p0, 0, 0, a.M);
     return;
   }
@@ -320,9 +364,9 @@ void panel_gemm(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_
   });
 }
 
-// q of x [M, K] rounded to int8 per 256 columns (dx = max |x| / 127 a super-block, q = round(x / dx)) and the sum
-// of each 16 columns' q
-void quantize_super_rows(const float* x, int8_t* xq, float* dx, int32_t* xsub, int64_t M, int64_t K) {
+// q of x [M, K] rounded to int8 per 256 columns (dx = max |x| / 127 a super-block, q = round(x / dx)), the sum of
+// each 16 columns' q, and (xmin not null) each 32 columns' sum as its bytes lo = sum & 63 and hi = sum >> 6
+void quantize_super_rows(const float* x, int8_t* xq, float* dx, int32_t* xsub, int8_t* xmin, int64_t M, int64_t K) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < K / kSuperCols; ++g) {
       const float* const in = x + m * K + g * kSuperCols;
@@ -338,6 +382,13 @@ void quantize_super_rows(const float* x, int8_t* xq, float* dx, int32_t* xsub, i
                                                                                       _MM_FROUND_NO_EXC));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + g * kSuperCols + 16 * i), _mm512_cvtepi32_epi8(q));
         xsub[m * (K / kSubCols) + g * kSubBlocks + i] = _mm512_reduce_add_epi32(q);
+      }
+      if (xmin == nullptr) continue;
+      for (int64_t s = 0; s < kMinsSubBlocks; ++s) {
+        const int32_t* const pair = xsub + m * (K / kSubCols) + g * kSubBlocks + 2 * s;
+        const int32_t sum = pair[0] + pair[1];  // |sum| <= 32 * 127: hi in [-64, 63]
+        xmin[(m * (K / kSuperCols) + g) * 16 + s] = static_cast<int8_t>(sum & 63);
+        xmin[(m * (K / kSuperCols) + g) * 16 + 8 + s] = static_cast<int8_t>(sum >> 6);
       }
     }
 }
@@ -386,10 +437,11 @@ at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int6
   const int64_t K = x.size(1);
   TORCH_CHECK(G > 0 && K % G == 0 && K / G % (kBlock / 2) == 0, "x's ", K, " columns do not make ", G, " groups");
   const int64_t codes_bytes = K / G * bits * 2, header = group_bytes - codes_bytes;  // 16 rows * bits / 8 a column
-  const Groups groups = K / G == kSuperCols && header == kSuperHeader ? Groups::kSuper
-                        : K / G == kBlock / 2                          ? Groups::kHalves
-                                                                       : Groups::kBlocks;
-  const bool sym = groups == Groups::kSuper || header == 32;
+  const bool super_header = bits == 6 ? header == kSuperHeader : header == kMinsHeader;
+  const Groups groups = K / G == kSuperCols && super_header ? Groups::kSuper
+                        : K / G == kBlock / 2                ? Groups::kHalves
+                                                             : Groups::kBlocks;
+  const bool sym = groups == Groups::kSuper ? bits == 6 : header == 32;
   TORCH_CHECK((groups == Groups::kSuper || header == 32 || header == 64) &&
                   (groups != Groups::kBlocks || K / G % kBlock == 0) && (groups != Groups::kHalves || G % 2 == 0),
               "a group of ", group_bytes, " bytes is not 64 bytes of scales and offsets (or 32 of scales) and ",
@@ -408,8 +460,8 @@ at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int6
   if (M == 0) return out;
   const bool amx = M >= kAmxMinRows && panels_amx_ready();
   const int64_t rows = amx ? (M + 15) / 16 * 16 : M;  // the AMX path reads x in tiles of 16 rows: zeros pad them
-  const bool super = groups == Groups::kSuper;
-  std::vector<int8_t> xq(rows * K);
+  const bool super = groups == Groups::kSuper, mins = super && !sym;
+  std::vector<int8_t> xq(rows * K), xmin(mins ? rows * G * 16 : 0);
   std::vector<float> dx(rows * (super ? G : K / kBlock)), xsum(super ? 0 : rows * G);
   std::vector<int32_t> xsub(super ? rows * (K / kSubCols) : 0);
   const float* const x_data = x.data_ptr<float>();
@@ -417,14 +469,14 @@ at::Tensor quant_gemm_panels(at::Tensor x, at::Tensor weight, int64_t bits, int6
   at::parallel_for(0, M, 16, [&](int64_t first, int64_t last) {  // (each row's rounding its own)
     if (super)
       quantize_super_rows(x_data + first * K, xq.data() + first * K, dx.data() + first * G,
-                          xsub.data() + first * (K / kSubCols), last - first, K);
+                          xsub.data() + first * (K / kSubCols), mins ? xmin.data() + first * G * 16 : nullptr,
+                          last - first, K);
     else
       quantize_rows(x_data + first * K, xq.data() + first * K, dx.data() + first * scales_a_row,
                     xsum.data() + first * G, last - first, K, G);
   });
-  const PanelArgs args{xq.data(), dx.data(),   xsum.data(), xsub.data(), out.data_ptr<float>(),
-                       M,         out_features, K,          G,           panel_bytes,
-                       static_cast<float>(factor)};
+  const PanelArgs args{xq.data(), dx.data(), xsum.data(), xsub.data(), xmin.data(), out.data_ptr<float>(),
+                       M,         out_features, K,        G,           panel_bytes, static_cast<float>(factor)};
   const uint8_t* const codes = weight.data_ptr<uint8_t>();
   const int64_t part_stride = weight.stride(0);
   if (amx) {

@@ -5,6 +5,7 @@
 
 #include "quant_gemv.h"
 
+#include <cstring>
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -16,12 +17,20 @@ namespace kvforge_cpu {
 constexpr int64_t kPanel = 16;  // weight rows per panel: one int32 lane each of a 512-bit vector
 
 // How a layout groups its columns: into runs of whole 32-column blocks, half blocks (groups of 16 columns), or
-// super-blocks of 256 columns, each of whose 16 sub-blocks of 16 columns has an int8 scale per row beside the
-// super-block's float32 one (6-bit symmetric codes: GGUF's Q6_K as it is stored).
+// super-blocks of 256 columns: symmetric, 6-bit codes whose 16 sub-blocks of 16 columns have an int8 scale per row
+// beside the super-block's float32 one (GGUF's Q6_K as it is stored); or with mins, 4- or 5-bit codes whose 8
+// sub-blocks of 32 columns have a 6-bit scale and a 6-bit min per row beside the super-block's float32 d and dmin
+// (GGUF's Q4_K and Q5_K as they are stored).
 enum class Groups { kBlocks, kHalves, kSuper };
 
 constexpr int64_t kSuperCols = 256, kSubCols = 16, kSubBlocks = kSuperCols / kSubCols;
 constexpr int64_t kSuperHeader = kSubBlocks * kPanel + 4 * kPanel;  // a panel's int8 sub-block scales, float32 ones
+// with mins: sc uint8 [8 sub-blocks, 16 rows] | m uint8 [2 quads, 16 rows, 4 sub-blocks] | d, dmin float32 [16 rows]
+constexpr int64_t kMinsSubBlocks = kSuperCols / 32, kMinsHeader = 2 * kMinsSubBlocks * kPanel + 8 * kPanel;
+
+// A panel's bytes of a super-block's scales
+template <bool SYM>
+constexpr int64_t super_header() { return SYM ? kSuperHeader : kMinsHeader; }
 
 #ifdef KVFORGE_PANELS_VNNI
 
@@ -44,12 +53,31 @@ struct PanelArgs {
   const int8_t* xq;     // [M, K]
   const float* dx;      // [M, K / 32] (kSuper: [M, G], a super-block's)
   const float* xsum;    // [M, G] (kSuper: none)
-  const int32_t* xsub;  // kSuper: [M, K / 16], the sum of each sub-block's q
+  const int32_t* xsub;  // kSuper: [M, K / 16], the sum of each 16 columns' q
+  const int8_t* xmin;   // kSuper with mins: [M, G, 16], each 32-column sub-block s's sum of q as 64 hi + lo:
+                        // lo (0 .. 63) in byte s, hi in byte 8 + s
   float* out;        // [M, N]
   int64_t M, N, K, G;
   int64_t panel_bytes;
   float factor;
 };
+
+inline Avx512::I broadcast4(const int8_t* q) {
+  int32_t word;
+  std::memcpy(&word, q, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
+
+// Super-blocks with mins: each row's sum over the 8 sub-blocks s of m[s] * (x's sum of q over s), from the rows' m
+// (quads[h]: sub-blocks 4 h .. 4 h + 3 in a row's lane) and x's sums as bytes lo | hi at xmin (64 hi + lo each)
+inline Avx512::I min_sums(const Avx512::I (&quads)[2], const int8_t* xmin) {
+  Avx512::I low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    low = Avx512::dot_u8s8(low, quads[h], broadcast4(xmin + 4 * h));
+    high = Avx512::dot_u8s8(high, quads[h], broadcast4(xmin + 8 + 4 * h));
+  }
+  return _mm512_add_epi32(_mm512_slli_epi32(high, 6), low);
+}
 
 inline Avx512::V load_halves(const uint8_t* p) {
   return Avx512::load_half<false>(reinterpret_cast<const uint16_t*>(p));
@@ -83,17 +111,35 @@ inline Avx512::I five_bit_codes(Avx512::I nibbles, Avx512::I top, int s) {
   return _mm512_ternarylogic_epi32(nibbles, shifted, _mm512_set1_epi8(0x10), 0xF8);  // a | (b & c)
 }
 
+// The codes of a 4- or 5-bit block's vectors at `at` (the next vector `next` bytes on): use(j, low, high) for j < 4,
+// the codes of columns 8 j .. 8 j + 3 (low) and 8 j + 4 .. 8 j + 7 (high) of the block in each row's lane.
+template <int BITS, class Use>
+inline void nibble_codes(const uint8_t* at, int64_t next, Use&& use) {
+  const Avx512::I low_nibbles = _mm512_set1_epi8(0x0F);
+  const Avx512::I top = BITS == 5 ? Avx512::load_bytes(at + 4 * next) : _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    const Avx512::I words = Avx512::load_bytes(at + j * next);
+    const Avx512::I low = _mm512_and_si512(words, low_nibbles);
+    const Avx512::I high = _mm512_and_si512(_mm512_srli_epi16(words, 4), low_nibbles);
+    if constexpr (BITS == 5) use(j, five_bit_codes(low, top, 2 * j), five_bit_codes(high, top, 2 * j + 1));
+    else use(j, low, high);
+  }
+}
+
 template <Groups GROUPS>
 using GroupsConstant = std::integral_constant<Groups, GROUPS>;
 
 // run(bits, groups, sym) with each as a compile-time constant (std::integral_constant, std::bool_constant); super-
-// blocks come with 6-bit symmetric codes only
+// blocks come with 6-bit symmetric codes, or 4- or 5-bit ones with mins
 template <class Run>
 void with_layout(int bits, Groups groups, bool sym, Run&& run) {
   if (groups == Groups::kSuper) {
-    TORCH_CHECK(bits == 6 && sym, "super-blocks of int8 sub-block scales hold 6-bit symmetric codes, not ", bits,
-                "-bit ones");
-    return run(std::integral_constant<int, 6>{}, GroupsConstant<Groups::kSuper>{}, std::true_type{});
+    using Super = GroupsConstant<Groups::kSuper>;
+    TORCH_CHECK(sym ? bits == 6 : bits == 4 || bits == 5, "super-blocks hold 6-bit symmetric codes or 4- or 5-bit "
+                "ones with mins, not ", bits, "-bit ", sym ? "symmetric" : "asymmetric", " ones");
+    if (sym) return run(std::integral_constant<int, 6>{}, Super{}, std::true_type{});
+    if (bits == 5) return run(std::integral_constant<int, 5>{}, Super{}, std::false_type{});
+    return run(std::integral_constant<int, 4>{}, Super{}, std::false_type{});
   }
   const auto with_sym = [&](auto bits_c, auto groups_c) {
     if (sym) run(bits_c, groups_c, std::true_type{});

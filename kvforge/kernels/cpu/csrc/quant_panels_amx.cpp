@@ -230,27 +230,31 @@ void part_gemm(const PanelArgs& a, const int8_t* x_tiles, const uint8_t* part, i
   release_tiles();
 }
 
-// Super-blocks (Groups::kSuper): each weight's sub-block scale goes into its codes, w = sc[s] * (code - 32), a 13-bit
-// integer cut into two int8 tiles, w = 64 hi + lo (lo in [0, 64)), so two _tile_dpbssd of the full depth (64 columns)
-// make 64 * C(hi) + C(lo), the exact int32 sum of the VNNI loop; C accumulates over a super-block's four chunks of 64
-// columns, and the float work, one vector a row of x and panel, is the VNNI loop's, once per super-block:
+// Super-blocks (Groups::kSuper): each weight's sub-block scale goes into its codes, w = sc[s] * (code - zero) (zero 32
+// for 6-bit symmetric codes, 0 for 4- and 5-bit ones with mins), an integer of up to 13 bits cut into two int8 tiles,
+// w = 64 hi + lo (lo in [0, 64)), so two _tile_dpbssd of the full depth (64 columns) make 64 * C(hi) + C(lo), the
+// exact int32 sum of the VNNI loop; C accumulates over a super-block's four chunks of 64 columns, and the float work,
+// one vector a row of x and panel, is the VNNI loop's, once per super-block (mins: msum the VNNI loop's two vpdpbusd
+// a half of the rows' m against x's sub-block sums):
 //
 //   acc[m] = fma(float(64 C(hi)[m] + C(lo)[m]), d[g] * dx[m, g], acc[m])
+//   mins:    acc[m] = fma(float(msum[m]), dmin[g] * -dx[m, g], fma(float(64 C(hi)[m] + C(lo)[m]), d[g] * dx[m, g], acc[m]))
 //
 //   codes   int8 [K / 64 chunks, hi | lo, 16 rows of 64 bytes (4 columns of the 16 weight rows)]    a panel's
-//   d       float [G, 16]
+//   d       float [G, 16], then (mins) dmin float [G, 16]
+//   m       (mins) uint8 [G, 2 quads, 64 bytes], as the layout holds them
 constexpr int64_t kSuperChunk = 64;                         // columns of an A tile
 constexpr int64_t kSuperChunkBytes = 2 * kSuperChunk * 16;  // a chunk's hi and lo tiles
 constexpr int64_t kSuperPanels = 2;                         // panels (4 C tiles) that meet each A tile
 
-// w = sc * (code - 32) of a vector of codes (byte 4 r + c: weight row r) as (hi, lo), sc the 16 rows' int8 scales
-inline std::pair<F::I, F::I> scaled_codes(F::I codes, F::I sc) {
+// w = sc * (code - zero) of a vector of codes (byte 4 r + c: weight row r) as (hi, lo), sc the 16 rows' int8 scales
+inline std::pair<F::I, F::I> scaled_codes(F::I codes, F::I sc, int zero) {
   // each row's scale in its 4 bytes: lane L of 128 bits holds rows 4 L .. 4 L + 3
   const F::I spread = _mm512_shuffle_epi8(
       sc, _mm512_set_epi32(0x0F0F0F0F, 0x0E0E0E0E, 0x0D0D0D0D, 0x0C0C0C0C, 0x0B0B0B0B, 0x0A0A0A0A, 0x09090909,
                            0x08080808, 0x07070707, 0x06060606, 0x05050505, 0x04040404, 0x03030303, 0x02020202,
                            0x01010101, 0x00000000));
-  const F::I centred = _mm512_sub_epi8(codes, _mm512_set1_epi8(32));
+  const F::I centred = _mm512_sub_epi8(codes, _mm512_set1_epi8(static_cast<char>(zero)));
   F::I hi[2], lo[2];
   for (int half = 0; half < 2; ++half) {
     const __m256i c = half == 0 ? _mm512_castsi512_si256(centred) : _mm512_extracti64x4_epi64(centred, 1);
@@ -265,38 +269,57 @@ inline std::pair<F::I, F::I> scaled_codes(F::I codes, F::I sc) {
   return {bytes(hi), bytes(lo)};
 }
 
-// Panel `first` of the tile of W panels at `tile`: its codes times their sub-block scales as hi and lo tiles, and its
-// super-blocks' float scales (the picture above).
-void unpack_super_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t G, int8_t* codes, float* d) {
-  constexpr int64_t V = vectors_per_block<6>(), blocks = kSuperCols / kBlock;
-  const int64_t group_bytes = W * (kSuperHeader + blocks * V * 64);
+// Panel `first` of the tile of W panels at `tile`: its codes times their sub-block scales as hi and lo tiles, its
+// super-blocks' float scales d (and dmin), and (mins) its m (the picture above).
+template <int BITS, bool SYM>
+void unpack_super_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t G, int8_t* codes, float* d,
+                        uint8_t* mins) {
+  constexpr int64_t V = vectors_per_block<BITS>(), blocks = kSuperCols / kBlock, header = super_header<SYM>();
+  constexpr int64_t subs = SYM ? kSubBlocks : kMinsSubBlocks;  // sub-blocks: their int8 scales [subs, 16 rows]
+  const int64_t group_bytes = W * (header + blocks * V * 64);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* const group = tile + g * group_bytes;
-    F::store(d + 16 * g, F::load(reinterpret_cast<const float*>(group + kSubBlocks * kPanel * W) + kPanel * first));
+    const float* const factors = reinterpret_cast<const float*>(group + (SYM ? subs : 2 * subs) * kPanel * W);
+    F::store(d + 16 * g, F::load(factors + kPanel * first));
+    if constexpr (!SYM) {
+      F::store(d + 16 * (G + g), F::load(factors + kPanel * (W + first)));
+      std::memcpy(mins + 128 * g, group + subs * kPanel * W + 128 * first, 128);
+    }
+    const auto sub_scales = [&](int64_t sub) {
+      return _mm512_broadcast_i32x4(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + subs * kPanel * first + kPanel * sub)));
+    };
     for (int64_t b = 0; b < blocks; ++b) {
       int8_t* const chunk = codes + (g * blocks + b) / 2 * kSuperChunkBytes;  // two blocks a chunk
-      for (int64_t h = 0; h < 2; ++h) {  // the block's two sub-blocks
-        const F::I sc = _mm512_broadcast_i32x4(_mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(group + kSubBlocks * kPanel * first + kPanel * (2 * b + h))));
-        six_bit_codes(group + kSuperHeader * W + 64 * ((b * V + 3 * h) * W + first), 64 * W,
-                      [&](int s, F::I low, F::I high) {
-                        const int64_t row = 8 * (b % 2) + 4 * h + 2 * s;  // of the chunk's tiles: columns 4 row ..
-                        for (int k = 0; k < 2; ++k) {
-                          const auto [hi, lo] = scaled_codes(k == 0 ? low : high, sc);
-                          _mm512_storeu_si512(chunk + 64 * (row + k), hi);
-                          _mm512_storeu_si512(chunk + kSuperChunkBytes / 2 + 64 * (row + k), lo);
-                        }
-                      });
+      const auto store = [&](int64_t row, F::I sc, F::I low, F::I high) {  // columns 4 row .. of the chunk's tiles
+        for (int k = 0; k < 2; ++k) {
+          const auto [hi, lo] = scaled_codes(k == 0 ? low : high, sc, SYM ? 32 : 0);
+          _mm512_storeu_si512(chunk + 64 * (row + k), hi);
+          _mm512_storeu_si512(chunk + kSuperChunkBytes / 2 + 64 * (row + k), lo);
+        }
+      };
+      const uint8_t* const vectors = group + header * W + 64 * (b * V * W + first);
+      if constexpr (SYM) {
+        for (int64_t h = 0; h < 2; ++h) {  // the block's two sub-blocks
+          const F::I sc = sub_scales(2 * b + h);
+          six_bit_codes(vectors + 64 * 3 * h * W, 64 * W, [&](int s, F::I low, F::I high) {
+            store(8 * (b % 2) + 4 * h + 2 * s, sc, low, high);
+          });
+        }
+      } else {
+        const F::I sc = sub_scales(b);
+        nibble_codes<BITS>(vectors, 64 * W, [&](int j, F::I low, F::I high) { store(8 * (b % 2) + 2 * j, sc, low, high); });
       }
     }
   }
 }
 
 // Rows m0 .. m0 + 15 of x (padded; `x_tiles` their A tiles of 64 columns) against NP unpacked panels (panel p's
-// codes at codes + p * stride, d + p * G * 16), whose outputs are columns n .. n + 16 NP - 1, the last panel's `valid`.
-template <int NP>
+// codes at codes + p * stride, d (and dmin) at d + p * 2 G * 16, m at mins + p * G * 128), whose outputs are columns
+// n .. n + 16 NP - 1, the last panel's `valid`.
+template <bool SYM, int NP>
 AMX_INT8_FUNCTION void super_row_tile(const PanelArgs& a, int64_t m0, const int8_t* x_tiles, const int8_t* codes,
-                                      int64_t stride, const float* d, int64_t n, int64_t valid) {
+                                      int64_t stride, const float* d, const uint8_t* mins, int64_t n, int64_t valid) {
   const int64_t G = a.G;
   const float* const dx = a.dx + m0 * G;
   alignas(64) int32_t sums[2 * NP][kRowTile * 16];
@@ -328,15 +351,27 @@ AMX_INT8_FUNCTION void super_row_tile(const PanelArgs& a, int64_t m0, const int8
       _tile_stored(2, sums[2], 64);
       _tile_stored(3, sums[3], 64);
     }
-    F::V scale[NP];
-    for (int p = 0; p < NP; ++p) scale[p] = F::load(d + (p * G + g) * 16);
+    F::V scale[NP], min[NP];
+    F::I quads[NP][2];
+    for (int p = 0; p < NP; ++p) {
+      scale[p] = F::load(d + (2 * p * G + g) * 16);
+      if constexpr (!SYM) {
+        min[p] = F::load(d + (2 * p * G + G + g) * 16);
+        for (int h = 0; h < 2; ++h) quads[p][h] = F::load_bytes(mins + (p * G + g) * 128 + 64 * h);
+      }
+    }
 #pragma GCC unroll 16
     for (int m = 0; m < kRowTile; ++m) {
       const F::V dxm = F::set1(dx[m * G + g]);
       for (int p = 0; p < NP; ++p) {
         const F::I total = _mm512_add_epi32(_mm512_slli_epi32(F::load_bytes(sums[2 * p] + 16 * m), 6),
                                             F::load_bytes(sums[2 * p + 1] + 16 * m));
-        F::store(acc[m] + 16 * p, F::fma(F::to_float(total), F::mul(scale[p], dxm), F::load(acc[m] + 16 * p)));
+        F::V sum = F::fma(F::to_float(total), F::mul(scale[p], dxm), F::load(acc[m] + 16 * p));
+        if constexpr (!SYM) {
+          const F::I msum = min_sums(quads[p], a.xmin + ((m0 + m) * G + g) * 16);
+          sum = F::fma(F::to_float(msum), F::mul(min[p], F::set1(-dx[m * G + g])), sum);
+        }
+        F::store(acc[m] + 16 * p, sum);
       }
     }
   }
@@ -344,11 +379,13 @@ AMX_INT8_FUNCTION void super_row_tile(const PanelArgs& a, int64_t m0, const int8
 }
 
 // part_gemm of super-blocks: panels two at a time against every tile of x's rows.
+template <int BITS, bool SYM>
 void super_part_gemm(const PanelArgs& a, const int8_t* x_tiles, const uint8_t* part, int64_t p0, int64_t count) {
-  constexpr int64_t T = tile_panels<6>();
+  constexpr int64_t T = tile_panels<BITS>();
   const int64_t K = a.K, G = a.G, panel_codes = K / kSuperChunk * kSuperChunkBytes;
   std::vector<int8_t> codes(static_cast<size_t>(kSuperPanels * panel_codes));
-  std::vector<float> d(kSuperPanels * G * 16);
+  std::vector<float> d(kSuperPanels * 2 * G * 16);
+  std::vector<uint8_t> mins(SYM ? 0 : kSuperPanels * G * 128);
   const int64_t tiled = count;  // the part's panels, padding included, as its tiles are laid out
   count = std::min(count, (a.N + kPanel - 1) / kPanel - p0);  // without the padding panels
   configure_tiles(kSuperChunk);
@@ -358,13 +395,15 @@ void super_part_gemm(const PanelArgs& a, const int8_t* x_tiles, const uint8_t* p
       const int np = static_cast<int>(std::min(kSuperPanels, count - s));
       for (int p = 0; p < np; ++p) {
         const int64_t tile_start = (s + p) / T * T;  // the panel's tile, of W panels
-        unpack_super_panel(part + tile_start * a.panel_bytes, std::min(T, tiled - tile_start), s + p - tile_start, G,
-                           codes.data() + p * panel_codes, d.data() + p * G * 16);
+        unpack_super_panel<BITS, SYM>(part + tile_start * a.panel_bytes, std::min(T, tiled - tile_start),
+                                      s + p - tile_start, G, codes.data() + p * panel_codes,
+                                      d.data() + p * 2 * G * 16, SYM ? nullptr : mins.data() + p * G * 128);
       }
       const int64_t n = (p0 + s) * kPanel, valid = std::min<int64_t>(kPanel, a.N - n - kPanel * (np - 1));
       for (int64_t m0 = pass; m0 < std::min(rows, pass + kRowsPerPass); m0 += kRowTile) {
-        if (np == 2) super_row_tile<2>(a, m0, x_tiles + m0 * K, codes.data(), panel_codes, d.data(), n, valid);
-        else super_row_tile<1>(a, m0, x_tiles + m0 * K, codes.data(), panel_codes, d.data(), n, valid);
+        const int8_t* const x = x_tiles + m0 * K;
+        if (np == 2) super_row_tile<SYM, 2>(a, m0, x, codes.data(), panel_codes, d.data(), mins.data(), n, valid);
+        else super_row_tile<SYM, 1>(a, m0, x, codes.data(), panel_codes, d.data(), mins.data(), n, valid);
       }
     }
   }
@@ -393,7 +432,7 @@ void panel_gemm(const PanelArgs& a, const uint8_t* weight, int64_t parts, int64_
     for (int64_t t = first; t < last; ++t) {
       if (t * per_part * kPanel >= a.N) continue;  // padding alone
       if constexpr (GROUPS == Groups::kSuper)
-        super_part_gemm(a, x_tiles.data(), weight + t * part_stride, t * per_part, per_part);
+        super_part_gemm<BITS, SYM>(a, x_tiles.data(), weight + t * part_stride, t * per_part, per_part);
       else part_gemm<BITS, GROUPS, SYM>(a, x_tiles.data(), weight + t * part_stride, t * per_part, per_part);
     }
   });
