@@ -129,9 +129,10 @@ class PanelArena:
     @classmethod
     def for_model(cls, weight_bytes: int, huge_pages: bool) -> PanelArena:
         """An arena for a model whose weights take about weight_bytes (as memory_fit counts them), in as many parts as
-        torch has threads. NOTE: the layout's half scale and offset per group take more bytes than a K-quant's (Q4_K:
-        5 bits a weight against the file's 4.5; Q5_K: 7 against 5.5), and an MoE layer's gate and up experts share
-        the wider one's codes: each region reserves a fourth more, and 64 MiB for the panels' padding rows."""
+        torch has threads. NOTE: a K-quant whose scales make no super-blocks keeps a half scale and offset per group,
+        more bytes than the file's (Q4_K: 5 bits a weight against 4.5; Q5_K: 6 against 5.5), and an MoE layer's gate
+        and up experts share the wider one's codes: each region reserves a fourth more, and 64 MiB for the panels'
+        padding rows."""
         parts = torch.get_num_threads()
         return cls(parts, weight_bytes * 5 // 4 // parts + (64 << 20), huge_pages)
 

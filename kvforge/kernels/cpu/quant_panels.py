@@ -27,6 +27,12 @@ the order the kernel reads them:
         columns, as GGUF's Q6_K stores them: G = K / 256, the last dimension SUPER_HEADER + 48 * 64):
         sc int8 [W, 16 sub-blocks, 16] | d float32 [W, 16] | per block b of the 8, [6, W, 64 bytes] as above
                       W[n, k] = (code[n, k] - 32) * sc[n, k // 16] * d[n, k // 256] (factor 1)
+        or super-blocks with mins (4- or 5-bit codes in groups of 32 whose scales are 6-bit sc times a half d and
+        whose zero * scale are 6-bit m times a half dmin per 256 columns, as GGUF's Q4_K and Q5_K store them:
+        G = K / 256, the last dimension MINS_HEADER + 8 * V * 64):
+        sc uint8 [W, 8 sub-blocks, 16] | m uint8 [W, 2 quads, 16 rows, 4 sub-blocks] | d half [W, 16] |
+        dmin half [W, 16] | per block b of the 8, [V, W, 64 bytes] as above
+                      W[n, k] = code[n, k] * sc[n, k // 32] * d[n, k // 256] - m[n, k // 32] * dmin[n, k // 256]
                    the parts may lie apart in memory (the first stride, a multiple of 64 bytes)
     factor   2^-e  one power of two per weight, that puts its largest scale or offset in [2^14, 2^15): no half is
                    subnormal or overflows
@@ -38,7 +44,12 @@ x is rounded to int8 per 32 columns in every layout but super-blocks; with group
 int32 sums per half block, each times its own scale, and the sum of x over a group (times its offset) is the half
 block's q times dx. In super-blocks x is rounded per 256 columns (as llama.cpp's K-quant dot products round it), and
 the kernel adds each sub-block's sum of (code - 32) * q times its sc in int32 over the super-block: one float
-multiply-add per super-block where half scales take sixteen, and 0.83 bytes a weight where they take 0.88.
+multiply-add per super-block where half scales take sixteen, and 0.83 bytes a weight where they take 0.88. With mins
+it adds each sub-block's sum of code * q times its sc, and each m times x's sum over the sub-block, in int32: two
+float multiply-adds per super-block where half scales and offsets take sixteen, and 0.58 bytes a 4-bit weight (GGUF's
+Q4_K: 0.5625) where they take 0.625, 0.70 a 5-bit one (Q5_K: 0.6875) where they take 0.75. The packer finds the
+super-blocks in any weight's scales and zero points (csrc/panel_pack.cpp); where some super-block has none, the
+weight keeps a half a group.
 
 One row of x reads each tile as one run of memory. Thread t multiplies part t, so the loader puts part t of every
 weight, one after another in the order the model calls them, into one region of memory (pack_panels writes it
@@ -73,7 +84,7 @@ SYMMETRIC_ZERO = {4: 8, 5: 16, 6: 32, 8: 128}  # the zero point of a weight whos
 SUPER_BLOCK = 256  # columns of a super-block: 16 groups of 16 whose scales are int8 times one float32
 SUPER_HEADER = 16 * PANEL_ROWS + 4 * PANEL_ROWS  # a panel's bytes of a super-block's int8 and float32 scales
 MINS_GROUP = 32  # columns of a sub-block of a super-block with mins (4- or 5-bit codes: GGUF's Q4_K, Q5_K)
-MINS_HEADER = 2 * 8 * PANEL_ROWS + 8 * PANEL_ROWS  # a panel's bytes of its 6-bit sc and m, float32 d and dmin
+MINS_HEADER = 2 * 8 * PANEL_ROWS + 4 * PANEL_ROWS  # a panel's bytes of its 6-bit sc and m, half d and dmin
 MINS_RANGE = range(63, 0, -1)  # candidates of a super-block's largest sc or m (GGUF's quantizers: 63 but with imatrix)
 MINS_TOLERANCE = 2.0**-20  # how near min / dmin comes to its integer m (csrc/panel_pack.cpp, kMinsTolerance)
 
@@ -126,16 +137,16 @@ def panel_part_bytes(num_rows: int, in_features: int, groups: int, bits: int, sy
     return (parts, per_part, groups, group_bytes), -(-per_part * groups * group_bytes // 64) * 64
 
 
-def _super_factor(values: torch.Tensor, ks: Sequence[int], low: int, high: int, tolerance: float
+def _super_factor(values: torch.Tensor, ks: Sequence[int], low: int, high: int, tolerance: float, half: bool
                   ) -> torch.Tensor | None:  # fmt: skip
     """Each super-block's factor f [..] of its values [.., n]: every v / f within tolerance * |v / f| of an integer q in
-    [low, high] (tolerance 0: q * f == v), f = largest / k for the first k of ks that fits (largest: the first largest
-    |v|, signed); 0 where every v is 0; None where some super-block has no such k (super_factor in
-    csrc/panel_pack.cpp, the same float32 operations)."""
+    [low, high] (tolerance 0: q * f == v), f = largest / k (half: rounded to a half) for the first k of ks that fits
+    (largest: the first largest |v|, signed); 0 where every v is 0; None where some super-block has no such k
+    (super_factor in csrc/panel_pack.cpp, the same float32 operations)."""
     largest = values.gather(-1, values.abs().argmax(dim=-1, keepdim=True))  # signed
     found = torch.zeros_like(largest)
     for k in ks:
-        factor = largest / k
+        factor = (largest / k).half().float() if half else largest / k
         ratio = torch.where(factor != 0, values / torch.where(factor != 0, factor, 1), 0)
         q = ratio.round()
         near = (q - ratio).abs() <= tolerance * ratio.abs()
@@ -151,7 +162,7 @@ def _super_scales(scales: torch.Tensor) -> torch.Tensor | None:
     or None where some super-block has none. GGUF's Q6_K makes its largest scale s's sc -128 (d = -s / 128, a
     half); a quantizer that gives it 127 is found too."""
     blocks = scales.float().reshape(scales.shape[0], -1, SUPER_BLOCK // HALF_BLOCK)
-    return _super_factor(blocks, (-128, 127), -128, 127, 0.0)
+    return _super_factor(blocks, (-128, 127), -128, 127, 0.0, half=False)
 
 
 def _scales_and_mins(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
@@ -165,12 +176,12 @@ def _scales_and_mins(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def _super_mins(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor | None:
-    """(d, dmin) [N, K / 256, 2] float32 with each group's scale d * sc and min dmin * m (_scales_and_mins) for sc, m
-    in [0, 63] in every super-block of 8 groups of 32 (GGUF's Q4_K and Q5_K), or None where some super-block has
-    none."""
+    """(d, dmin) [N, K / 256, 2] (halves, as float32) with each group's scale d * sc and min dmin * m
+    (_scales_and_mins) for sc, m in [0, 63] in every super-block of 8 groups of 32 (GGUF's Q4_K and Q5_K), or None
+    where some super-block has none."""
     found = [_super_factor(values.reshape(values.shape[0], -1, SUPER_BLOCK // MINS_GROUP), MINS_RANGE, 0, 63,
-                           tolerance) for values, tolerance in zip(_scales_and_mins(codes, scales, zeros),
-                                                               (0.0, MINS_TOLERANCE))]  # fmt: skip
+                           tolerance, half=True) for values, tolerance in zip(_scales_and_mins(codes, scales, zeros),
+                                                                              (0.0, MINS_TOLERANCE))]  # fmt: skip
     return None if any(f is None for f in found) else torch.stack(found, dim=-1)
 
 
@@ -178,7 +189,7 @@ def _super_blocks(codes: list[torch.Tensor], scales: list[torch.Tensor], zeros: 
                   bits: int, reference: bool = False) -> list[torch.Tensor] | None:  # fmt: skip
     """Each shard's super scales where its weight keeps them as super-blocks: 6-bit symmetric codes in groups of 16
     columns whose scales are int8 times a float32 a super-block (d [N_s, K / 256]), or 4- or 5-bit ones in groups of
-    32 with mins (d, dmin [N_s, K / 256, 2]); else None (csrc/panel_pack.cpp; reference: _super_scales,
+    32 with mins (half d, dmin [N_s, K / 256, 2]); else None (csrc/panel_pack.cpp; reference: _super_scales,
     _super_mins)."""
     in_features = codes[0].shape[1]
     group = HALF_BLOCK if symmetric else MINS_GROUP
@@ -260,7 +271,7 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
         grouped = factors.reshape(parts, per_part, PANEL_ROWS, layout_groups, -1).permute(0, 1, 3, 4, 2)
         return grouped.to(dtype).contiguous().view(torch.uint8).flatten(3)  # each panel's rows side by side
 
-    if supers and not symmetric:  # uint8 sc [8 sub-blocks, 16 rows], m [2 quads, 16 rows, 4], float32 d, dmin [16]
+    if supers and not symmetric:  # uint8 sc [8 sub-blocks, 16 rows], m [2 quads, 16 rows, 4], half d, dmin [16]
         factors = torch.nn.functional.pad(supers[0], (0, 0, 0, 0, 0, pad))  # [P * 16, G, 2]
         values = [torch.nn.functional.pad(v, (0, 0, 0, pad)).reshape(*factors.shape[:2], -1)
                   for v in _scales_and_mins(codes[:num_rows], scales[:num_rows], zeros.float())]
@@ -268,7 +279,7 @@ def pack_panels_ref(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
                  for v, f in zip(values, factors.unbind(-1)))
         quads = m.reshape(parts, per_part, PANEL_ROWS, layout_groups, 2, 4).permute(0, 1, 3, 4, 2, 5)
         stored = [side_by_side(sc, torch.uint8), quads.to(torch.uint8).flatten(3),
-                  *(side_by_side(f, torch.float32) for f in factors.unbind(-1))]
+                  *(side_by_side(f, torch.float16) for f in factors.unbind(-1))]
     elif supers:  # int8 [16 sub-blocks, 16 rows], then float32 [16 rows]
         d = torch.nn.functional.pad(supers[0], (0, 0, 0, pad))
         sc = torch.where(d[:, :, None] != 0, scales.reshape(d.shape[0], d.shape[1], -1) / d[:, :, None], 0)
@@ -312,15 +323,14 @@ def panel_rows(weight: torch.Tensor, factor: float, bits: int, ids: torch.Tensor
         return flat[parts[:, None, None], at[..., None] + torch.arange(2)].view(torch.float16)[..., 0].float()
 
     header = _header(weight, bits, in_features)
-    if header == MINS_HEADER:  # uint8 sc [8 sub-blocks, 16 rows], m [2 quads, 16 rows, 4], float32 d, dmin [16 rows]
+    if header == MINS_HEADER and bits != 6:  # uint8 sc [8 sub-blocks, 16 rows], m [2 quads, 16 rows, 4], half d, dmin
         subs = torch.arange(SUPER_BLOCK // MINS_GROUP)
         sc = flat[parts[:, None, None], (starts + 128 * places)[..., None] + 16 * subs + lanes[..., None]]
         m = flat[parts[:, None, None], (starts + 128 * (widths + places))[..., None] + 64 * (subs // 4) + subs % 4
                  + 4 * lanes[..., None]]  # fmt: skip
-        d, dmin = (flat[parts[:, None, None], (starts + 64 * (4 * widths + w + places) + 4 * lanes)[..., None]
-                        + torch.arange(4)].view(torch.float32) for w in (0, widths))  # fmt: skip
+        d, dmin = (halves(starts + 256 * widths + 32 * (w + places) + 2 * lanes)[..., None] for w in (0, widths))
         scales, offsets = (sc.float() * d).flatten(1), -(m.float() * dmin).flatten(1)  # [len, G * 8]
-    elif header == SUPER_HEADER:  # int8 [16 sub-blocks, 16 rows] a panel, then float32 [16 rows]
+    elif header == SUPER_HEADER:  # 6-bit codes: int8 [16 sub-blocks, 16 rows] a panel, then float32 [16 rows]
         subs = torch.arange(SUPER_BLOCK // HALF_BLOCK)
         sc = flat[parts[:, None, None], (starts + 256 * places)[..., None] + 16 * subs + lanes[..., None]]
         d = flat[parts[:, None, None], (starts + 256 * widths + 64 * places + 4 * lanes)[..., None] + torch.arange(4)]

@@ -13,9 +13,9 @@
 //   panel_super_scales: symmetric 6-bit codes, each shard's d float32 [N_s, K / 256] with its scales [N_s, K / 16] =
 //   d * sc exactly for int8 sc in every super-block of 16 of them, d = s / -128 or else s / 127 (s the super-block's
 //   first largest |scale|, signed; GGUF's Q6_K gives it sc -128); 4- or 5-bit codes with zero points in groups of 32,
-//   each shard's (d, dmin) float32 [N_s, K / 256, 2] with each group's scale d * sc and zero * scale dmin * m for
-//   sc, m in [0, 63] (scale_and_min, super_factor: GGUF's Q4_K and Q5_K); or no tensors where some super-block has
-//   none (_super_scales in quant_panels.py is the reference)
+//   each shard's (d, dmin) [N_s, K / 256, 2] (halves, as float32) with each group's scale d * sc and zero * scale
+//   dmin * m for sc, m in [0, 63] (scale_and_min, super_factor: GGUF's Q4_K and Q5_K); or no tensors where some
+//   super-block has none (_super_scales and _super_mins in quant_panels.py are the reference)
 #include "quant_panels.h"
 
 #include <algorithm>
@@ -121,18 +121,18 @@ int64_t checked_shards(std::vector<at::Tensor>& codes, std::vector<at::Tensor>& 
 }
 
 // A super-block's factor f of its `n` values v: each v / f within tolerance * |v / f| of an integer q in [lo, hi]
-// (q = round(v / f); tolerance 0: q * f == v), for f = largest / k of the first k of `ks` that fits, largest the first
-// of the largest |v| (signed); 0 where every v is 0, NaN where no k fits. (No product is added to anything: the
+// (q = round(v / f); tolerance 0: q * f == v), for f = largest / k (half: rounded to a half) of the first k of `ks`
+// that fits, largest the first of the largest |v| (signed); 0 where every v is 0, NaN where no k fits. (No product is added to anything: the
 // compiler has no multiply-add to contract, and the reference in torch ops gives the same f.)
 template <size_t KS>
 inline float super_factor(const float* v, int64_t n, const std::array<float, KS>& ks, float lo, float hi,
-                          float tolerance) {
+                          float tolerance, bool half) {
   float largest = 0.f;
   for (int64_t j = 0; j < n; ++j)
     if (std::fabs(v[j]) > std::fabs(largest)) largest = v[j];
   if (largest == 0.f) return 0.f;
   for (const float k : ks) {
-    const float factor = largest / k;
+    const float factor = half ? static_cast<float>(c10::Half(largest / k)) : largest / k;
     bool fits = factor != 0.f;
     for (int64_t j = 0; j < n && fits; ++j) {
       const float ratio = v[j] / factor, q = std::nearbyint(ratio);
@@ -148,9 +148,10 @@ inline float super_factor(const float* v, int64_t n, const std::array<float, KS>
 constexpr std::array<float, 2> kSymmetricRange = {-128.f, 127.f};
 
 // Super-blocks with mins: the candidates k of the largest 6-bit sc or m (GGUF's quantizers give 63 without an
-// importance matrix, and may give less with one), and how near min / dmin must come to an integer m (a min is the
-// weight's zero * scale, GGUF's dmin * m divided by the scale and multiplied back in float32, within 2^-22 of it: the
-// layout keeps m exact and dmin within 2^-20 of the file's, where half offsets round by 2^-11)
+// importance matrix, and may give less with one), and how near min / dmin must come to an integer m. d and dmin are
+// halves, as GGUF stores them: a scale d * sc is exact in float32, so d is found exactly; a min is the weight's
+// zero * scale, GGUF's dmin * m divided by the scale and multiplied back in float32, within 2^-22 of it, so
+// largest / k rounded to a half is the file's dmin, and min / dmin within 2^-20 of m
 constexpr std::array<float, 63> kMinsRange = [] {
   std::array<float, 63> ks{};
   for (int i = 0; i < 63; ++i) ks[i] = static_cast<float>(63 - i);
@@ -223,12 +224,12 @@ std::vector<at::Tensor> panel_super_scales(std::vector<at::Tensor> codes, std::v
       float scale[kSubBlocks], min[kSubBlocks];
       for (int64_t i = first; i < last && exact.load(std::memory_order_relaxed); ++i) {
         if (!mins) {
-          out[i] = super_factor(sc + i * subs, subs, kSymmetricRange, -128.f, 127.f, 0.f);
+          out[i] = super_factor(sc + i * subs, subs, kSymmetricRange, -128.f, 127.f, 0.f, false);
         } else {
           for (int64_t j = 0; j < subs; ++j)
             std::tie(scale[j], min[j]) = scale_and_min(c + (i * subs + j) * group, sc[i * subs + j], z[i * subs + j]);
-          out[2 * i] = super_factor(scale, subs, kMinsRange, 0.f, 63.f, 0.f);
-          out[2 * i + 1] = super_factor(min, subs, kMinsRange, 0.f, 63.f, kMinsTolerance);
+          out[2 * i] = super_factor(scale, subs, kMinsRange, 0.f, 63.f, 0.f, true);
+          out[2 * i + 1] = super_factor(min, subs, kMinsRange, 0.f, 63.f, kMinsTolerance, true);
         }
         if (std::isnan(out[(mins ? 2 : 1) * i]) || (mins && std::isnan(out[2 * i + 1]))) exact = false;
       }
@@ -324,7 +325,7 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
         }
       };
       // with mins: sc uint8 [w, 8 sub-blocks, 16 rows], m uint8 [w, 2 quads, 16 rows, 4 sub-blocks], then d and
-      // dmin float32 [w, 16 rows] each
+      // dmin half [w, 16 rows] each
       const auto mins_header = [&](int64_t g) {
         const auto sub_block = [&](int64_t n, int64_t sub, int64_t which) -> uint8_t {  // sc (which 0) or m (1)
           const RowSource& row = rows[n];
@@ -349,10 +350,10 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
             }
         dst += w * 2 * 64;
         for (int64_t which = 0; which < 2; ++which)
-          for (int64_t p = 0; p < w * kPanel; ++p, dst += 4) {
+          for (int64_t p = 0; p < w * kPanel; ++p, dst += 2) {
             const int64_t n = first_row + p;
-            const float factor = n < N ? rows[n].super_scale[2 * g + which] : 0.f;
-            std::memcpy(dst, &factor, 4);
+            const c10::Half factor(n < N ? rows[n].super_scale[2 * g + which] : 0.f);  // a half: super_factor
+            std::memcpy(dst, &factor, 2);
           }
       };
       for (int64_t g = 0; g < layout_groups; ++g) {

@@ -19,11 +19,14 @@
 //              g holds half of block g / 2, its vectors V/2 (g % 2) .. V/2 (g % 2) + V/2 - 1, [V/2, W, 64]
 //              or super-blocks (Groups::kSuper, 6-bit symmetric codes: G = K / 256, the last dimension
 //              kSuperHeader + 8 * 6 * 64): sc int8 [W, 16 sub-blocks, 16] | d float32 [W, 16] | 8 blocks' vectors
+//              or super-blocks with mins (Groups::kSuper, 4- or 5-bit codes: the last dimension kMinsHeader +
+//              8 * V * 64): sc uint8 [W, 8 sub-blocks, 16] | m uint8 [W, 2 quads, 16 rows, 4 sub-blocks] |
+//              d half [W, 16] | dmin half [W, 16] | 8 blocks' vectors
 //            the parts may lie apart (any stride between them, a multiple of 64 bytes); each part is contiguous
 //
 //   W[n, k] = (code[n, k] * scales[n, g] + offsets[n, g]) * factor,   factor = 2^-e
 //   (super-blocks: W[n, k] = (code[n, k] - 32) * sc[n, k / 16] * d[n, g] * factor, x rounded per 256 columns:
-//   super_tile)
+//   super_tile; with mins W[n, k] = code[n, k] * sc[n, k / 32] * d[n, g] - m[n, k / 32] * dmin[n, g]: mins_tile)
 //
 // x is rounded to int8 per 32 columns (dx = max |x| / 127, q = round(x / dx), as quant_gemv_int8.cpp), in its own
 // column order. One _mm512_dpbusd_epi32 multiplies 4 columns of all 16 rows by 4 broadcast bytes of q and adds them
@@ -200,10 +203,10 @@ void mins_tile(const PanelArgs& a, const uint8_t* tile, const uint8_t* ahead, in
       }
     }
     const uint8_t* const mins = group + subs * kPanel * W;  // [W, 2 quads, 64 bytes]
-    const float* const d = reinterpret_cast<const float*>(mins + subs * kPanel * W);  // [W, 16], then dmin [W, 16]
+    const uint8_t* const d = mins + subs * kPanel * W;  // half [W, 16], then dmin half [W, 16]
     for (int p = 0; p < NP; ++p) {
       const F::I quads[2] = {F::load_bytes(mins + 128 * (first + p)), F::load_bytes(mins + 128 * (first + p) + 64)};
-      const F::V scale = F::load(d + kPanel * (first + p)), min = F::load(d + kPanel * (W + first + p));
+      const F::V scale = load_halves(d + 32 * (first + p)), min = load_halves(d + 32 * (W + first + p));
       for (int m = 0; m < MT; ++m) {
         const F::I msum = min_sums(quads, xmin + (m * G + g) * 16);
         acc[m][p] = F::fma(F::to_float(msum), F::mul(min, F::set1(-dx[m * G + g])),

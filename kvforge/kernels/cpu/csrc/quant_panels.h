@@ -19,14 +19,14 @@ constexpr int64_t kPanel = 16;  // weight rows per panel: one int32 lane each of
 // How a layout groups its columns: into runs of whole 32-column blocks, half blocks (groups of 16 columns), or
 // super-blocks of 256 columns: symmetric, 6-bit codes whose 16 sub-blocks of 16 columns have an int8 scale per row
 // beside the super-block's float32 one (GGUF's Q6_K as it is stored); or with mins, 4- or 5-bit codes whose 8
-// sub-blocks of 32 columns have a 6-bit scale and a 6-bit min per row beside the super-block's float32 d and dmin
+// sub-blocks of 32 columns have a 6-bit scale and a 6-bit min per row beside the super-block's half d and dmin
 // (GGUF's Q4_K and Q5_K as they are stored).
 enum class Groups { kBlocks, kHalves, kSuper };
 
 constexpr int64_t kSuperCols = 256, kSubCols = 16, kSubBlocks = kSuperCols / kSubCols;
 constexpr int64_t kSuperHeader = kSubBlocks * kPanel + 4 * kPanel;  // a panel's int8 sub-block scales, float32 ones
-// with mins: sc uint8 [8 sub-blocks, 16 rows] | m uint8 [2 quads, 16 rows, 4 sub-blocks] | d, dmin float32 [16 rows]
-constexpr int64_t kMinsSubBlocks = kSuperCols / 32, kMinsHeader = 2 * kMinsSubBlocks * kPanel + 8 * kPanel;
+// with mins: sc uint8 [8 sub-blocks, 16 rows] | m uint8 [2 quads, 16 rows, 4 sub-blocks] | d, dmin half [16 rows]
+constexpr int64_t kMinsSubBlocks = kSuperCols / 32, kMinsHeader = 2 * kMinsSubBlocks * kPanel + 4 * kPanel;
 
 // A panel's bytes of a super-block's scales
 template <bool SYM>

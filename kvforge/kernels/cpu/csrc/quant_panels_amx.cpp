@@ -279,10 +279,12 @@ void unpack_super_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t G
   const int64_t group_bytes = W * (header + blocks * V * 64);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* const group = tile + g * group_bytes;
-    const float* const factors = reinterpret_cast<const float*>(group + (SYM ? subs : 2 * subs) * kPanel * W);
-    F::store(d + 16 * g, F::load(factors + kPanel * first));
-    if constexpr (!SYM) {
-      F::store(d + 16 * (G + g), F::load(factors + kPanel * (W + first)));
+    if constexpr (SYM) {
+      F::store(d + 16 * g, F::load(reinterpret_cast<const float*>(group + subs * kPanel * W) + kPanel * first));
+    } else {
+      const uint8_t* const halves = group + 2 * subs * kPanel * W;  // d [W, 16], then dmin [W, 16]
+      F::store(d + 16 * g, load_halves(halves + 32 * first));
+      F::store(d + 16 * (G + g), load_halves(halves + 32 * (W + first)));
       std::memcpy(mins + 128 * g, group + subs * kPanel * W + 128 * first, 128);
     }
     const auto sub_scales = [&](int64_t sub) {
