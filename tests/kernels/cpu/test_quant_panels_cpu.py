@@ -407,3 +407,18 @@ def test_k_quants_keep_their_sub_block_scales_and_mins(qtype: Q, num_rows: int, 
         assert (error <= _tolerance(int8_rows(rows, SUPER_BLOCK), magnitudes)).all(), error.max().item()
     alone = torch.cat([panel_linear(row[None], packed, factor, bits, num_rows) for row in x])
     assert torch.equal(panel_linear(x, packed, factor, bits, num_rows), alone)
+
+
+def test_k_quant_scales_that_make_no_super_block_keep_half_scales() -> None:
+    """A Q4_K weight one of whose scales is no longer d times an integer (one float32 ulp off) keeps a half scale and
+    offset a group of 32, and still multiplies as the weight."""
+    data = random_blocks(np.random.default_rng(5), Q.Q4_K, (33, 512))
+    weight = decode_blocks(data, Q.Q4_K, (33, 512))
+    weight.scales[7, 11] = torch.nextafter(weight.scales[7, 11], torch.tensor(1.0))
+    packed, factor = pack_panels(weight.codes, weight.scales, weight.zeros, 4)
+    assert packed.shape[2:] == (16, 64 + 4 * 2 * 32)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    reference = int8_rows(x).double() @ weight.dequantize().double().t()
+    magnitudes = QuantizedWeight(weight.codes, weight.scales.abs(), weight.zeros, 4)
+    assert ((panel_linear(x, packed, factor, 4, 33).double() - reference).abs()
+            <= _tolerance(int8_rows(x), magnitudes, "panels")).all()

@@ -90,10 +90,11 @@ std::vector<RowSource> row_sources(const std::vector<at::Tensor>& codes, const s
   std::vector<RowSource> rows;
   for (size_t s = 0; s < codes.size(); ++s) {
     const int64_t n = codes[s].size(0), groups = scales[s].size(1);
+    const float* const supers = super_scales.empty() ? nullptr : super_scales[s].data_ptr<float>();
     for (int64_t r = 0; r < n; ++r)
       rows.push_back({codes[s].data_ptr<uint8_t>() + r * K, scales[s].data_ptr<float>() + r * groups,
                       zeros[s].data_ptr<float>() + r * groups, G / groups,
-                      super_scales.empty() ? nullptr : super_scales[s].data_ptr<float>() + r * super_scales[s].stride(0)});
+                      supers == nullptr ? nullptr : supers + r * super_scales[s].stride(0)});
   }
   return rows;
 }
@@ -122,8 +123,9 @@ int64_t checked_shards(std::vector<at::Tensor>& codes, std::vector<at::Tensor>& 
 
 // A super-block's factor f of its `n` values v: each v / f within tolerance * |v / f| of an integer q in [lo, hi]
 // (q = round(v / f); tolerance 0: q * f == v), for f = largest / k (half: rounded to a half) of the first k of `ks`
-// that fits, largest the first of the largest |v| (signed); 0 where every v is 0, NaN where no k fits. (No product is added to anything: the
-// compiler has no multiply-add to contract, and the reference in torch ops gives the same f.)
+// that fits, largest the first of the largest |v| (signed); 0 where every v is 0, NaN where no k fits. (No product
+// is added to anything: the compiler has no multiply-add to contract, and the reference in torch ops gives the same
+// f.)
 template <size_t KS>
 inline float super_factor(const float* v, int64_t n, const std::array<float, KS>& ks, float lo, float hi,
                           float tolerance, bool half) {

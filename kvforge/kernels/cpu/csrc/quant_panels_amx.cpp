@@ -234,11 +234,11 @@ void part_gemm(const PanelArgs& a, const int8_t* x_tiles, const uint8_t* part, i
 // for 6-bit symmetric codes, 0 for 4- and 5-bit ones with mins), an integer of up to 13 bits cut into two int8 tiles,
 // w = 64 hi + lo (lo in [0, 64)), so two _tile_dpbssd of the full depth (64 columns) make 64 * C(hi) + C(lo), the
 // exact int32 sum of the VNNI loop; C accumulates over a super-block's four chunks of 64 columns, and the float work,
-// one vector a row of x and panel, is the VNNI loop's, once per super-block (mins: msum the VNNI loop's two vpdpbusd
-// a half of the rows' m against x's sub-block sums):
+// one vector a row of x and panel, is the VNNI loop's, once per super-block (with mins, msum of min_sums: the rows' m
+// against x's sub-block sums, as the VNNI loop makes it):
 //
 //   acc[m] = fma(float(64 C(hi)[m] + C(lo)[m]), d[g] * dx[m, g], acc[m])
-//   mins:    acc[m] = fma(float(msum[m]), dmin[g] * -dx[m, g], fma(float(64 C(hi)[m] + C(lo)[m]), d[g] * dx[m, g], acc[m]))
+//   acc[m] = fma(float(msum[m]), dmin[g] * -dx[m, g], acc[m])                  then, with mins
 //
 //   codes   int8 [K / 64 chunks, hi | lo, 16 rows of 64 bytes (4 columns of the 16 weight rows)]    a panel's
 //   d       float [G, 16], then (mins) dmin float [G, 16]
@@ -310,7 +310,8 @@ void unpack_super_panel(const uint8_t* tile, int64_t W, int64_t first, int64_t G
         }
       } else {
         const F::I sc = sub_scales(b);
-        nibble_codes<BITS>(vectors, 64 * W, [&](int j, F::I low, F::I high) { store(8 * (b % 2) + 2 * j, sc, low, high); });
+        nibble_codes<BITS>(vectors, 64 * W,
+                           [&](int j, F::I low, F::I high) { store(8 * (b % 2) + 2 * j, sc, low, high); });
       }
     }
   }
