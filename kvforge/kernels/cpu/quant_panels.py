@@ -85,7 +85,7 @@ SUPER_BLOCK = 256  # columns of a super-block: 16 groups of 16 whose scales are 
 SUPER_HEADER = 16 * PANEL_ROWS + 4 * PANEL_ROWS  # a panel's bytes of a super-block's int8 and float32 scales
 MINS_GROUP = 32  # columns of a sub-block of a super-block with mins (4- or 5-bit codes: GGUF's Q4_K, Q5_K)
 MINS_HEADER = 2 * 8 * PANEL_ROWS + 4 * PANEL_ROWS  # a panel's bytes of its 6-bit sc and m, half d and dmin
-MINS_RANGE = range(63, 0, -1)  # candidates of a super-block's largest sc or m (GGUF's quantizers: 63 but with imatrix)
+MINS_RANGE = range(63, 0, -1)  # candidates of a super-block's largest sc or m (63 from GGUF's quantizers, or less)
 MINS_TOLERANCE = 2.0**-20  # how near min / dmin comes to its integer m (csrc/panel_pack.cpp, kMinsTolerance)
 
 
