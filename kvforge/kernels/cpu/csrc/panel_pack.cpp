@@ -53,26 +53,32 @@ inline Lane lane_of(int64_t u, int64_t bits) {
   return {Lane::kNibbles, 8 * u};
 }
 
+inline uint32_t word_at(const uint8_t* c) {
+  uint32_t word;
+  std::memcpy(&word, c, 4);
+  return word;
+}
+
+// (4 bytes at a time, byte i of a word the code at c + i: a shift by 4 moves no bit that the mask after it keeps
+// into another byte)
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "lane_bytes reads 4 codes as one little-endian word");
 inline void lane_bytes(const uint8_t* c, Lane::Kind kind, uint8_t* out) {
+  uint32_t word = 0;
   switch (kind) {
     case Lane::kBytes:
-      std::memcpy(out, c, 4);
-      return;
-    case Lane::kNibbles:
-      for (int64_t i = 0; i < 4; ++i) out[i] = (c[i] & 15) | (c[i + 4] & 15) << 4;
-      return;
-    case Lane::kTwoTopBits:
-      for (int64_t i = 0; i < 4; ++i)
-        out[i] = (c[i] >> 4) | (c[i + 4] >> 4) << 2 | (c[i + 8] >> 4) << 4 | (c[i + 12] >> 4) << 6;
-      return;
-    case Lane::kFifthBits:
-      for (int64_t i = 0; i < 4; ++i) {
-        uint8_t byte = 0;
-        for (int64_t s = 0; s < 8; ++s) byte |= ((c[4 * s + i] >> 4) & 1) << s;
-        out[i] = byte;
-      }
-      return;
+      word = word_at(c);
+      break;
+    case Lane::kNibbles:  // byte i: c[i] & 15 | (c[i + 4] & 15) << 4
+      word = (word_at(c) & 0x0F0F0F0Fu) | (word_at(c + 4) & 0x0F0F0F0Fu) << 4;
+      break;
+    case Lane::kTwoTopBits:  // byte i, bits 2k, 2k + 1: bits 4-5 of c[i + 4k]
+      for (int64_t k = 0; k < 4; ++k) word |= (word_at(c + 4 * k) >> 4 & 0x03030303u) << (2 * k);
+      break;
+    case Lane::kFifthBits:  // byte i, bit s: bit 4 of c[4s + i]
+      for (int64_t s = 0; s < 8; ++s) word |= (word_at(c + 4 * s) >> 4 & 0x01010101u) << s;
+      break;
   }
+  std::memcpy(out, &word, 4);
 }
 
 // Where each row of the stacked shards lies: its codes, scales and zeros, and how many of the weight's groups each
@@ -318,7 +324,7 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
               const int64_t n = first_row + p * kPanel + r;
               const float d = n < N ? rows[n].super_scale[g] : 0.f;
               *dst = d == 0.f ? 0 : static_cast<uint8_t>(static_cast<int8_t>(
-                                        std::lrint(rows[n].scales[g * kSubBlocks + sub] / d)));
+                                        std::nearbyint(rows[n].scales[g * kSubBlocks + sub] / d)));
             }
         for (int64_t p = 0; p < w * kPanel; ++p, dst += 4) {
           const int64_t n = first_row + p;
@@ -336,7 +342,7 @@ void pack_panels(std::vector<at::Tensor> codes, std::vector<at::Tensor> scales, 
           const std::pair<float, float> scale_min = scale_and_min(row.codes + 32 * group, row.scales[group],
                                                                   row.zeros[group]);
           const float value = which == 0 ? scale_min.first : scale_min.second;
-          return factor == 0.f ? 0 : static_cast<uint8_t>(std::lrint(value / factor));
+          return factor == 0.f ? 0 : static_cast<uint8_t>(std::nearbyint(value / factor));
         };
         for (int64_t p = 0; p < w; ++p)
           for (int64_t sub = 0; sub < kMinsSubBlocks; ++sub)
